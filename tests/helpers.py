@@ -1,0 +1,59 @@
+"""Shared test inputs and the one table of tolerances per dtype."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import linattn_jax as la
+
+# Forward outputs, compared with the float32 reference on the same (rounded) inputs.
+# float32: sums are reordered (chunks, scans), so a few ulps of the largest term.
+# bfloat16: the output is rounded to 8 bits of mantissa (relative 2^-8 = 4e-3).
+TOLERANCES = {
+    jnp.dtype(jnp.float32): dict(atol=2e-5, rtol=2e-5),
+    jnp.dtype(jnp.bfloat16): dict(atol=1e-2, rtol=1e-2),
+}
+# Gradients accumulate over the sequence twice (forward and reverse), float32 only.
+GRAD_TOLERANCE = dict(atol=1e-4, rtol=1e-4)
+
+
+def tol(dtype) -> dict:
+    return TOLERANCES[jnp.dtype(dtype)]
+
+
+def qkv(seed: int, b: int, t: int, h: int, d: int, dv: int, s: int | None = None,
+        dtype=jnp.float32):
+    """Random q ``[b,t,h,d]``, k ``[b,s,h,d]``, v ``[b,s,h,dv]`` (s defaults to t)."""
+    s = t if s is None else s
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(kq, (b, t, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (b, s, h, dv), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+def random_state(seed: int, b: int, h: int, f: int, dv: int) -> la.LinearAttentionState:
+    """A non-trivial state with a positive denominator (as positive feature maps give)."""
+    ks, kz = jax.random.split(jax.random.PRNGKey(seed))
+    return la.LinearAttentionState(
+        s=jax.random.normal(ks, (b, h, f, dv), jnp.float32),
+        z=jax.random.uniform(kz, (b, h, f), jnp.float32, 0.5, 2.0),
+    )
+
+
+def key_mask(seed: int, b: int, s: int, p: float = 0.75):
+    """Random bool ``[b, s]`` with at least the first key kept."""
+    m = jax.random.bernoulli(jax.random.PRNGKey(seed), p, (b, s))
+    return m.at[:, 0].set(True)
+
+
+def gate(seed: int, b: int, t: int, h: int):
+    """Log-decay ``[b, t, h]`` in (-inf, 0)."""
+    return -jax.nn.softplus(jax.random.normal(jax.random.PRNGKey(seed), (b, t, h)))
+
+
+def segment_ids(seed: int, b: int, t: int, p: float = 0.15):
+    """Non-decreasing int32 ids ``[b, t]``: a new segment starts with probability p."""
+    starts = jax.random.bernoulli(jax.random.PRNGKey(seed), p, (b, t))
+    return jnp.cumsum(starts, axis=1).astype(jnp.int32)
