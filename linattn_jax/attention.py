@@ -19,7 +19,7 @@ all keys. The causal forms share one recurrence and differ in how they run it:
 
 Internally ``Z`` is carried as one extra column of ``S`` (values augmented by a
 column of ones), so numerator and denominator come out of the same matmuls.
-States and sums are float32 whatever the input dtype.
+States and sums are float32 whatever the input dtype (float64 for float64 inputs).
 
 Memory: the scan and chunked forms are differentiated by a ``custom_vjp`` that
 stores only the state at each chunk boundary and recomputes the inside of a
@@ -45,7 +45,7 @@ METHODS = ("chunked", "scan", "quadratic")
 
 
 class LinearAttentionState(NamedTuple):
-    """The recurrent state of causal linear attention, always float32.
+    """The recurrent state of causal linear attention, float32 (float64 for float64 inputs).
 
     Attributes:
       s: ``[b, h, f, v]``, the running sum of ``a * phi(k) v^T``.
@@ -110,6 +110,7 @@ def linear_attention(
     """
     b, t, h, _ = _check_qkv(q, k, v, causal=False)
     phi_q, phi_k, v32 = _features(q, k, v, feature_map, key_mask)
+    dtype = phi_q.dtype
     if segment_ids is None:
         s = jnp.einsum("bhsf,bhsv->bhfv", phi_k, _augment(v32))
         out = jnp.einsum("bhtf,bhfv->bhtv", phi_q, s)
@@ -119,12 +120,12 @@ def linear_attention(
                 f"segment_ids needs self-attention (query length == key length), got q "
                 f"{q.shape} and k {k.shape}"
             )
-        resets = _segment_resets(segment_ids, b, t, "segment_ids")
+        resets = _segment_resets(segment_ids, b, t, dtype)
         # Block-diagonal attention in linear time: an inclusive causal pass plus
         # a strictly-causal pass over the reversed sequence.
         flip = functools.partial(jnp.flip, axis=2)
         fwd, _ = _chunked(phi_q, phi_k, v32, None, resets, None, 64, include_diagonal=True)
-        rev_resets = _segment_resets(jnp.flip(segment_ids, 1), b, t, "segment_ids")
+        rev_resets = _segment_resets(jnp.flip(segment_ids, 1), b, t, dtype)
         bwd, _ = _chunked(flip(phi_q), flip(phi_k), flip(v32), None, rev_resets, None, 64,
                           include_diagonal=False)
         out = fwd + flip(bwd)
@@ -188,10 +189,10 @@ def causal_linear_attention(
             or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     phi_q, phi_k, v32 = _features(q, k, v, feature_map, key_mask)
-    f, dv = phi_q.shape[-1], v.shape[-1]
-    log_decay = _log_decay(decay, gate, b, t, h)
-    resets = None if segment_ids is None else _segment_resets(segment_ids, b, t, "segment_ids")
-    state = _state_in(initial_state, b, h, f, dv)
+    f, dv, dtype = phi_q.shape[-1], v.shape[-1], phi_q.dtype
+    log_decay = _log_decay(decay, gate, b, t, h, dtype)
+    resets = None if segment_ids is None else _segment_resets(segment_ids, b, t, dtype)
+    state = _state_in(initial_state, b, h, f, dv, dtype)
     if method == "quadratic":
         x = (phi_q, phi_k, _augment(v32), log_decay, resets)
         state, out = _chunk_body(True, state, x)
@@ -249,8 +250,8 @@ def causal_linear_attention_step(
     if gate is not None:
         _check_shape("gate", gate, (b, h), "[batch, heads]")
         gate = gate[:, None]
-    log_decay = _log_decay(decay, gate, b, 1, h)
-    s = _state_in(state, b, h, phi_q.shape[-1], v.shape[-1])
+    log_decay = _log_decay(decay, gate, b, 1, h, phi_q.dtype)
+    s = _state_in(state, b, h, phi_q.shape[-1], v.shape[-1], phi_q.dtype)
     a = None if log_decay is None else jnp.exp(log_decay[..., 0])
     s, out = _recurrent_step(s, (phi_q[:, :, 0], phi_k[:, :, 0], _augment(v32)[:, :, 0], a))
     out = _finish(out[:, :, None], normalize, eps, v.dtype)[:, 0]
@@ -287,7 +288,7 @@ def _chunk_body(include_diagonal: bool, state: Array, x: _Inputs) -> tuple[Array
         q_in, k_out, carried = q, k, state
     else:
         # Cumulative log-decay inside the chunk; exp(G_i - G_j) <= 1 for j <= i.
-        cum = jnp.zeros(q.shape[:-1], jnp.float32) if g is None else jnp.cumsum(g, axis=-1)
+        cum = jnp.zeros(q.shape[:-1], q.dtype) if g is None else jnp.cumsum(g, axis=-1)
         alive = jnp.ones((1, 1, c), bool)  # no reset since the chunk began
         if r is not None:
             run = jnp.cumsum(r, axis=-1)
@@ -321,7 +322,7 @@ def _scan_body(include_diagonal: bool, state: Array, x: _Inputs) -> tuple[Array,
     q, k, v, g, r = x
     a = None
     if g is not None or r is not None:
-        a = jnp.exp(g) if g is not None else jnp.ones(q.shape[:-1], jnp.float32)
+        a = jnp.exp(g) if g is not None else jnp.ones(q.shape[:-1], q.dtype)
         if r is not None:
             a = a * (1.0 - r)
     seq = functools.partial(jnp.moveaxis, source=2, destination=0)
@@ -349,7 +350,7 @@ def _chunked(
     b, h, t, f = phi_q.shape
     v = _augment(v)
     if state is None:
-        state = jnp.zeros((b, h, f, v.shape[-1]), jnp.float32)
+        state = jnp.zeros((b, h, f, v.shape[-1]), v.dtype)
     c = min(chunk_size, t)
     n = -(-t // c)
     pad = n * c - t
@@ -410,7 +411,7 @@ _scan_chunks.defvjp(_scan_chunks_fwd, _scan_chunks_bwd)
 
 
 def _features(q, k, v, feature_map, key_mask):
-    """phi(q), phi(k) as float32 ``[b, h, t, f]``, v as float32 ``[b, h, s, v]``."""
+    """phi(q), phi(k) as ``[b, h, t, f]`` and v as ``[b, h, s, v]``, all float32 (or float64)."""
     phi = feature_maps.get(feature_map)
     phi_q, phi_k = phi(q), phi(k)
     for name, x, y in [("phi(q)", phi_q, q), ("phi(k)", phi_k, k)]:
@@ -423,7 +424,8 @@ def _features(q, k, v, feature_map, key_mask):
         raise ValueError(
             f"feature_map gave different feature dims for q and k: {phi_q.shape} vs {phi_k.shape}"
         )
-    phi_q, phi_k = phi_q.astype(jnp.float32), phi_k.astype(jnp.float32)
+    dtype = feature_maps.accumulation_dtype(q.dtype)
+    phi_q, phi_k = phi_q.astype(dtype), phi_k.astype(dtype)
     if key_mask is not None:
         b, s = k.shape[:2]
         _check_shape("key_mask", key_mask, (b, s), "[batch, key_length]")
@@ -431,7 +433,7 @@ def _features(q, k, v, feature_map, key_mask):
             raise ValueError(f"key_mask must be bool (True = real token), got {key_mask.dtype}")
         phi_k = jnp.where(key_mask[:, :, None, None], phi_k, 0.0)
     heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
-    return heads_first(phi_q), heads_first(phi_k), heads_first(v.astype(jnp.float32))
+    return heads_first(phi_q), heads_first(phi_k), heads_first(v.astype(dtype))
 
 
 def _augment(v: Array) -> Array:
@@ -447,25 +449,25 @@ def _finish(out: Array, normalize: bool, eps: float, dtype) -> Array:
     return jnp.swapaxes(num, 1, 2).astype(dtype)
 
 
-def _state_in(state: LinearAttentionState | None, b: int, h: int, f: int, dv: int):
-    """A user's state as the internal ``[b, h, f, v+1]`` float32 array (zeros if None)."""
+def _state_in(state: LinearAttentionState | None, b: int, h: int, f: int, dv: int, dtype):
+    """A user's state as the internal ``[b, h, f, v+1]`` array in ``dtype`` (zeros if None)."""
     if state is None:
-        return jnp.zeros((b, h, f, dv + 1), jnp.float32)
+        return jnp.zeros((b, h, f, dv + 1), dtype)
     if not isinstance(state, LinearAttentionState):
         raise ValueError(f"state must be a LinearAttentionState, got {type(state).__name__}")
     _check_shape("state.s", state.s, (b, h, f, dv), "[batch, heads, feature_dim, value_dim]")
     _check_shape("state.z", state.z, (b, h, f), "[batch, heads, feature_dim]")
-    s, z = state.s.astype(jnp.float32), state.z.astype(jnp.float32)
+    s, z = state.s.astype(dtype), state.z.astype(dtype)
     return jnp.concatenate([s, z[..., None]], axis=-1)
 
 
-def _log_decay(decay, gate, b: int, t: int, h: int) -> Array | None:
-    """``log(decay)`` + ``gate`` as float32 ``[b, h, t]``, or None when neither is given."""
+def _log_decay(decay, gate, b: int, t: int, h: int, dtype) -> Array | None:
+    """``log(decay)`` + ``gate`` as ``[b, h, t]`` in ``dtype``, or None when neither is given."""
     if decay is None and gate is None:
         return None
-    total = jnp.zeros((b, h, t), jnp.float32)
+    total = jnp.zeros((b, h, t), dtype)
     if decay is not None:
-        decay = jnp.asarray(decay, jnp.float32)
+        decay = jnp.asarray(decay).astype(dtype)
         if decay.shape not in ((), (h,)):
             raise ValueError(f"decay must be a scalar or [heads]=({h},), got shape {decay.shape}")
         if not isinstance(decay, jax.core.Tracer):
@@ -475,18 +477,18 @@ def _log_decay(decay, gate, b: int, t: int, h: int) -> Array | None:
         total = total + jnp.log(jnp.broadcast_to(decay, (h,)))[None, :, None]
     if gate is not None:
         _check_shape("gate", gate, (b, t, h), "[batch, length, heads]")
-        total = total + jnp.swapaxes(gate.astype(jnp.float32), 1, 2)
+        total = total + jnp.swapaxes(gate.astype(dtype), 1, 2)
     return total
 
 
-def _segment_resets(segment_ids, b: int, t: int, name: str) -> Array:
+def _segment_resets(segment_ids, b: int, t: int, dtype) -> Array:
     """1.0 at tokens whose id differs from the previous token's, as ``[b, 1, t]``."""
-    _check_shape(name, segment_ids, (b, t), "[batch, length]")
+    _check_shape("segment_ids", segment_ids, (b, t), "[batch, length]")
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-        raise ValueError(f"{name} must be integers, got {segment_ids.dtype}")
+        raise ValueError(f"segment_ids must be integers, got {segment_ids.dtype}")
     change = segment_ids[:, 1:] != segment_ids[:, :-1]
     change = jnp.concatenate([jnp.zeros((b, 1), bool), change], axis=1)
-    return change.astype(jnp.float32)[:, None, :]
+    return change.astype(dtype)[:, None, :]
 
 
 def _check_rank(name: str, x, rank: int, layout: str) -> None:

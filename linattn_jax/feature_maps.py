@@ -1,8 +1,8 @@
 """Feature maps phi: ``[..., d] -> [..., f]`` and the registry that names them.
 
 The kernel of linear attention is ``k(q, k) = phi(q) . phi(k)``. Every map here
-computes in float32 whatever its input dtype (exp-based maps overflow in
-bfloat16 otherwise). A map is any callable; the registry only gives names to
+computes in float32 (float64 for float64 inputs) whatever its input dtype:
+exp-based maps overflow in bfloat16 otherwise. A map is any callable; the registry only gives names to
 the parameter-free ones, so that configs can say ``feature_map="elu"``.
 """
 
@@ -50,6 +50,16 @@ def get(feature_map: str | FeatureMap) -> FeatureMap:
     )
 
 
+def accumulation_dtype(dtype) -> jnp.dtype:
+    """float64 for float64 inputs, else float32: features, sums and states never go lower."""
+    return jnp.dtype(jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32)
+
+
+def upcast(x: jax.Array) -> jax.Array:
+    """``x`` in its ``accumulation_dtype``."""
+    return x.astype(accumulation_dtype(x.dtype))
+
+
 @register("elu")
 def elu(x: jax.Array) -> jax.Array:
     """``elu(x) + 1`` (Katharopoulos et al. 2020, "Transformers are RNNs"). f = d, positive.
@@ -57,17 +67,17 @@ def elu(x: jax.Array) -> jax.Array:
     Written as ``where(x > 0, x + 1, exp(min(x, 0)))``: the same function, but
     XLA on CPU then avoids recomputing ``expm1`` inside fusions (2x faster).
     """
-    x = x.astype(jnp.float32)
+    x = upcast(x)
     return jnp.where(x > 0, x + 1.0, jnp.exp(jnp.minimum(x, 0.0)))
 
 
 @register("relu")
 def relu(x: jax.Array) -> jax.Array:
     """``max(x, 0)``. f = d, non-negative (a query can have a zero denominator)."""
-    return jax.nn.relu(x.astype(jnp.float32))
+    return jax.nn.relu(upcast(x))
 
 
 @register("identity")
 def identity(x: jax.Array) -> jax.Array:
     """``x`` itself: the plain (unnormalised) linear kernel ``q . k``. f = d, signed."""
-    return x.astype(jnp.float32)
+    return upcast(x)

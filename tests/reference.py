@@ -63,7 +63,7 @@ def reference_attention(
         from_start = jnp.exp(jnp.einsum("il,bhl->bhi", (i[None, :] <= i[:, None]).astype(
             jnp.float32), g))
         if segment_ids is not None:
-            from_start = from_start * _same_run(segment_ids, t)[:, None, :, 0]
+            from_start = jnp.where(_same_run(segment_ids, t)[:, None, :, 0], from_start, 0.0)
     weights = jnp.where(allowed, weights, 0.0)
     num = jnp.einsum("bhts,bshv->bhtv", weights, v)
     den = jnp.sum(weights, axis=-1)
