@@ -58,8 +58,12 @@ class LinearAttentionState(NamedTuple):
 
 def init_state(batch: int, heads: int, feature_dim: int, value_dim: int) -> LinearAttentionState:
     """The empty state: ``s`` zeros ``[batch, heads, feature_dim, value_dim]``, ``z`` zeros."""
-    for name, n in [("batch", batch), ("heads", heads), ("feature_dim", feature_dim),
-                    ("value_dim", value_dim)]:
+    for name, n in [
+        ("batch", batch),
+        ("heads", heads),
+        ("feature_dim", feature_dim),
+        ("value_dim", value_dim),
+    ]:
         if not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"{name} must be a positive int, got {n!r}")
     return LinearAttentionState(
@@ -126,8 +130,9 @@ def linear_attention(
         flip = functools.partial(jnp.flip, axis=2)
         fwd, _ = _chunked(phi_q, phi_k, v32, None, resets, None, 64, include_diagonal=True)
         rev_resets = _segment_resets(jnp.flip(segment_ids, 1), b, t, dtype)
-        bwd, _ = _chunked(flip(phi_q), flip(phi_k), flip(v32), None, rev_resets, None, 64,
-                          include_diagonal=False)
+        bwd, _ = _chunked(
+            flip(phi_q), flip(phi_k), flip(v32), None, rev_resets, None, 64, include_diagonal=False
+        )
         out = fwd + flip(bwd)
     return _finish(out, normalize, eps, v.dtype)
 
@@ -185,8 +190,11 @@ def causal_linear_attention(
     b, t, h, _ = _check_qkv(q, k, v, causal=True)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool) \
-            or chunk_size < 1:
+    if (
+        not isinstance(chunk_size, (int, np.integer))
+        or isinstance(chunk_size, bool)
+        or chunk_size < 1
+    ):
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     phi_q, phi_k, v32 = _features(q, k, v, feature_map, key_mask)
     f, dv, dtype = phi_q.shape[-1], v.shape[-1], phi_q.dtype
@@ -198,8 +206,17 @@ def causal_linear_attention(
         state, out = _chunk_body(True, state, x)
     else:
         body = _scan_body if method == "scan" else None
-        out, state = _chunked(phi_q, phi_k, v32, log_decay, resets, state, chunk_size,
-                              include_diagonal=True, body=body)
+        out, state = _chunked(
+            phi_q,
+            phi_k,
+            v32,
+            log_decay,
+            resets,
+            state,
+            chunk_size,
+            include_diagonal=True,
+            body=body,
+        )
     out = _finish(out, normalize, eps, v.dtype)
     if return_state:
         return out, LinearAttentionState(s=state[..., :-1], z=state[..., -1])
@@ -326,9 +343,52 @@ def _scan_body(include_diagonal: bool, state: Array, x: _Inputs) -> tuple[Array,
         if r is not None:
             a = a * (1.0 - r)
     seq = functools.partial(jnp.moveaxis, source=2, destination=0)
-    xs = (seq(q), seq(k), seq(v), None if a is None else seq(a))
-    state, out = jax.lax.scan(_recurrent_step, state, xs)
+    state, out = _token_scan(state, seq(q), seq(k), seq(v), None if a is None else seq(a))
     return state, jnp.moveaxis(out, 0, 2)
+
+
+@jax.custom_vjp
+def _token_scan(state, q, k, v, a):
+    """``lax.scan(_recurrent_step)`` over a block of tokens, ``[c, b, h, .]`` inputs.
+
+    Its gradient is a hand-written reverse scan over the block's states (stored
+    while the block is recomputed): autodiff of the scan is many times slower.
+    """
+    return jax.lax.scan(_recurrent_step, state, (q, k, v, a))
+
+
+def _token_scan_fwd(state, q, k, v, a):
+    def step(s, x):
+        s_next, out = _recurrent_step(s, x)
+        return s_next, (out, s_next)
+
+    final, (out, after) = jax.lax.scan(step, state, (q, k, v, a))
+    return (final, out), (state, after, q, k, v, a)
+
+
+def _token_scan_bwd(residuals, cotangents):
+    state, after, q, k, v, a = residuals
+    d_final, d_out = cotangents
+    # The state before token i, needed only for the decay's gradient.
+    before = None if a is None else jnp.concatenate([state[None], after[:-1]], axis=0)
+
+    def step(d_s, x):
+        # d_s: the cotangent of S_i from later tokens; S_i = a_i S_{i-1} + k_i v_i^T.
+        s_i, s_prev, qi, ki, vi, ai, d_oi = x
+        d_s = d_s + qi[..., :, None] * d_oi[..., None, :]
+        d_q = jnp.einsum("bhfv,bhv->bhf", s_i, d_oi)
+        d_k = jnp.einsum("bhfv,bhv->bhf", d_s, vi)
+        d_v = jnp.einsum("bhfv,bhf->bhv", d_s, ki)
+        if ai is None:
+            return d_s, (d_q, d_k, d_v, None)
+        d_a = jnp.einsum("bhfv,bhfv->bh", d_s, s_prev)
+        return ai[..., None, None] * d_s, (d_q, d_k, d_v, d_a)
+
+    d_state, d_xs = jax.lax.scan(step, d_final, (after, before, q, k, v, a, d_out), reverse=True)
+    return (d_state, *d_xs)
+
+
+_token_scan.defvjp(_token_scan_fwd, _token_scan_bwd)
 
 
 def _chunked(

@@ -45,9 +45,7 @@ def get(feature_map: str | FeatureMap) -> FeatureMap:
         return feature_map
     if isinstance(feature_map, str) and feature_map in _REGISTRY:
         return _REGISTRY[feature_map]
-    raise ValueError(
-        f"feature_map must be one of {names()} or a callable, got {feature_map!r}"
-    )
+    raise ValueError(f"feature_map must be one of {names()} or a callable, got {feature_map!r}")
 
 
 def accumulation_dtype(dtype) -> jnp.dtype:

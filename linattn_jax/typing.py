@@ -13,7 +13,8 @@ Arrays are laid out ``[b, t, h, d]`` as in ``jax.nn.dot_product_attention``.
 
 from __future__ import annotations
 
-from typing import Callable, TypeAlias
+from collections.abc import Callable
+from typing import TypeAlias
 
 import jax
 from jaxtyping import Array, Bool, Float, Int

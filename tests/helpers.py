@@ -22,8 +22,9 @@ def tol(dtype) -> dict:
     return TOLERANCES[jnp.dtype(dtype)]
 
 
-def qkv(seed: int, b: int, t: int, h: int, d: int, dv: int, s: int | None = None,
-        dtype=jnp.float32):
+def qkv(
+    seed: int, b: int, t: int, h: int, d: int, dv: int, s: int | None = None, dtype=jnp.float32
+):
     """Random q ``[b,t,h,d]``, k ``[b,s,h,d]``, v ``[b,s,h,dv]`` (s defaults to t)."""
     s = t if s is None else s
     kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)

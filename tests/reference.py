@@ -36,8 +36,19 @@ def _same_run(segment_ids, t):
 
 
 def reference_attention(
-    q, k, v, *, phi, causal, key_mask=None, decay=None, gate=None, segment_ids=None,
-    initial_state=None, normalize=True, eps=1e-6,
+    q,
+    k,
+    v,
+    *,
+    phi,
+    causal,
+    key_mask=None,
+    decay=None,
+    gate=None,
+    segment_ids=None,
+    initial_state=None,
+    normalize=True,
+    eps=1e-6,
 ):
     """Returns ``(out [b, t, h, v] float32, (s [b,h,f,v], z [b,h,f]) final state)``."""
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
@@ -60,8 +71,9 @@ def reference_attention(
         log_prod = jnp.einsum("ijl,bhl->bhij", ind.astype(jnp.float32), g)
         weights = weights * jnp.exp(jnp.where(allowed, log_prod, -jnp.inf))
         # The initial state reaches token i through a_0 ... a_i, within token 0's run.
-        from_start = jnp.exp(jnp.einsum("il,bhl->bhi", (i[None, :] <= i[:, None]).astype(
-            jnp.float32), g))
+        from_start = jnp.exp(
+            jnp.einsum("il,bhl->bhi", (i[None, :] <= i[:, None]).astype(jnp.float32), g)
+        )
         if segment_ids is not None:
             from_start = jnp.where(_same_run(segment_ids, t)[:, None, :, 0], from_start, 0.0)
     weights = jnp.where(allowed, weights, 0.0)

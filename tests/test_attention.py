@@ -57,11 +57,17 @@ class NonCausalTest(chex.TestCase):
         q, k, v = helpers.qkv(4, B, 7, H, D, DV, s=11)
         mask = helpers.key_mask(5, B, 11)
         loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
-        ours = jax.grad(loss(lambda q, k, v: la.linear_attention(q, k, v, key_mask=mask)),
-                        argnums=(0, 1, 2))(q, k, v)
-        ref = jax.grad(loss(lambda q, k, v: reference_attention(
-            q, k, v, phi=feature_maps.elu, causal=False, key_mask=mask)[0]),
-            argnums=(0, 1, 2))(q, k, v)
+        ours = jax.grad(
+            loss(lambda q, k, v: la.linear_attention(q, k, v, key_mask=mask)), argnums=(0, 1, 2)
+        )(q, k, v)
+        ref = jax.grad(
+            loss(
+                lambda q, k, v: reference_attention(
+                    q, k, v, phi=feature_maps.elu, causal=False, key_mask=mask
+                )[0]
+            ),
+            argnums=(0, 1, 2),
+        )(q, k, v)
         chex.assert_trees_all_close(ours, ref, **helpers.GRAD_TOLERANCE)
 
 
@@ -75,8 +81,11 @@ class CausalTest(chex.TestCase):
     )
     def test_matches_reference(self, method, t, chunk_size, dtype):
         q, k, v = helpers.qkv(10, B, t, H, D, DV, dtype=dtype)
-        fn = self.variant(lambda q, k, v: la.causal_linear_attention(
-            q, k, v, method=method, chunk_size=chunk_size))
+        fn = self.variant(
+            lambda q, k, v: la.causal_linear_attention(
+                q, k, v, method=method, chunk_size=chunk_size
+            )
+        )
         out = fn(q, k, v)
         ref, _ = reference_attention(q, k, v, phi=feature_maps.elu, causal=True)
         chex.assert_shape(out, (B, t, H, DV))
@@ -96,13 +105,31 @@ class CausalTest(chex.TestCase):
         mask = helpers.key_mask(12, B, t) if masked else None
         state = helpers.random_state(13, B, H, D, DV) if with_state else None
         normalize = feature_map != "identity"  # a signed kernel has no safe denominator
-        fn = self.variant(lambda q, k, v, m, s: la.causal_linear_attention(
-            q, k, v, feature_map=feature_map, method=method, chunk_size=4, key_mask=m,
-            initial_state=s, return_state=True, normalize=normalize))
+        fn = self.variant(
+            lambda q, k, v, m, s: la.causal_linear_attention(
+                q,
+                k,
+                v,
+                feature_map=feature_map,
+                method=method,
+                chunk_size=4,
+                key_mask=m,
+                initial_state=s,
+                return_state=True,
+                normalize=normalize,
+            )
+        )
         out, final = fn(q, k, v, mask, state)
         ref, (ref_s, ref_z) = reference_attention(
-            q, k, v, phi=feature_maps.get(feature_map), causal=True, key_mask=mask,
-            initial_state=state, normalize=normalize)
+            q,
+            k,
+            v,
+            phi=feature_maps.get(feature_map),
+            causal=True,
+            key_mask=mask,
+            initial_state=state,
+            normalize=normalize,
+        )
         tol = helpers.tol(jnp.float32)
         chex.assert_trees_all_close(out, ref, **tol)
         chex.assert_trees_all_close((final.s, final.z), (ref_s, ref_z), **tol)
@@ -119,19 +146,26 @@ class CausalTest(chex.TestCase):
             return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.cos(s1)) + jnp.sum(z1**2)
 
         ours = lambda q, k, v, s: la.causal_linear_attention(
-            q, k, v, method=method, chunk_size=4, initial_state=s, return_state=True)
+            q, k, v, method=method, chunk_size=4, initial_state=s, return_state=True
+        )
         ref = lambda q, k, v, s: reference_attention(
-            q, k, v, phi=feature_maps.elu, causal=True, initial_state=s)
-        grads = [jax.jit(jax.grad(functools.partial(loss, fn), argnums=range(5)))(
-            q, k, v, state.s, state.z) for fn in (ours, ref)]
+            q, k, v, phi=feature_maps.elu, causal=True, initial_state=s
+        )
+        grads = [
+            jax.jit(jax.grad(functools.partial(loss, fn), argnums=range(5)))(
+                q, k, v, state.s, state.z
+            )
+            for fn in (ours, ref)
+        ]
         chex.assert_trees_all_close(grads[0], grads[1], **helpers.GRAD_TOLERANCE)
 
     @parameterized.product(method=["chunked", "scan", "quadratic"], split=[1, 6, 9])
     def test_streaming_in_two_pieces_equals_whole(self, method, split):
         t = 14
         q, k, v = helpers.qkv(16, B, t, H, D, DV)
-        run = functools.partial(la.causal_linear_attention, method=method, chunk_size=4,
-                                return_state=True)
+        run = functools.partial(
+            la.causal_linear_attention, method=method, chunk_size=4, return_state=True
+        )
         whole, final = run(q, k, v)
         first, mid = run(q[:, :split], k[:, :split], v[:, :split])
         second, end = run(q[:, split:], k[:, split:], v[:, split:], initial_state=mid)
@@ -144,8 +178,9 @@ class CausalTest(chex.TestCase):
         t = 9
         q, k, v = helpers.qkv(17, B, t, H, D, DV, dtype=dtype)
         state0 = helpers.random_state(18, B, H, D, DV)
-        full, final = la.causal_linear_attention(q, k, v, initial_state=state0,
-                                                 return_state=True, chunk_size=4)
+        full, final = la.causal_linear_attention(
+            q, k, v, initial_state=state0, return_state=True, chunk_size=4
+        )
         step = jax.jit(la.causal_linear_attention_step)
         state, outs = state0, []
         for i in range(t):
@@ -154,8 +189,9 @@ class CausalTest(chex.TestCase):
             chex.assert_type(out, dtype)
             outs.append(out)
         tol = helpers.tol(dtype)
-        chex.assert_trees_all_close(jnp.stack(outs, 1).astype(jnp.float32),
-                                    full.astype(jnp.float32), **tol)
+        chex.assert_trees_all_close(
+            jnp.stack(outs, 1).astype(jnp.float32), full.astype(jnp.float32), **tol
+        )
         chex.assert_trees_all_close(state, final, **helpers.tol(jnp.float32))
 
     def test_init_state(self):
@@ -175,8 +211,11 @@ class CausalTest(chex.TestCase):
 
 class TransformsTest(chex.TestCase):
     def test_no_retrace_on_second_call(self):
-        fn = jax.jit(chex.assert_max_traces(
-            lambda q, k, v: la.causal_linear_attention(q, k, v, chunk_size=4), n=1))
+        fn = jax.jit(
+            chex.assert_max_traces(
+                lambda q, k, v: la.causal_linear_attention(q, k, v, chunk_size=4), n=1
+            )
+        )
         for seed in range(3):
             fn(*helpers.qkv(seed, B, 10, H, D, DV))
         noncausal = jax.jit(chex.assert_max_traces(la.linear_attention, n=1))
@@ -185,11 +224,14 @@ class TransformsTest(chex.TestCase):
 
     def test_jit_with_static_options(self):
         q, k, v = helpers.qkv(20, B, 10, H, D, DV)
-        fn = jax.jit(la.causal_linear_attention,
-                     static_argnames=("feature_map", "method", "chunk_size", "return_state"))
+        fn = jax.jit(
+            la.causal_linear_attention,
+            static_argnames=("feature_map", "method", "chunk_size", "return_state"),
+        )
         out, state = fn(q, k, v, method="scan", chunk_size=3, return_state=True)
-        chex.assert_trees_all_close(out, la.causal_linear_attention(q, k, v),
-                                    **helpers.tol(jnp.float32))
+        chex.assert_trees_all_close(
+            out, la.causal_linear_attention(q, k, v), **helpers.tol(jnp.float32)
+        )
         chex.assert_shape(state.s, (B, H, D, DV))
 
     @parameterized.parameters("chunked", "scan", "quadratic")
@@ -205,7 +247,10 @@ class BadInputTest(parameterized.TestCase):
     def test_causal_errors(self):
         q, k, v = helpers.qkv(0, B, 6, H, D, DV)
         cases = [
-            (dict(q=q[0]), r"q must have rank 4 \[batch, length, heads, dim\], got shape \(6, 3, 8\)"),
+            (
+                dict(q=q[0]),
+                r"q must have rank 4 \[batch, length, heads, dim\], got shape \(6, 3, 8\)",
+            ),
             (dict(k=k[:1]), r"q and k and v must agree in batch and heads"),
             (dict(k=k[:, :, :2]), r"q and k and v must agree in batch and heads"),
             (dict(v=v[:, :4]), r"k and v must agree in key length"),
@@ -217,7 +262,10 @@ class BadInputTest(parameterized.TestCase):
             (dict(chunk_size=2.5), r"chunk_size must be an int >= 1, got 2.5"),
             (dict(feature_map="nope"), r"feature_map must be one of .*'elu'.*got 'nope'"),
             (dict(feature_map=lambda x: x[..., 0]), r"feature_map must map \[\.\.\., d\]"),
-            (dict(key_mask=jnp.ones((B, 5), bool)), r"key_mask must have shape .*\(2, 6\), got \(2, 5\)"),
+            (
+                dict(key_mask=jnp.ones((B, 5), bool)),
+                r"key_mask must have shape .*\(2, 6\), got \(2, 5\)",
+            ),
             (dict(key_mask=jnp.ones((B, 6), jnp.int32)), r"key_mask must be bool"),
             (dict(initial_state=la.init_state(B, H, D, DV + 1)), r"state.s must have shape"),
             (dict(initial_state=(1, 2)), r"state must be a LinearAttentionState"),

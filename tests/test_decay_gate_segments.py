@@ -28,9 +28,12 @@ def _options(name):
         "gate": dict(gate=helpers.gate(1, B, T, H)),
         "decay_and_gate": dict(decay=DECAY, gate=helpers.gate(2, B, T, H)),
         "segments": dict(segment_ids=helpers.segment_ids(3, B, T, p=0.25)),
-        "everything": dict(decay=DECAY, gate=helpers.gate(4, B, T, H),
-                           segment_ids=helpers.segment_ids(5, B, T, p=0.25),
-                           key_mask=helpers.key_mask(6, B, T)),
+        "everything": dict(
+            decay=DECAY,
+            gate=helpers.gate(4, B, T, H),
+            segment_ids=helpers.segment_ids(5, B, T, p=0.25),
+            key_mask=helpers.key_mask(6, B, T),
+        ),
     }[name]
 
 
@@ -40,18 +43,39 @@ OPTIONS = ["decay", "scalar_decay", "gate", "decay_and_gate", "segments", "every
 class CausalOptionsTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.product(
-        method=METHODS, option=OPTIONS, normalize=[True, False], with_state=[False, True],
+        method=METHODS,
+        option=OPTIONS,
+        normalize=[True, False],
+        with_state=[False, True],
     )
     def test_matches_reference(self, method, option, normalize, with_state):
         q, k, v = helpers.qkv(0, B, T, H, D, DV)
         opts = _options(option)
         state = helpers.random_state(7, B, H, D, DV) if with_state else None
-        fn = self.variant(lambda q, k, v, s, opts: la.causal_linear_attention(
-            q, k, v, method=method, chunk_size=4, initial_state=s, return_state=True,
-            normalize=normalize, **opts))
+        fn = self.variant(
+            lambda q, k, v, s, opts: la.causal_linear_attention(
+                q,
+                k,
+                v,
+                method=method,
+                chunk_size=4,
+                initial_state=s,
+                return_state=True,
+                normalize=normalize,
+                **opts,
+            )
+        )
         out, final = fn(q, k, v, state, opts)
-        ref, ref_state = reference_attention(q, k, v, phi=feature_maps.elu, causal=True,
-                                             initial_state=state, normalize=normalize, **opts)
+        ref, ref_state = reference_attention(
+            q,
+            k,
+            v,
+            phi=feature_maps.elu,
+            causal=True,
+            initial_state=state,
+            normalize=normalize,
+            **opts,
+        )
         tol = helpers.tol(jnp.float32)
         chex.assert_trees_all_close(out, ref, **tol)
         chex.assert_trees_all_close((final.s, final.z), ref_state, **tol)
@@ -65,16 +89,20 @@ class CausalOptionsTest(chex.TestCase):
 
         def loss(fn, q, k, v, s, z, decay, gate):
             out, (s1, z1) = fn(q, k, v, la.LinearAttentionState(s, z), decay=decay, gate=gate)
-            return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.cos(s1)) + jnp.sum(z1 ** 2)
+            return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.cos(s1)) + jnp.sum(z1**2)
 
-        ours = functools.partial(la.causal_linear_attention, method=method, chunk_size=4,
-                                 return_state=True, **opts)
+        ours = functools.partial(
+            la.causal_linear_attention, method=method, chunk_size=4, return_state=True, **opts
+        )
         ours = lambda q, k, v, s, ours=ours, **kw: ours(q, k, v, initial_state=s, **kw)
         ref = lambda q, k, v, s, **kw: reference_attention(
-            q, k, v, phi=feature_maps.elu, causal=True, initial_state=s, **opts, **kw)
+            q, k, v, phi=feature_maps.elu, causal=True, initial_state=s, **opts, **kw
+        )
         args = (q, k, v, state.s, state.z, decay, gate)
-        grads = [jax.jit(jax.grad(functools.partial(loss, fn), argnums=range(7)))(*args)
-                 for fn in (ours, ref)]
+        grads = [
+            jax.jit(jax.grad(functools.partial(loss, fn), argnums=range(7)))(*args)
+            for fn in (ours, ref)
+        ]
         chex.assert_trees_all_close(grads[0], grads[1], **helpers.GRAD_TOLERANCE)
 
     @parameterized.parameters("chunked", "scan")
@@ -89,8 +117,16 @@ class CausalOptionsTest(chex.TestCase):
 
             def fn(q, k, v, gate, s0, z0, decay):
                 out, state = la.causal_linear_attention(
-                    q, k, v, method=method, chunk_size=3, gate=gate, decay=decay,
-                    initial_state=la.LinearAttentionState(s0, z0), return_state=True)
+                    q,
+                    k,
+                    v,
+                    method=method,
+                    chunk_size=3,
+                    gate=gate,
+                    decay=decay,
+                    initial_state=la.LinearAttentionState(s0, z0),
+                    return_state=True,
+                )
                 return out, state.s, state.z
 
             check_grads(fn, (q, k, v, gate, s0, z0, decay), order=1, modes=["rev"])
@@ -100,33 +136,44 @@ class CausalOptionsTest(chex.TestCase):
         q, k, v = helpers.qkv(10, B, T, H, D, DV)
         opts = _options(option)
         if "segment_ids" in opts:  # the second piece's state continues its first segment
-            opts["segment_ids"] = opts["segment_ids"].at[:, split].set(
-                opts["segment_ids"][:, split - 1])
-        run = functools.partial(la.causal_linear_attention, method=method, chunk_size=4,
-                                return_state=True)
+            opts["segment_ids"] = (
+                opts["segment_ids"].at[:, split].set(opts["segment_ids"][:, split - 1])
+            )
+        run = functools.partial(
+            la.causal_linear_attention, method=method, chunk_size=4, return_state=True
+        )
         cut = lambda x, lo, hi: x if x is None or jnp.ndim(x) < 2 else x[:, lo:hi]
         piece = lambda lo, hi: {n: cut(x, lo, hi) for n, x in opts.items()}
         whole, final = run(q, k, v, **opts)
         first, mid = run(q[:, :split], k[:, :split], v[:, :split], **piece(0, split))
-        second, end = run(q[:, split:], k[:, split:], v[:, split:], initial_state=mid,
-                          **piece(split, T))
+        second, end = run(
+            q[:, split:], k[:, split:], v[:, split:], initial_state=mid, **piece(split, T)
+        )
         tol = helpers.tol(jnp.float32)
         chex.assert_trees_all_close(jnp.concatenate([first, second], axis=1), whole, **tol)
         chex.assert_trees_all_close(end, final, **tol)
 
-    @parameterized.product(option=["decay", "scalar_decay", "gate", "decay_and_gate"],
-                           normalize=[True, False])
+    @parameterized.product(
+        option=["decay", "scalar_decay", "gate", "decay_and_gate"], normalize=[True, False]
+    )
     def test_step_decoding_equals_full(self, option, normalize):
         q, k, v = helpers.qkv(11, B, T, H, D, DV)
         opts = _options(option)
-        full, final = la.causal_linear_attention(q, k, v, return_state=True, chunk_size=4,
-                                                 normalize=normalize, **opts)
+        full, final = la.causal_linear_attention(
+            q, k, v, return_state=True, chunk_size=4, normalize=normalize, **opts
+        )
         step = jax.jit(functools.partial(la.causal_linear_attention_step, normalize=normalize))
         gate = opts.get("gate")
         state, outs = la.init_state(B, H, D, DV), []
         for i in range(T):
-            out, state = step(q[:, i], k[:, i], v[:, i], state, decay=opts.get("decay"),
-                              gate=None if gate is None else gate[:, i])
+            out, state = step(
+                q[:, i],
+                k[:, i],
+                v[:, i],
+                state,
+                decay=opts.get("decay"),
+                gate=None if gate is None else gate[:, i],
+            )
             outs.append(out)
         tol = helpers.tol(jnp.float32)
         chex.assert_trees_all_close(jnp.stack(outs, 1), full, **tol)
@@ -137,18 +184,24 @@ class CausalOptionsTest(chex.TestCase):
         q, k, v = helpers.qkv(12, 1, 12, H, D, DV)
         seg = jnp.array([[0] * 5 + [1] * 4 + [2] * 3], jnp.int32)
         packed = la.causal_linear_attention(q, k, v, segment_ids=seg, decay=DECAY, chunk_size=4)
-        alone = [la.causal_linear_attention(q[:, a:b], k[:, a:b], v[:, a:b], decay=DECAY)
-                 for a, b in [(0, 5), (5, 9), (9, 12)]]
-        chex.assert_trees_all_close(packed, jnp.concatenate(alone, axis=1),
-                                    **helpers.tol(jnp.float32))
+        alone = [
+            la.causal_linear_attention(q[:, a:b], k[:, a:b], v[:, a:b], decay=DECAY)
+            for a, b in [(0, 5), (5, 9), (9, 12)]
+        ]
+        chex.assert_trees_all_close(
+            packed, jnp.concatenate(alone, axis=1), **helpers.tol(jnp.float32)
+        )
 
     @pytest.mark.slow
     @parameterized.product(method=["chunked", "scan"], dtype=[jnp.float32, jnp.bfloat16])
     def test_long_sequence_denominator_stays_finite(self, method, dtype):
         t = 65536
         q, k, v = helpers.qkv(13, 1, t, 1, 8, 8, dtype=dtype)
-        out, state = jax.jit(functools.partial(
-            la.causal_linear_attention, method=method, chunk_size=256, return_state=True))(q, k, v)
+        out, state = jax.jit(
+            functools.partial(
+                la.causal_linear_attention, method=method, chunk_size=256, return_state=True
+            )
+        )(q, k, v)
         assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
         z = state.z
         assert bool(jnp.all(jnp.isfinite(z)) & jnp.all(z > 0)), z
@@ -165,21 +218,38 @@ class NonCausalSegmentsTest(chex.TestCase):
         q, k, v = helpers.qkv(14, B, t, H, D, DV)
         seg = helpers.segment_ids(15, B, t, p=0.2)
         mask = helpers.key_mask(16, B, t) if masked else None
-        fn = self.variant(lambda q, k, v, seg, m: la.linear_attention(
-            q, k, v, segment_ids=seg, key_mask=m, normalize=normalize))
-        ref, _ = reference_attention(q, k, v, phi=feature_maps.elu, causal=False,
-                                     segment_ids=seg, key_mask=mask, normalize=normalize)
+        fn = self.variant(
+            lambda q, k, v, seg, m: la.linear_attention(
+                q, k, v, segment_ids=seg, key_mask=m, normalize=normalize
+            )
+        )
+        ref, _ = reference_attention(
+            q,
+            k,
+            v,
+            phi=feature_maps.elu,
+            causal=False,
+            segment_ids=seg,
+            key_mask=mask,
+            normalize=normalize,
+        )
         chex.assert_trees_all_close(fn(q, k, v, seg, mask), ref, **helpers.tol(jnp.float32))
 
     def test_gradient_matches_reference(self):
         q, k, v = helpers.qkv(17, B, 10, H, D, DV)
         seg = helpers.segment_ids(18, B, 10, p=0.3)
         loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
-        ours = jax.grad(loss(lambda q, k, v: la.linear_attention(q, k, v, segment_ids=seg)),
-                        argnums=(0, 1, 2))(q, k, v)
-        ref = jax.grad(loss(lambda q, k, v: reference_attention(
-            q, k, v, phi=feature_maps.elu, causal=False, segment_ids=seg)[0]),
-            argnums=(0, 1, 2))(q, k, v)
+        ours = jax.grad(
+            loss(lambda q, k, v: la.linear_attention(q, k, v, segment_ids=seg)), argnums=(0, 1, 2)
+        )(q, k, v)
+        ref = jax.grad(
+            loss(
+                lambda q, k, v: reference_attention(
+                    q, k, v, phi=feature_maps.elu, causal=False, segment_ids=seg
+                )[0]
+            ),
+            argnums=(0, 1, 2),
+        )(q, k, v)
         chex.assert_trees_all_close(ours, ref, **helpers.GRAD_TOLERANCE)
 
 
@@ -189,8 +259,11 @@ class MemoryTest(parameterized.TestCase):
         """Compiled scratch memory of the gradient, far below one state per token."""
         b, t, h, d = 1, 2048, 1, 32
         x = jnp.ones((b, t, h, d), jnp.float32)
-        loss = lambda q, k, v: jnp.sum(la.causal_linear_attention(
-            q, k, v, method=method, chunk_size=64, gate=jnp.zeros((b, t, h))))
+        loss = lambda q, k, v: jnp.sum(
+            la.causal_linear_attention(
+                q, k, v, method=method, chunk_size=64, gate=jnp.zeros((b, t, h))
+            )
+        )
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
         scratch = compiled.memory_analysis().temp_size_in_bytes
         per_token_states = t * h * d * (d + 1) * 4
@@ -201,10 +274,16 @@ class BadOptionsTest(parameterized.TestCase):
     def test_errors(self):
         q, k, v = helpers.qkv(0, B, 6, H, D, DV)
         cases = [
-            (dict(decay=jnp.ones(2)), r"decay must be a scalar or \[heads\]=\(3,\), got shape \(2,\)"),
+            (
+                dict(decay=jnp.ones(2)),
+                r"decay must be a scalar or \[heads\]=\(3,\), got shape \(2,\)",
+            ),
             (dict(decay=1.5), r"decay must lie in \(0, 1\]"),
             (dict(decay=jnp.array([0.5, 0.0, 0.9])), r"decay must lie in \(0, 1\]"),
-            (dict(gate=jnp.zeros((B, 6))), r"gate must have shape \[batch, length, heads\]=\(2, 6, 3\)"),
+            (
+                dict(gate=jnp.zeros((B, 6))),
+                r"gate must have shape \[batch, length, heads\]=\(2, 6, 3\)",
+            ),
             (dict(segment_ids=jnp.zeros((B, 5), jnp.int32)), r"segment_ids must have shape"),
             (dict(segment_ids=jnp.zeros((B, 6))), r"segment_ids must be integers"),
         ]
@@ -212,5 +291,6 @@ class BadOptionsTest(parameterized.TestCase):
             with self.subTest(message), pytest.raises(ValueError, match=message):
                 la.causal_linear_attention(q, k, v, **overrides)
         with pytest.raises(ValueError, match=r"gate must have shape \[batch, heads\]"):
-            la.causal_linear_attention_step(q[:, 0], k[:, 0], v[:, 0], la.init_state(B, H, D, DV),
-                                            gate=jnp.zeros((B, 6, H)))
+            la.causal_linear_attention_step(
+                q[:, 0], k[:, 0], v[:, 0], la.init_state(B, H, D, DV), gate=jnp.zeros((B, 6, H))
+            )
