@@ -286,7 +286,7 @@ def main(argv=None) -> None:
             os.environ | MALLOC_ENV,
         )
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lengths", default="1024,4096,16384,65536")
+    parser.add_argument("--lengths", default="512,1024,2048,4096,8192,16384,65536")
     parser.add_argument("--chunk-sizes", default="64,128,256")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
