@@ -151,6 +151,7 @@ def causal_linear_attention(
     decay: Any = None,
     gate: Array | None = None,
     segment_ids: Array | None = None,
+    positions: Array | None = None,
     normalize: bool = True,
     eps: float = 1e-6,
 ) -> Float[Array, "b t h v"] | tuple[Float[Array, "b t h v"], LinearAttentionState]:
@@ -176,6 +177,8 @@ def causal_linear_attention(
         ``S_i = exp(gate_i) S_{i-1} + ...`` (Mamba2, simple GLA). Combines with ``decay``.
       segment_ids: optional int ``[b, t]``; the state resets wherever the id changes
         (packed sequences). ``initial_state`` belongs to token 0's segment.
+      positions: optional int ``[b, t]`` token positions, for position-aware feature
+        maps (cosFormer); ``arange(t)`` by default (pass an offset when streaming).
       normalize: divide by ``phi(q)^T Z + eps`` (True) or return the numerator only.
       eps: added to the denominator.
 
@@ -196,7 +199,10 @@ def causal_linear_attention(
         or chunk_size < 1
     ):
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-    phi_q, phi_k, v32 = _features(q, k, v, feature_map, key_mask)
+    if positions is not None:
+        _check_shape("positions", positions, (b, t), "[batch, length]")
+        positions = (positions, positions)
+    phi_q, phi_k, v32 = _features(q, k, v, feature_map, key_mask, positions)
     f, dv, dtype = phi_q.shape[-1], v.shape[-1], phi_q.dtype
     log_decay = _log_decay(decay, gate, b, t, h, dtype)
     resets = None if segment_ids is None else _segment_resets(segment_ids, b, t, dtype)
@@ -232,6 +238,7 @@ def causal_linear_attention_step(
     feature_map: str | FeatureMap = "elu",
     decay: Any = None,
     gate: Array | None = None,
+    position: Array | None = None,
     normalize: bool = True,
     eps: float = 1e-6,
 ) -> tuple[Float[Array, "b h v"], LinearAttentionState]:
@@ -248,6 +255,8 @@ def causal_linear_attention_step(
       feature_map: as in ``causal_linear_attention``.
       decay: as in ``causal_linear_attention`` (scalar or ``[h]``).
       gate: this token's log-decay ``[b, h]``.
+      position: this token's int position ``[b]``; needed by position-aware feature
+        maps (cosFormer), ignored by the others.
       normalize: as in ``causal_linear_attention``.
       eps: as in ``causal_linear_attention``.
 
@@ -263,7 +272,13 @@ def causal_linear_attention_step(
     _check_same(("q", q), ("k", k), ("v", v), axes=(0, 1), what="batch and heads")
     _check_same(("q", q), ("k", k), axes=(2,), what="head dimension")
     # A one-token sequence through the shared recurrence.
-    phi_q, phi_k, v32 = _features(q[:, None], k[:, None], v[:, None], feature_map, None)
+    positions = None
+    if position is not None:
+        _check_shape("position", position, (b,), "[batch]")
+        positions = (position[:, None], position[:, None])
+    elif getattr(feature_maps.get(feature_map), "needs_positions", False):
+        raise ValueError("this feature_map needs positions: pass position=[batch] int")
+    phi_q, phi_k, v32 = _features(q[:, None], k[:, None], v[:, None], feature_map, None, positions)
     if gate is not None:
         _check_shape("gate", gate, (b, h), "[batch, heads]")
         gate = gate[:, None]
@@ -470,10 +485,19 @@ _scan_chunks.defvjp(_scan_chunks_fwd, _scan_chunks_bwd)
 # ----------------------------------------------------------------------------
 
 
-def _features(q, k, v, feature_map, key_mask):
-    """phi(q), phi(k) as ``[b, h, t, f]`` and v as ``[b, h, s, v]``, all float32 (or float64)."""
+def _features(q, k, v, feature_map, key_mask, positions=None):
+    """phi(q), phi(k) as ``[b, h, t, f]`` and v as ``[b, h, s, v]``, all float32 (or float64).
+
+    ``positions``: ``(query positions [b, t], key positions [b, s])`` for maps with
+    ``needs_positions``; by default each sequence counts from 0.
+    """
     phi = feature_maps.get(feature_map)
-    phi_q, phi_k = phi(q), phi(k)
+    if getattr(phi, "needs_positions", False):
+        if positions is None:
+            positions = [jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2]) for x in (q, k)]
+        phi_q, phi_k = phi(q, positions[0]), phi(k, positions[1])
+    else:
+        phi_q, phi_k = phi(q), phi(k)
     for name, x, y in [("phi(q)", phi_q, q), ("phi(k)", phi_k, k)]:
         if x.shape[:-1] != y.shape[:-1]:
             raise ValueError(

@@ -1,13 +1,25 @@
-"""Feature maps phi: ``[..., d] -> [..., f]`` and the registry that names them.
+"""Feature maps phi: ``[..., d] -> [..., f]``, so that the kernel is ``phi(q) . phi(k)``.
 
-The kernel of linear attention is ``k(q, k) = phi(q) . phi(k)``. Every map here
-computes in float32 (float64 for float64 inputs) whatever its input dtype:
-exp-based maps overflow in bfloat16 otherwise. A map is any callable; the registry only gives names to
-the parameter-free ones, so that configs can say ``feature_map="elu"``.
+Three kinds, one interface (a callable):
+
+* parameter-free functions, registered by name (``feature_map="elu"``):
+  ``elu``, ``relu``, ``identity``, ``softmax``, ``two_sided_relu``, ``dpfp``, ``taylor``;
+* random features drawn from an explicit PRNG key, returned as callable pytrees
+  (pass them through ``jax.jit`` as ordinary arguments): ``favor_plus``,
+  ``random_fourier``; redraw with ``.redraw(key)``;
+* position-aware maps (``needs_positions = True``), called as ``phi(x, positions)``
+  with integer positions of shape ``x.shape[:-2]``: ``cosformer``.
+
+The learnable Hedgehog map (parameters) lives with the Flax layers
+(``linattn_jax.layers.HedgehogFeatureMap``). Every map computes in float32
+(float64 for float64 inputs) whatever its input dtype: exp-based maps overflow
+in bfloat16 otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -16,10 +28,11 @@ import jax.numpy as jnp
 from linattn_jax.typing import FeatureMap
 
 _REGISTRY: dict[str, FeatureMap] = {}
+_NEEDS_A_KEY = {"favor_plus", "random_fourier", "hedgehog", "cosformer"}
 
 
 def register(name: str) -> Callable[[FeatureMap], FeatureMap]:
-    """Decorator: registers ``fn`` under ``name`` (for ``feature_map=name``)."""
+    """Decorator: registers a parameter-free map under ``name`` (for ``feature_map=name``)."""
 
     def wrap(fn: FeatureMap) -> FeatureMap:
         if name in _REGISTRY:
@@ -31,7 +44,7 @@ def register(name: str) -> Callable[[FeatureMap], FeatureMap]:
 
 
 def names() -> tuple[str, ...]:
-    """The registered feature-map names, sorted."""
+    """The registered (parameter-free) feature-map names, sorted."""
     return tuple(sorted(_REGISTRY))
 
 
@@ -45,7 +58,25 @@ def get(feature_map: str | FeatureMap) -> FeatureMap:
         return feature_map
     if isinstance(feature_map, str) and feature_map in _REGISTRY:
         return _REGISTRY[feature_map]
-    raise ValueError(f"feature_map must be one of {names()} or a callable, got {feature_map!r}")
+    hint = ""
+    if feature_map in _NEEDS_A_KEY:
+        hint = (
+            f" ({feature_map!r} has parameters or positions: build it with "
+            f"linattn_jax.feature_maps.{feature_map}(...) or use the Flax layer)"
+        )
+    raise ValueError(
+        f"feature_map must be one of {names()} or a callable, got {feature_map!r}{hint}"
+    )
+
+
+def feature_dim(feature_map: str | FeatureMap, head_dim: int) -> int:
+    """The output dimension f of ``feature_map`` for inputs of dimension ``head_dim``."""
+    phi = get(feature_map)
+    x = jax.ShapeDtypeStruct((1, 1, head_dim), jnp.float32)
+    if getattr(phi, "needs_positions", False):
+        positions = jax.ShapeDtypeStruct((1,), jnp.int32)
+        return jax.eval_shape(phi, x, positions).shape[-1]
+    return jax.eval_shape(phi, x).shape[-1]
 
 
 def accumulation_dtype(dtype) -> jnp.dtype:
@@ -58,12 +89,17 @@ def upcast(x: jax.Array) -> jax.Array:
     return x.astype(accumulation_dtype(x.dtype))
 
 
+# ----------------------------------------------------------------------------
+# Parameter-free maps.
+# ----------------------------------------------------------------------------
+
+
 @register("elu")
 def elu(x: jax.Array) -> jax.Array:
     """``elu(x) + 1`` (Katharopoulos et al. 2020, "Transformers are RNNs"). f = d, positive.
 
     Written as ``where(x > 0, x + 1, exp(min(x, 0)))``: the same function, but
-    XLA on CPU then avoids recomputing ``expm1`` inside fusions (2x faster).
+    XLA on CPU then avoids recomputing ``expm1`` inside fusions.
     """
     x = upcast(x)
     return jnp.where(x > 0, x + 1.0, jnp.exp(jnp.minimum(x, 0.0)))
@@ -77,5 +113,197 @@ def relu(x: jax.Array) -> jax.Array:
 
 @register("identity")
 def identity(x: jax.Array) -> jax.Array:
-    """``x`` itself: the plain (unnormalised) linear kernel ``q . k``. f = d, signed."""
+    """``x`` itself: the plain linear kernel ``q . k``. f = d, signed."""
     return upcast(x)
+
+
+@register("softmax")
+def softmax(x: jax.Array) -> jax.Array:
+    """Softmax over the feature axis. f = d, positive (each feature vector sums to 1)."""
+    return jax.nn.softmax(upcast(x), axis=-1)
+
+
+@register("two_sided_relu")
+def two_sided_relu(x: jax.Array) -> jax.Array:
+    """``[relu(x), relu(-x)]``. f = 2d, non-negative; keeps the sign information relu drops."""
+    x = upcast(x)
+    return jnp.concatenate([jax.nn.relu(x), jax.nn.relu(-x)], axis=-1)
+
+
+@register("dpfp")
+def dpfp(x: jax.Array, nu: int = 1) -> jax.Array:
+    """Deterministic parameter-free projection (Schlag et al. 2021, "Linear Transformers
+    Are Secretly Fast Weight Programmers"). f = 2d * nu, non-negative.
+
+    With ``r = [relu(x), relu(-x)]``: ``phi = concat_{i=1..nu} r * roll(r, i)``.
+    Use ``functools.partial(dpfp, nu=3)`` for another ``nu``.
+    """
+    if not isinstance(nu, int) or nu < 1:
+        raise ValueError(f"nu must be an int >= 1, got {nu!r}")
+    r = two_sided_relu(x)
+    return jnp.concatenate([r * jnp.roll(r, i, axis=-1) for i in range(1, nu + 1)], axis=-1)
+
+
+@register("taylor")
+def taylor(x: jax.Array) -> jax.Array:
+    """Second-order Taylor features of ``exp(q.k / sqrt(d))`` (Based; Arora et al. 2024,
+    "Simple linear attention language models balance the recall-throughput tradeoff").
+    f = 1 + d + d^2, signed (the kernel itself is positive: 1 + u + u^2/2 > 0).
+
+    ``phi(x) = [1, x / d^(1/4), vec(x x^T) / (sqrt(2) sqrt(d))]``, so exactly
+    ``phi(q) . phi(k) = 1 + q.k / sqrt(d) + (q.k)^2 / (2 d)``.
+    """
+    x = upcast(x)
+    d = x.shape[-1]
+    outer = (x[..., :, None] * x[..., None, :]).reshape(x.shape[:-1] + (d * d,))
+    ones = jnp.ones(x.shape[:-1] + (1,), x.dtype)
+    return jnp.concatenate([ones, x / d**0.25, outer / (math.sqrt(2.0) * math.sqrt(d))], axis=-1)
+
+
+# ----------------------------------------------------------------------------
+# Random features (Performer; Choromanski et al. 2021, "Rethinking Attention with
+# Performers"). Both approximate the softmax kernel exp(q.k / sqrt(d)).
+# ----------------------------------------------------------------------------
+
+
+def orthogonal_gaussian(key: jax.Array, num_features: int, dim: int) -> jax.Array:
+    """``[num_features, dim]`` rows orthogonal in blocks of ``dim``, with Gaussian row norms.
+
+    Each row is marginally ``N(0, I)``; rows within a block are exactly
+    orthogonal, which lowers the variance of the kernel estimate (FAVOR+).
+    """
+    blocks = -(-num_features // dim)
+    block_key, norm_key = jax.random.split(key)
+    gaussians = jax.random.normal(block_key, (blocks, dim, dim), jnp.float32)
+    q, r = jnp.linalg.qr(gaussians)  # [blocks, dim, dim], orthonormal columns
+    # Householder QR fixes the signs of R's diagonal, which biases Q's directions;
+    # flipping columns by those signs makes Q Haar-distributed (uniform directions).
+    q = q * jnp.sign(jnp.diagonal(r, axis1=1, axis2=2))[:, None, :]
+    rows = jnp.swapaxes(q, 1, 2).reshape(blocks * dim, dim)[:num_features]
+    norms = jnp.linalg.norm(jax.random.normal(norm_key, (num_features, dim), jnp.float32), axis=-1)
+    return rows * norms[:, None]
+
+
+def _check_random_args(key, dim, num_features):
+    for name, n in [("dim", dim), ("num_features", num_features)]:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+    if not isinstance(key, jax.Array):
+        raise ValueError(f"key must be a jax PRNG key, got {type(key).__name__}")
+
+
+def _projected(x: jax.Array, projection: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(x' W^T, |x'|^2 / 2)`` with ``x' = x / d^(1/4)``, checking that d matches."""
+    if x.shape[-1] != projection.shape[-1]:
+        raise ValueError(
+            f"random features were drawn for d={projection.shape[-1]}, got inputs {x.shape}"
+        )
+    x = upcast(x) / x.shape[-1] ** 0.25
+    return x @ projection.T.astype(x.dtype), 0.5 * jnp.sum(x * x, axis=-1, keepdims=True)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FavorPlus:
+    """Positive random features: ``exp(w . x' - |x'|^2 / 2) / sqrt(m)``, ``x' = x / d^(1/4)``.
+
+    f = m (``num_features``), positive. ``E[phi(q) . phi(k)] = exp(q.k / sqrt(d))``.
+    Numerics: the exponent is at most ``|w|^2 / 2`` whatever x is (its maximum
+    over x), so features never overflow; they underflow to 0 in float32 once
+    ``|x'|^2 / 2`` passes about 87, i.e. for ``|x| > 13 d^(1/4)`` (an RMS above
+    4.5 per coordinate at d = 64): normalise q and k (LayerNorm, l2) first. No
+    data-dependent shift is used, because a per-key shift would change the
+    weights between keys and the decoding step could not reproduce it.
+
+    Attributes:
+      projection: ``[m, d]`` random projection (``orthogonal_gaussian``).
+    """
+
+    projection: jax.Array
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        wx, half_norm = _projected(x, self.projection)
+        return jnp.exp(wx - half_norm) / math.sqrt(self.projection.shape[0])
+
+    def redraw(self, key: jax.Array) -> FavorPlus:
+        """The same map with a fresh projection drawn from ``key``."""
+        m, d = self.projection.shape
+        return FavorPlus(orthogonal_gaussian(key, m, d))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RandomFourier:
+    """Trigonometric random features: ``exp(|x'|^2 / 2) [cos(w.x'), sin(w.x')] / sqrt(m)``.
+
+    f = 2m, signed. ``E[phi(q) . phi(k)] = exp(q.k / sqrt(d))``; its estimate can
+    be negative, so prefer ``normalize=False`` or FAVOR+ for long sequences.
+
+    Attributes:
+      projection: ``[m, d]`` random projection (``orthogonal_gaussian``).
+    """
+
+    projection: jax.Array
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        wx, half_norm = _projected(x, self.projection)
+        scale = jnp.exp(half_norm) / math.sqrt(self.projection.shape[0])
+        return scale * jnp.concatenate([jnp.cos(wx), jnp.sin(wx)], axis=-1)
+
+    def redraw(self, key: jax.Array) -> RandomFourier:
+        """The same map with a fresh projection drawn from ``key``."""
+        m, d = self.projection.shape
+        return RandomFourier(orthogonal_gaussian(key, m, d))
+
+
+def favor_plus(key: jax.Array, dim: int, num_features: int) -> FavorPlus:
+    """Draws FAVOR+ features for head dimension ``dim`` (f = ``num_features``)."""
+    _check_random_args(key, dim, num_features)
+    return FavorPlus(orthogonal_gaussian(key, num_features, dim))
+
+
+def random_fourier(key: jax.Array, dim: int, num_features: int) -> RandomFourier:
+    """Draws trigonometric random features for head dimension ``dim`` (f = 2 ``num_features``)."""
+    _check_random_args(key, dim, num_features)
+    return RandomFourier(orthogonal_gaussian(key, num_features, dim))
+
+
+# ----------------------------------------------------------------------------
+# Position-aware maps.
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CosFormer:
+    """cosFormer (Qin et al. 2022, "cosFormer: Rethinking Softmax in Attention").
+
+    The kernel ``relu(q_i) . relu(k_j) cos(pi/2 (i - j) / M)`` made linear by
+    ``cos(a - b) = cos a cos b + sin a sin b``:
+    ``phi(x, i) = [relu(x) cos(pi i / 2M), relu(x) sin(pi i / 2M)]``. f = 2d,
+    non-negative; the reweighting stays positive while ``|i - j| <= M``.
+
+    Attributes:
+      max_length: M, at least the longest distance between a query and a key.
+    """
+
+    max_length: int
+    needs_positions = True
+
+    def __post_init__(self):
+        if not isinstance(self.max_length, int) or self.max_length < 1:
+            raise ValueError(f"max_length must be an int >= 1, got {self.max_length!r}")
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """``x`` ``[..., h, d]`` and integer ``positions`` of shape ``x.shape[:-2]``."""
+        if tuple(positions.shape) != tuple(x.shape[:-2]):
+            raise ValueError(
+                f"positions must have shape x.shape[:-2]={x.shape[:-2]}, got {positions.shape}"
+            )
+        r = relu(x)
+        angle = (0.5 * math.pi / self.max_length) * positions.astype(r.dtype)[..., None, None]
+        return jnp.concatenate([r * jnp.cos(angle), r * jnp.sin(angle)], axis=-1)
+
+
+def cosformer(max_length: int) -> CosFormer:
+    """The cosFormer map for sequences (or query-key distances) up to ``max_length``."""
+    return CosFormer(max_length)

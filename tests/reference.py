@@ -54,8 +54,12 @@ def reference_attention(
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     b, t, h, _ = q.shape
     s_len = k.shape[1]
-    pq = phi(q).astype(jnp.float32)  # [b, t, h, f]
-    pk = phi(k).astype(jnp.float32)  # [b, s, h, f]
+    if getattr(phi, "needs_positions", False):  # position-aware maps see 0, 1, 2, ...
+        pq = phi(q, jnp.broadcast_to(jnp.arange(t), (b, t))).astype(jnp.float32)
+        pk = phi(k, jnp.broadcast_to(jnp.arange(s_len), (b, s_len))).astype(jnp.float32)
+    else:
+        pq = phi(q).astype(jnp.float32)  # [b, t, h, f]
+        pk = phi(k).astype(jnp.float32)  # [b, s, h, f]
     weights = jnp.einsum("bthf,bshf->bhts", pq, pk)
     allowed = jnp.ones((b, 1, t, s_len), bool)
     if key_mask is not None:
