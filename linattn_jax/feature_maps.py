@@ -69,10 +69,10 @@ def get(feature_map: str | FeatureMap) -> FeatureMap:
     )
 
 
-def feature_dim(feature_map: str | FeatureMap, head_dim: int) -> int:
-    """The output dimension f of ``feature_map`` for inputs of dimension ``head_dim``."""
+def feature_dim(feature_map: str | FeatureMap, head_dim: int, heads: int = 1) -> int:
+    """The output dimension f of ``feature_map`` for ``[..., heads, head_dim]`` inputs."""
     phi = get(feature_map)
-    x = jax.ShapeDtypeStruct((1, 1, head_dim), jnp.float32)
+    x = jax.ShapeDtypeStruct((1, heads, head_dim), jnp.float32)
     if getattr(phi, "needs_positions", False):
         positions = jax.ShapeDtypeStruct((1,), jnp.int32)
         return jax.eval_shape(phi, x, positions).shape[-1]

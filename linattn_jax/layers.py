@@ -1,0 +1,465 @@
+"""Flax NNX layers over the maths: attention, blocks, and the learnable Hedgehog map.
+
+Every layer takes ``*, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32`` like
+Flax's own: parameters live in ``param_dtype``, computation runs in ``dtype``
+(the input's when None), and linear attention's states stay float32 whatever
+``dtype`` is. Decoding states are passed in and returned explicitly:
+
+    state = layer.init_state(batch)
+    y, state = layer(prompt, state=state, return_state=True)    # prefill, chunked form
+    y, state = layer(next_token, state=state, return_state=True)  # one token, O(1) step
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from linattn_jax import attention as attn
+from linattn_jax import feature_maps as fm
+
+ATTENTION_KINDS = ("linear", "softmax")
+RANDOM_FEATURES = {"favor_plus": fm.FavorPlus, "random_fourier": fm.RandomFourier}
+
+
+class RandomProjection(nnx.Variable):
+    """A random-feature projection: drawn from ``rngs``, not trained (not an ``nnx.Param``)."""
+
+
+class LinearAttentionCache(NamedTuple):
+    """A ``LinearAttention`` layer's decoding state.
+
+    Attributes:
+      state: the recurrent (S, Z) state, ``s [b, h, f, v]``, ``z [b, h, f]``, float32.
+      position: ``[b]`` int32, the number of tokens seen so far (the next position).
+    """
+
+    state: attn.LinearAttentionState
+    position: jax.Array
+
+
+class KVCache(NamedTuple):
+    """A ``SoftmaxAttention`` layer's decoding state: keys and values seen so far.
+
+    Attributes:
+      k: ``[b, max_length, h, d]``.
+      v: ``[b, max_length, h, d]``.
+      position: ``[b]`` int32, the number of tokens written (the next position).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    position: jax.Array
+
+
+class HedgehogFeatureMap(nnx.Module):
+    """Hedgehog (Zhang et al. 2024, "The Hedgehog & the Porcupine"): a learnable map.
+
+    A per-head linear map initialised to the identity, then a softmax over
+    ``[x W, -x W]``: ``phi(x) = softmax([x W_h + b_h, -(x W_h + b_h)])``. f = 2d,
+    positive. Trained to mimic softmax attention's spiky, monotonic weights.
+
+    Call on ``[..., h, d]`` (the heads axis second to last).
+    """
+
+    def __init__(
+        self, heads: int, head_dim: int, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32
+    ):
+        del rngs  # identity initialisation: nothing random
+        eye = jnp.broadcast_to(jnp.eye(head_dim, dtype=param_dtype), (heads, head_dim, head_dim))
+        self.kernel = nnx.Param(eye)
+        self.bias = nnx.Param(jnp.zeros((heads, head_dim), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        heads, d, _ = self.kernel.shape
+        if x.shape[-2:] != (heads, d):
+            raise ValueError(
+                f"HedgehogFeatureMap expects [..., heads={heads}, d={d}], got {x.shape}"
+            )
+        x = fm.upcast(x)
+        y = jnp.einsum("...hd,hde->...he", x, self.kernel[...].astype(x.dtype))
+        bias = self.bias[...].astype(x.dtype)
+        y = y + bias.reshape((1,) * (y.ndim - 2) + bias.shape)
+        return jax.nn.softmax(jnp.concatenate([y, -y], axis=-1), axis=-1)
+
+
+def _heads(x: jax.Array, heads: int) -> jax.Array:
+    """``[b, t, h * d] -> [b, t, h, d]``."""
+    return x.reshape(x.shape[:-1] + (heads, x.shape[-1] // heads))
+
+
+def _check_width(width: int, num_heads: int) -> None:
+    if num_heads < 1 or width % num_heads:
+        raise ValueError(f"num_heads={num_heads} must divide the width {width}")
+
+
+def _check_tokens(x: jax.Array, width: int) -> None:
+    if x.ndim != 3 or x.shape[-1] != width:
+        raise ValueError(f"x must have shape [batch, length, {width}], got {x.shape}")
+
+
+def _positions(position: jax.Array | None, b: int, t: int) -> jax.Array:
+    start = jnp.zeros((b,), jnp.int32) if position is None else position
+    return start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+
+class LinearAttention(nnx.Module):
+    """Multi-head linear attention with q/k/v/output projections.
+
+    Args:
+      width: model width (input and output features).
+      num_heads: heads; must divide ``width``.
+      feature_map: a registered name (``fm.names()``), ``"favor_plus"`` or
+        ``"random_fourier"`` (projection drawn from ``rngs``; ``num_features``),
+        ``"hedgehog"`` (learnable), ``"cosformer"`` (``max_length``), or a callable.
+      causal: causal (decoder) or non-causal (encoder) attention.
+      method: causal form, ``"chunked"``, ``"scan"`` or ``"quadratic"``.
+      chunk_size: tokens per chunk.
+      decay: None, ``"retnet"`` (gamma_h = 1 - 2^(-5-h)), a float or one per head.
+      gate: learn a data-dependent log-decay per token and head (``log_sigmoid``
+        of a projection of the input, biased towards slow decay).
+      normalize: divide by ``phi(q)^T Z`` (True) or not; without it an RMSNorm
+        over each head's output keeps the scale (TransNormer).
+      num_features: m for random features (default 2 * head_dim).
+      max_length: cosFormer's M.
+      eps: the denominator's epsilon.
+      rngs, dtype, param_dtype: as in Flax.
+
+    Raises:
+      ValueError: unknown feature map or method, heads not dividing the width,
+        a bad decay.
+    """
+
+    def __init__(
+        self,
+        width: int,
+        num_heads: int,
+        *,
+        feature_map: str | Callable = "elu",
+        causal: bool = True,
+        method: str = "chunked",
+        chunk_size: int = 64,
+        decay: None | str | float | Sequence[float] = None,
+        gate: bool = False,
+        normalize: bool = True,
+        num_features: int | None = None,
+        max_length: int = 4096,
+        eps: float = 1e-6,
+        rngs: nnx.Rngs,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+    ):
+        _check_width(width, num_heads)
+        if method not in attn.METHODS:
+            raise ValueError(f"method must be one of {attn.METHODS}, got {method!r}")
+        self.width, self.num_heads, self.head_dim = width, num_heads, width // num_heads
+        self.causal, self.method, self.chunk_size = causal, method, chunk_size
+        self.normalize, self.eps, self.dtype = normalize, eps, dtype
+        linear = lambda n_out, **kw: nnx.Linear(
+            width, n_out, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **kw
+        )
+        self.q_proj, self.k_proj, self.v_proj = (linear(width, use_bias=False) for _ in range(3))
+        self.out_proj = linear(width, use_bias=False)
+        self.decay = nnx.data(self._decay(decay))
+        # Optional parts: None or a module, each assigned once.
+        self.gate_proj = nnx.data(
+            linear(num_heads, bias_init=nnx.initializers.constant(3.0)) if gate else None
+        )
+        self.output_norm = nnx.data(
+            None
+            if normalize
+            else nnx.RMSNorm(self.head_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        )
+        self.feature_map_name = feature_map if isinstance(feature_map, str) else None
+        d = self.head_dim
+        hedgehog = projection = fixed = None
+        if feature_map == "hedgehog":
+            hedgehog = HedgehogFeatureMap(num_heads, d, rngs=rngs, param_dtype=param_dtype)
+        elif feature_map in RANDOM_FEATURES:
+            m = num_features or 2 * d
+            projection = RandomProjection(fm.orthogonal_gaussian(rngs.params(), m, d))
+        elif feature_map == "cosformer":
+            fixed = fm.cosformer(max_length)
+        else:
+            fixed = fm.get(feature_map)  # raises on unknown names
+        self.hedgehog, self.projection = nnx.data(hedgehog), nnx.data(projection)
+        self._feature_map = fixed
+        self.feature_dim = fm.feature_dim(self.phi, d, num_heads)
+
+    def _decay(self, decay) -> jax.Array | None:
+        if decay is None:
+            return None
+        if isinstance(decay, str):
+            if decay != "retnet":
+                raise ValueError(f"decay must be None, 'retnet', a float or [heads], got {decay!r}")
+            return 1.0 - 2.0 ** (-5.0 - jnp.arange(self.num_heads, dtype=jnp.float32))
+        gamma = jnp.broadcast_to(jnp.asarray(decay, jnp.float32), (self.num_heads,))
+        if not bool(jnp.all((gamma > 0) & (gamma <= 1))):
+            raise ValueError(f"decay must lie in (0, 1], got {decay!r}")
+        return gamma
+
+    @property
+    def phi(self) -> Callable:
+        """The feature map as a callable ``[..., h, d] -> [..., h, f]``."""
+        if self.hedgehog is not None:
+            return self.hedgehog
+        if self.projection is not None:
+            return RANDOM_FEATURES[self.feature_map_name](self.projection[...])
+        return self._feature_map
+
+    def redraw_features(self, key: jax.Array) -> None:
+        """Draws a fresh random-feature projection (random-feature maps only)."""
+        if self.projection is None:
+            raise ValueError(f"feature map {self.feature_map_name!r} has no random features")
+        m, d = self.projection.shape
+        self.projection[...] = fm.orthogonal_gaussian(key, m, d)
+
+    def init_state(self, batch: int, max_length: int | None = None) -> LinearAttentionCache:
+        """The empty decoding state (``max_length`` is ignored: the state has a fixed size)."""
+        del max_length
+        if not self.causal:
+            raise ValueError("decoding needs a causal layer (causal=True)")
+        state = attn.init_state(batch, self.num_heads, self.feature_dim, self.head_dim)
+        return LinearAttentionCache(state, jnp.zeros((batch,), jnp.int32))
+
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        key_mask: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        state: LinearAttentionCache | None = None,
+        return_state: bool = False,
+    ):
+        """``x [b, t, width] -> [b, t, width]`` (and the new state if ``return_state``).
+
+        With a ``state`` of a causal layer, a one-token ``x`` takes the O(1) step;
+        a longer one (a prompt) is prefilled through the chunked form.
+        """
+        _check_tokens(x, self.width)
+        if (state is not None or return_state) and not self.causal:
+            raise ValueError("decoding (state=, return_state=) needs a causal layer (causal=True)")
+        b, t, _ = x.shape
+        q, k, v = (_heads(p(x), self.num_heads) for p in (self.q_proj, self.k_proj, self.v_proj))
+        gate = (
+            None
+            if self.gate_proj is None
+            else jax.nn.log_sigmoid(self.gate_proj(x).astype(jnp.float32))
+        )
+        phi = self.phi
+        if not self.causal:
+            out = attn.linear_attention(
+                q,
+                k,
+                v,
+                feature_map=phi,
+                key_mask=key_mask,
+                segment_ids=segment_ids,
+                normalize=self.normalize,
+                eps=self.eps,
+            )
+            new_state = None
+        else:
+            position = None if state is None else state.position
+            if state is not None and t == 1 and key_mask is None and segment_ids is None:
+                out, s = attn.causal_linear_attention_step(
+                    q[:, 0],
+                    k[:, 0],
+                    v[:, 0],
+                    state.state,
+                    feature_map=phi,
+                    decay=self.decay,
+                    gate=None if gate is None else gate[:, 0],
+                    position=position,
+                    normalize=self.normalize,
+                    eps=self.eps,
+                )
+                out = out[:, None]
+            else:
+                out, s = attn.causal_linear_attention(
+                    q,
+                    k,
+                    v,
+                    feature_map=phi,
+                    method=self.method,
+                    chunk_size=self.chunk_size,
+                    initial_state=None if state is None else state.state,
+                    return_state=True,
+                    key_mask=key_mask,
+                    decay=self.decay,
+                    gate=gate,
+                    segment_ids=segment_ids,
+                    positions=_positions(position, b, t),
+                    normalize=self.normalize,
+                    eps=self.eps,
+                )
+            start = jnp.zeros((b,), jnp.int32) if position is None else position
+            new_state = LinearAttentionCache(s, start + t)
+        if self.output_norm is not None:
+            out = self.output_norm(out)
+        y = self.out_proj(out.reshape(b, t, self.width))
+        return (y, new_state) if return_state else y
+
+
+class SoftmaxAttention(nnx.Module):
+    """Multi-head softmax attention (``jax.nn.dot_product_attention``), same call as
+    ``LinearAttention``, with a KV cache for decoding; for like-for-like comparisons.
+
+    Args:
+      width, num_heads, causal: as in ``LinearAttention``.
+      max_length: the KV cache's length (decoding only).
+      rngs, dtype, param_dtype: as in Flax.
+    """
+
+    def __init__(
+        self,
+        width: int,
+        num_heads: int,
+        *,
+        causal: bool = True,
+        max_length: int = 4096,
+        rngs: nnx.Rngs,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        **unused: Any,
+    ):
+        del unused  # linear-attention options (feature_map, chunk_size, ...) do not apply
+        _check_width(width, num_heads)
+        self.width, self.num_heads, self.head_dim = width, num_heads, width // num_heads
+        self.causal, self.max_length = causal, max_length
+        linear = lambda: nnx.Linear(
+            width, width, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (linear() for _ in range(4))
+
+    def init_state(self, batch: int, max_length: int | None = None) -> KVCache:
+        """An empty KV cache of ``max_length`` (the layer's by default) tokens."""
+        if not self.causal:
+            raise ValueError("decoding needs a causal layer (causal=True)")
+        n = max_length or self.max_length
+        shape = (batch, n, self.num_heads, self.head_dim)
+        return KVCache(jnp.zeros(shape), jnp.zeros(shape), jnp.zeros((batch,), jnp.int32))
+
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        key_mask: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        state: KVCache | None = None,
+        return_state: bool = False,
+    ):
+        """``x [b, t, width] -> [b, t, width]`` (and the new KV cache if ``return_state``)."""
+        _check_tokens(x, self.width)
+        if (state is not None or return_state) and not self.causal:
+            raise ValueError("decoding (state=, return_state=) needs a causal layer (causal=True)")
+        b, t, _ = x.shape
+        q, k, v = (_heads(p(x), self.num_heads) for p in (self.q_proj, self.k_proj, self.v_proj))
+        allowed = jnp.ones((b, t, t), bool)
+        if key_mask is not None:
+            allowed = allowed & key_mask[:, None, :]
+        if segment_ids is not None:
+            allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        if self.causal:
+            allowed = allowed & jnp.tril(jnp.ones((1, t, t), bool))
+        new_state = None
+        if state is not None or return_state:
+            if state is None:
+                state = self.init_state(b, max(t, self.max_length))
+            n = state.k.shape[1]
+            write = jax.vmap(
+                lambda cache, new, i: jax.lax.dynamic_update_slice_in_dim(
+                    cache, new.astype(cache.dtype), i, axis=0
+                )
+            )
+            k_all, v_all = write(state.k, k, state.position), write(state.v, v, state.position)
+            query_pos = _positions(state.position, b, t)  # [b, t]
+            allowed = jnp.arange(n)[None, None, :] <= query_pos[:, :, None]
+            if key_mask is not None:  # the prompt's own padding, at its place in the cache
+                pad = write(jnp.ones((b, n), bool), key_mask, state.position)
+                allowed = allowed & pad[:, None, :]
+            k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
+            new_state = KVCache(k_all, v_all, state.position + t)
+        # Scores and softmax in float32, like linear attention's sums.
+        f32 = lambda a: a.astype(jnp.float32)
+        out = jax.nn.dot_product_attention(f32(q), f32(k), f32(v), mask=allowed[:, None])
+        y = self.out_proj(out.astype(q.dtype).reshape(b, t, self.width))
+        return (y, new_state) if return_state else y
+
+
+def make_attention(kind: str, width: int, num_heads: int, **kwargs) -> nnx.Module:
+    """``"linear"`` or ``"softmax"`` attention from one set of options."""
+    if kind == "linear":
+        return LinearAttention(width, num_heads, **kwargs)
+    if kind == "softmax":
+        return SoftmaxAttention(width, num_heads, **kwargs)
+    raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {kind!r}")
+
+
+class MLP(nnx.Module):
+    """``Linear -> gelu -> Linear`` with hidden width ``hidden``."""
+
+    def __init__(
+        self, width: int, hidden: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32
+    ):
+        self.up = nnx.Linear(width, hidden, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.down = nnx.Linear(hidden, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+class TransformerBlock(nnx.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    Args:
+      width, num_heads: as in the attention layers.
+      attention: ``"linear"`` or ``"softmax"``.
+      mlp_ratio: the MLP's hidden width over ``width``.
+      **attention_kwargs: passed to the attention layer (``feature_map``, ``causal``, ...).
+    """
+
+    def __init__(
+        self,
+        width: int,
+        num_heads: int,
+        *,
+        attention: str = "linear",
+        mlp_ratio: int = 4,
+        rngs: nnx.Rngs,
+        dtype=None,
+        param_dtype=jnp.float32,
+        **attention_kwargs,
+    ):
+        norm = lambda: nnx.RMSNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.attention_norm, self.mlp_norm = norm(), norm()
+        self.attention = make_attention(
+            attention,
+            width,
+            num_heads,
+            rngs=rngs,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            **attention_kwargs,
+        )
+        self.mlp = MLP(width, mlp_ratio * width, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+
+    def init_state(self, batch: int, max_length: int | None = None):
+        return self.attention.init_state(batch, max_length)
+
+    def __call__(self, x, *, key_mask=None, segment_ids=None, state=None, return_state=False):
+        h = self.attention(
+            self.attention_norm(x),
+            key_mask=key_mask,
+            segment_ids=segment_ids,
+            state=state,
+            return_state=return_state,
+        )
+        h, state = h if return_state else (h, None)
+        x = x + h
+        x = x + self.mlp(self.mlp_norm(x))
+        return (x, state) if return_state else x
