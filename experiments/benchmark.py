@@ -273,6 +273,46 @@ def plot(rows, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def decode_per_token(prompts=(128, 8192), repeats: int = 20) -> list[dict]:
+    """Median ms per generated token of ``LanguageModel`` after prompts of each length.
+
+    Linear attention's step costs the same whatever the prompt; softmax's grows
+    with its KV cache (sized to the prompt plus the generated tokens).
+    """
+    from flax import nnx
+
+    from linattn_jax import models
+
+    rows = []
+    for attention in ("linear", "softmax"):
+        for t in prompts:
+            model = models.LanguageModel(
+                256,
+                256,
+                2,
+                4,
+                attention=attention,
+                chunk_size=64,
+                max_length=t + repeats + 2,
+                rngs=nnx.Rngs(0),
+            )
+            prompt = jnp.zeros((1, t), jnp.int32)
+            _, state = models._prefill(model, prompt, model.init_state(1, t + repeats + 2))
+            token = jnp.zeros((1, 1), jnp.int32)
+            jax.block_until_ready(models._decode(model, token, state))  # compile
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                _, state = models._decode(model, token, state)
+                jax.block_until_ready(state)
+                times.append(time.perf_counter() - start)
+            rows.append(
+                dict(attention=attention, prompt=t, ms_per_token=1e3 * statistics.median(times))
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv=None) -> None:
     if (
         argv is None
@@ -294,8 +334,21 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--scan-max", type=int, default=65536)
     parser.add_argument("--forward-only", action="store_true")
+    parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="time generate's per-token step after prompts of 128 and 8192",
+    )
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
+    if args.decode:
+        rows = decode_per_token()
+        lines = ["| attention | prompt | ms per generated token |", "|---|---|---|"]
+        lines += [f"| {r['attention']} | {r['prompt']} | {r['ms_per_token']:.2f} |" for r in rows]
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "decode.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
     ints = lambda s: [int(x) for x in s.split(",") if x]
     rows, dot = run(
         ints(args.lengths),

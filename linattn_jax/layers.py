@@ -413,13 +413,50 @@ class MLP(nnx.Module):
         return self.down(jax.nn.gelu(self.up(x)))
 
 
+class ShortConv(nnx.Module):
+    """Depthwise causal convolution over time, kernel ``size`` (Zoology's BaseConv,
+    H3/Based's short convolution): lets attention see the previous few tokens,
+    which recall tasks need. Initialised to the identity plus small noise.
+
+    Decoding keeps the last ``size - 1`` inputs as its state.
+    """
+
+    def __init__(self, width: int, size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        if size < 1:
+            raise ValueError(f"short convolution size must be >= 1, got {size}")
+        kernel = 0.02 * jax.random.normal(rngs.params(), (size, width), param_dtype)
+        self.kernel = nnx.Param(kernel.at[-1].add(1.0))
+        self.size = size
+
+    def init_state(self, batch: int, width: int, dtype=jnp.float32) -> jax.Array:
+        return jnp.zeros((batch, self.size - 1, width), dtype)
+
+    def __call__(self, x: jax.Array, state: jax.Array | None = None):
+        """``x [b, t, w]`` (and the last ``size - 1`` inputs) -> ``(y [b, t, w], new state)``."""
+        b, t, w = x.shape
+        past = self.init_state(b, w, x.dtype) if state is None else state.astype(x.dtype)
+        padded = jnp.concatenate([past, x], axis=1)
+        kernel = self.kernel[...].astype(x.dtype)
+        y = sum(kernel[i][None, None] * padded[:, i : i + t] for i in range(self.size))
+        return y, padded[:, t:]
+
+
+class BlockState(NamedTuple):
+    """A ``TransformerBlock``'s decoding state: its attention's and its convolution's."""
+
+    attention: Any
+    conv: jax.Array | None
+
+
 class TransformerBlock(nnx.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+    """Pre-norm block: ``x + attn(conv(norm(x)))``, then ``x + mlp(norm(x))``.
 
     Args:
       width, num_heads: as in the attention layers.
       attention: ``"linear"`` or ``"softmax"``.
       mlp_ratio: the MLP's hidden width over ``width``.
+      short_conv: kernel size of a causal depthwise convolution before attention
+        (0: none); causal blocks only.
       **attention_kwargs: passed to the attention layer (``feature_map``, ``causal``, ...).
     """
 
@@ -430,13 +467,19 @@ class TransformerBlock(nnx.Module):
         *,
         attention: str = "linear",
         mlp_ratio: int = 4,
+        short_conv: int = 0,
         rngs: nnx.Rngs,
         dtype=None,
         param_dtype=jnp.float32,
         **attention_kwargs,
     ):
+        if short_conv and not attention_kwargs.get("causal", True):
+            raise ValueError("short_conv is causal: use it in causal blocks only")
         norm = lambda: nnx.RMSNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.attention_norm, self.mlp_norm = norm(), norm()
+        self.conv = nnx.data(
+            ShortConv(width, short_conv, rngs=rngs, param_dtype=param_dtype) if short_conv else None
+        )
         self.attention = make_attention(
             attention,
             width,
@@ -447,19 +490,27 @@ class TransformerBlock(nnx.Module):
             **attention_kwargs,
         )
         self.mlp = MLP(width, mlp_ratio * width, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.width = width
 
-    def init_state(self, batch: int, max_length: int | None = None):
-        return self.attention.init_state(batch, max_length)
+    def init_state(self, batch: int, max_length: int | None = None) -> BlockState:
+        conv = None if self.conv is None else self.conv.init_state(batch, self.width)
+        return BlockState(self.attention.init_state(batch, max_length), conv)
 
     def __call__(self, x, *, key_mask=None, segment_ids=None, state=None, return_state=False):
+        h = self.attention_norm(x)
+        conv_state = None
+        if self.conv is not None:
+            h, conv_state = self.conv(h, None if state is None else state.conv)
         h = self.attention(
-            self.attention_norm(x),
+            h,
             key_mask=key_mask,
             segment_ids=segment_ids,
-            state=state,
+            state=None if state is None else state.attention,
             return_state=return_state,
         )
-        h, state = h if return_state else (h, None)
+        if return_state:
+            h, attention_state = h
+            state = BlockState(attention_state, conv_state)
         x = x + h
         x = x + self.mlp(self.mlp_norm(x))
         return (x, state) if return_state else x

@@ -19,6 +19,7 @@ class LanguageModel(nnx.Module):
       width, depth, num_heads: model width, number of blocks, heads per block.
       attention: ``"linear"`` or ``"softmax"``.
       tie_embeddings: share the embedding with the output projection.
+      short_conv: kernel of a causal depthwise convolution before each attention (0: none).
       **block_kwargs: passed to every ``TransformerBlock`` (``feature_map``, ...).
     """
 
@@ -32,6 +33,7 @@ class LanguageModel(nnx.Module):
         attention: str = "linear",
         tie_embeddings: bool = True,
         mlp_ratio: int = 4,
+        short_conv: int = 0,
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -47,6 +49,7 @@ class LanguageModel(nnx.Module):
                     attention=attention,
                     causal=True,
                     mlp_ratio=mlp_ratio,
+                    short_conv=short_conv,
                     rngs=rngs,
                     dtype=dtype,
                     param_dtype=param_dtype,
