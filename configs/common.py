@@ -18,6 +18,9 @@ def base() -> ConfigDict:
     c.stop_at = 0  # stop after this step without changing the schedule (0: run to `steps`)
     c.progress = True  # tqdm progress bar
 
+    c.mesh = ConfigDict()
+    c.mesh.sequence = 1  # devices along the sequence (sequence-parallel linear attention)
+
     c.model = ConfigDict()
     c.model.attention = "linear"  # "linear" or "softmax"
     c.model.feature_map = "elu"

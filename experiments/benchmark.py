@@ -313,17 +313,74 @@ def decode_per_token(prompts=(128, 8192), repeats: int = 20) -> list[dict]:
     return rows
 
 
+def communication(lengths=(65536, 262144, 1048576), shards: int = 8) -> list[dict]:
+    """Bytes per device per layer: sequence-parallel linear attention's state
+    all-gather against the K/V all-gather of softmax sequence parallelism, b=1,
+    h=8, d=dv=f=64, float32, read from the compiled programs and checked against
+    the analytic count (``sequence_parallel.communication_bytes``)."""
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from linattn_jax import sequence_parallel as sp
+
+    if jax.device_count() < shards:
+        raise ValueError(f"needs {shards} devices, found {jax.device_count()}")
+    mesh = Mesh(np.array(jax.devices()[:shards]), ("seq",))
+    b, h, d = 1, 8, 64
+    gather_kv = jax.shard_map(
+        lambda k, v: (
+            jax.lax.all_gather(k, "seq", axis=1, tiled=True),
+            jax.lax.all_gather(v, "seq", axis=1, tiled=True),
+        ),
+        mesh=mesh,
+        in_specs=(P(None, "seq"), P(None, "seq")),
+        out_specs=(P(), P()),
+        check_vma=False,
+    )
+    rows = []
+    for t in lengths:
+        x = jax.ShapeDtypeStruct((b, t, h, d), jnp.float32)
+        linear = jax.jit(
+            functools.partial(
+                la.sequence_parallel_causal_linear_attention,
+                axis_name="seq",
+                mesh=mesh,
+                chunk_size=256,
+            )
+        )
+        received = lambda fn, *args: (
+            sp.allgather_bytes(fn.lower(*args).compile().as_text()) * (shards - 1) // shards
+        )
+        expected = sp.communication_bytes(b, t, h, d, d, d, shards)
+        row = dict(
+            t=t,
+            shards=shards,
+            linear_hlo=received(linear, x, x, x),
+            linear_analytic=expected["linear_state_allgather"],
+            kv_hlo=received(jax.jit(gather_kv), x, x),
+            kv_analytic=expected["kv_allgather"],
+        )
+        row["ratio"] = row["kv_hlo"] / row["linear_hlo"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv=None) -> None:
+    env = dict(MALLOC_ENV)
+    if "--comm" in sys.argv[1:]:  # 8 CPU devices, which XLA reads at start-up too
+        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     if (
         argv is None
         and os.environ.get("LINATTN_BENCH_MALLOC", "1") == "1"
-        and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items())
+        and any(os.environ.get(k) != v for k, v in env.items())
     ):
         # Restart this process with the malloc settings (glibc reads them at start-up).
         os.execve(
             sys.executable,
             [sys.executable, "-m", "experiments.benchmark", *sys.argv[1:]],
-            os.environ | MALLOC_ENV,
+            os.environ | env,
         )
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", default="512,1024,2048,4096,8192,16384,65536")
@@ -339,8 +396,29 @@ def main(argv=None) -> None:
         action="store_true",
         help="time generate's per-token step after prompts of 128 and 8192",
     )
+    parser.add_argument(
+        "--comm",
+        action="store_true",
+        help="communication of sequence parallelism on 8 (forced CPU) devices",
+    )
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
+    if args.comm:
+        rows = communication()
+        lines = [
+            "| t | devices | linear: state all-gather, bytes/device (HLO = analytic) "
+            "| softmax: K/V all-gather, bytes/device (HLO = analytic) | ratio |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['t']} | {r['shards']} | {r['linear_hlo']:,} = {r['linear_analytic']:,}"
+            f" | {r['kv_hlo']:,} = {r['kv_analytic']:,} | {r['ratio']:,.0f}x |"
+            for r in rows
+        ]
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "communication.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
     if args.decode:
         rows = decode_per_token()
         lines = ["| attention | prompt | ms per generated token |", "|---|---|---|"]

@@ -96,10 +96,27 @@ def validate(config: ConfigDict) -> None:
             raise ValueError(f"{field} must be >= 1, got {config[field]}")
     if m.width % m.num_heads:
         raise ValueError(f"model.num_heads={m.num_heads} must divide model.width={m.width}")
-    if config.batch_size % jax.device_count():
+    seq_devices = config.mesh.sequence
+    if seq_devices < 1 or jax.device_count() % seq_devices:
         raise ValueError(
-            f"batch_size={config.batch_size} must be divisible by the {jax.device_count()} devices"
+            f"mesh.sequence={seq_devices} must divide the {jax.device_count()} devices"
         )
+    data_devices = jax.device_count() // seq_devices
+    if config.batch_size % data_devices:
+        raise ValueError(
+            f"batch_size={config.batch_size} must be divisible by the {data_devices} devices "
+            f"of the data axis"
+        )
+    if seq_devices > 1:
+        if config.task == "listops" or m.attention != "linear":
+            raise ValueError(
+                "mesh.sequence > 1 (sequence parallelism) needs a causal linear-attention "
+                "language model"
+            )
+        if config.seq_len % seq_devices:
+            raise ValueError(
+                f"seq_len={config.seq_len} must be divisible by mesh.sequence={seq_devices}"
+            )
     if config.task == "mqar" and 4 * config.mqar.num_pairs > config.seq_len:
         raise ValueError(
             f"seq_len={config.seq_len} is too short for MQAR with "
@@ -155,7 +172,7 @@ def build_task(config: ConfigDict) -> Task:
     )
 
 
-def build_model(config: ConfigDict, task: Task) -> nnx.Module:
+def build_model(config: ConfigDict, task: Task, mesh: Mesh | None = None) -> nnx.Module:
     m = config.model
     kwargs = dict(
         attention=m.attention,
@@ -175,6 +192,8 @@ def build_model(config: ConfigDict, task: Task) -> nnx.Module:
             num_features=m.num_features or None,
             max_length=max(config.seq_len, 1),
         )
+        if config.mesh.sequence > 1:
+            kwargs.update(sequence_axis="sequence", batch_axis="data", mesh=mesh)
     else:
         kwargs.update(max_length=config.seq_len)
     if task.kind == "lm":
@@ -237,20 +256,20 @@ def eval_step(model, inputs, labels, key_mask, kind):
 
 
 class Sharder:
-    """A 1-D ``data`` mesh over every device: batches split, parameters replicated."""
+    """A ``data x sequence`` mesh over every device: batches split over ``data`` (and
+    their length over ``sequence``), parameters replicated."""
 
-    def __init__(self):
-        self.mesh = Mesh(np.array(jax.devices()), ("data",))
-        self.batch = NamedSharding(self.mesh, PartitionSpec("data"))
+    def __init__(self, sequence: int = 1):
+        devices = np.array(jax.devices()).reshape(-1, sequence)
+        self.mesh = Mesh(devices, ("data", "sequence"))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
 
     def put_batch(self, batch: data.Batch):
-        """This process's rows of the global batch, assembled into global arrays."""
-        n, i = jax.process_count(), jax.process_index()
+        """The global batch (every process makes the same one) as sharded arrays."""
 
         def put(x):
-            local = np.split(x, n)[i]
-            return jax.make_array_from_process_local_data(self.batch, local, x.shape)
+            sharding = NamedSharding(self.mesh, PartitionSpec(*("data", "sequence")[: x.ndim]))
+            return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
         return put(batch.inputs), put(batch.labels), put(batch.key_mask)
 
@@ -283,9 +302,9 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(config.to_json(indent=2))
     task = build_task(config)
-    model = build_model(config, task)
+    sharder = Sharder(config.mesh.sequence)
+    model = build_model(config, task, sharder.mesh)
     optimizer = nnx.Optimizer(model, build_optimizer(config), wrt=nnx.Param)
-    sharder = Sharder()
     sharder.replicate(model, optimizer)
 
     options = ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True)

@@ -14,6 +14,7 @@ from linattn_jax.attention import (
     init_state,
     linear_attention,
 )
+from linattn_jax.sequence_parallel import sequence_parallel_causal_linear_attention
 
 __version__ = "0.1.0"
 
@@ -25,4 +26,5 @@ __all__ = [
     "feature_maps",
     "init_state",
     "linear_attention",
+    "sequence_parallel_causal_linear_attention",
 ]

@@ -21,6 +21,7 @@ from flax import nnx
 
 from linattn_jax import attention as attn
 from linattn_jax import feature_maps as fm
+from linattn_jax import sequence_parallel
 
 ATTENTION_KINDS = ("linear", "softmax")
 RANDOM_FEATURES = {"favor_plus": fm.FavorPlus, "random_fourier": fm.RandomFourier}
@@ -126,6 +127,11 @@ class LinearAttention(nnx.Module):
         over each head's output keeps the scale (TransNormer).
       num_features: m for random features (default 2 * head_dim).
       max_length: cosFormer's M.
+      sequence_axis: a mesh axis that splits the sequence: the causal full-sequence
+        forward then runs sequence-parallel (``sequence_parallel``; no key mask or
+        segments there), decoding steps are unaffected.
+      batch_axis: the mesh axis that splits the batch alongside ``sequence_axis``.
+      mesh: the mesh of those axes; the current one (``jax.set_mesh``) when None.
       eps: the denominator's epsilon.
       rngs, dtype, param_dtype: as in Flax.
 
@@ -148,6 +154,9 @@ class LinearAttention(nnx.Module):
         normalize: bool = True,
         num_features: int | None = None,
         max_length: int = 4096,
+        sequence_axis: str | None = None,
+        batch_axis: str | None = None,
+        mesh: jax.sharding.Mesh | None = None,
         eps: float = 1e-6,
         rngs: nnx.Rngs,
         dtype: Any = None,
@@ -159,6 +168,9 @@ class LinearAttention(nnx.Module):
         self.width, self.num_heads, self.head_dim = width, num_heads, width // num_heads
         self.causal, self.method, self.chunk_size = causal, method, chunk_size
         self.normalize, self.eps, self.dtype = normalize, eps, dtype
+        if sequence_axis is not None and not causal:
+            raise ValueError("sequence_axis needs a causal layer (causal=True)")
+        self.sequence_axis, self.batch_axis, self.mesh = sequence_axis, batch_axis, mesh
         linear = lambda n_out, **kw: nnx.Linear(
             width, n_out, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **kw
         )
@@ -279,6 +291,24 @@ class LinearAttention(nnx.Module):
                     eps=self.eps,
                 )
                 out = out[:, None]
+            elif self.sequence_axis is not None and state is None:
+                if key_mask is not None or segment_ids is not None:
+                    raise ValueError("a sequence-parallel layer takes no key_mask or segment_ids")
+                out, s = sequence_parallel.sequence_parallel_causal_linear_attention(
+                    q,
+                    k,
+                    v,
+                    axis_name=self.sequence_axis,
+                    batch_axis=self.batch_axis,
+                    mesh=self.mesh,
+                    feature_map=phi,
+                    chunk_size=self.chunk_size,
+                    return_state=True,
+                    decay=self.decay,
+                    gate=gate,
+                    normalize=self.normalize,
+                    eps=self.eps,
+                )
             else:
                 out, s = attn.causal_linear_attention(
                     q,

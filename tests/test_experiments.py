@@ -114,21 +114,23 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path):
 
 
 @pytest.mark.slow
-def test_sharded_step_gives_the_single_device_loss(tmp_path):
+@pytest.mark.parametrize("devices,sequence", [(4, 1), (8, 4)])  # data only; data x sequence
+def test_sharded_step_gives_the_single_device_loss(tmp_path, devices, sequence):
     assert jax.device_count() == 1
-    config = ["seq_len=32", "steps=3", "batch_size=8"]
+    config = ["seq_len=32", "steps=3", "batch_size=8", "model.gate=true"]
     single = trainer.train(tiny_config("configs/mqar.py:small", *config), tmp_path / "one")
+    config.append(f"mesh.sequence={sequence}")
     script = textwrap.dedent(f"""
         import json, jax
         from tests.test_experiments import tiny_config
         from experiments import trainer
-        assert jax.device_count() == 4
+        assert jax.device_count() == {devices}
         final = trainer.train(tiny_config("configs/mqar.py:small", *{config!r}),
-                              {str(tmp_path / "four")!r})
+                              {str(tmp_path / "many")!r})
         print(json.dumps(final))
     """)
     env = os.environ | {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
         "JAX_PLATFORMS": "cpu",
     }
     out = subprocess.run(
@@ -170,6 +172,7 @@ def test_bad_configs_fail_before_compute(tmp_path):
         (["seq_len=8"], r"seq_len=8 is too short for MQAR with mqar.num_pairs=8"),
         (["batch_size=0"], r"batch_size must be >= 1"),
         (["model.num_heads=3"], r"model.num_heads=3 must divide model.width=16"),
+        (["mesh.sequence=3"], r"mesh.sequence=3 must divide the 1 devices"),
     ]
     for overrides, message in cases:
         with pytest.raises(ValueError, match=message):

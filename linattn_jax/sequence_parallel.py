@@ -1,0 +1,170 @@
+"""Sequence-parallel causal linear attention (LASP; Sun et al. 2024).
+
+A sequence too long for one device is split along its length over a mesh
+axis. Linear attention needs only one thing from the devices before it: their
+(S, Z) state, a fixed f x (v+1) matrix per head, not their keys and values.
+Each device runs the chunked form on its shard from a zero state; the shards'
+final states and total decays are all-gathered (n small matrices) and folded
+into the state entering each shard, an exclusive prefix that respects decay
+and gating; each shard then adds ``phi(q_i)^T (decay to i) S_in``. The result
+equals the single-device output; gradients flow through by autodiff (the
+all-gather's transpose is a reduce-scatter).
+
+Communication per layer: an all-gather of ``n * b * h * f * (v+1)`` floats,
+against ``t * b * h * (d + v)`` for gathering keys and values, which is what
+softmax sequence parallelism needs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from linattn_jax import attention as attn
+from linattn_jax import feature_maps
+from linattn_jax.typing import Array, FeatureMap, Float
+
+
+def sequence_parallel_causal_linear_attention(
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b t h d"],
+    v: Float[Array, "b t h v"],
+    *,
+    axis_name: str,
+    mesh: jax.sharding.Mesh | None = None,
+    batch_axis: str | None = None,
+    feature_map: str | FeatureMap = "elu",
+    chunk_size: int = 64,
+    initial_state: attn.LinearAttentionState | None = None,
+    return_state: bool = False,
+    decay: Any = None,
+    gate: Array | None = None,
+    normalize: bool = True,
+    eps: float = 1e-6,
+):
+    """Causal linear attention with the length sharded over mesh axis ``axis_name``.
+
+    Args:
+      q, k, v: ``[b, t, h, d]``, ``[b, t, h, d]``, ``[b, t, h, v]`` (global arrays);
+        t must be divisible by the size of ``axis_name``.
+      axis_name: the mesh axis that splits the sequence.
+      mesh: the mesh; the current one (``jax.set_mesh``) when None.
+      batch_axis: an optional mesh axis that splits the batch too (a 2-D mesh).
+      feature_map, chunk_size, initial_state, return_state, decay, gate, normalize,
+        eps: as in ``causal_linear_attention`` (position-aware maps see global
+        positions).
+
+    Returns:
+      ``out [b, t, h, v]``, or ``(out, state)`` when ``return_state``.
+
+    Raises:
+      ValueError: an axis not in the mesh, a length the axis size does not
+        divide, or any error of ``causal_linear_attention``.
+    """
+    b, t, h, _ = attn._check_qkv(q, k, v, causal=True)
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    for name, axis in [("axis_name", axis_name), ("batch_axis", batch_axis)]:
+        if axis is not None and axis not in mesh.axis_names:
+            raise ValueError(f"{name}={axis!r} is not an axis of the mesh {mesh.axis_names}")
+    shards = mesh.shape[axis_name]
+    if t % shards:
+        raise ValueError(
+            f"length t={t} must be divisible by the {shards} devices of axis {axis_name!r}"
+        )
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    if gate is not None:
+        attn._check_shape("gate", gate, (b, t, h), "[batch, length, heads]")
+    phi = feature_maps.get(feature_map)
+    f = feature_maps.feature_dim(phi, q.shape[-1], h)
+    dtype = feature_maps.accumulation_dtype(q.dtype)
+    attn._log_decay(decay, None, b, 1, h, dtype)  # validates decay before tracing shards
+    state = attn._state_in(initial_state, b, h, f, v.shape[-1], dtype)
+
+    def local(q, k, v, state, extras):
+        t_local = q.shape[1]
+        index = jax.lax.axis_index(axis_name)
+        positions = index * t_local + jnp.arange(t_local)
+        positions = jnp.broadcast_to(positions, q.shape[:2])
+        phi_q, phi_k, v32 = attn._features(q, k, v, phi, None, (positions, positions))
+        log_decay = attn._log_decay(
+            extras.get("decay"), extras.get("gate"), q.shape[0], t_local, h, dtype
+        )
+        out, s_local = attn._chunked(
+            phi_q, phi_k, v32, log_decay, None, None, chunk_size, include_diagonal=True
+        )
+        cum = (
+            jnp.zeros(phi_q.shape[:-1], dtype)
+            if log_decay is None
+            else jnp.cumsum(log_decay, axis=-1)
+        )
+        # Every shard's state and total decay; then the state entering each shard.
+        states = jax.lax.all_gather(s_local, axis_name)  # [n, b, h, f, v+1]
+        totals = jax.lax.all_gather(jnp.exp(cum[..., -1]), axis_name)  # [n, b, h]
+        prefix = [state]
+        for i in range(shards):
+            prefix.append(totals[i][..., None, None] * prefix[-1] + states[i])
+        s_in = jnp.stack(prefix[:-1])[index]
+        out = out + jnp.einsum("bhtf,bhfv->bhtv", phi_q * jnp.exp(cum)[..., None], s_in)
+        return out, prefix[-1]
+
+    seq = P(batch_axis, axis_name)
+    extras = {}
+    extra_specs = {}
+    if decay is not None:
+        extras["decay"], extra_specs["decay"] = jnp.asarray(decay, dtype), P()
+    if gate is not None:
+        extras["gate"], extra_specs["gate"] = gate, seq
+    out, final = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(seq, seq, seq, P(batch_axis), extra_specs),
+        out_specs=(P(batch_axis, None, axis_name), P(batch_axis)),
+        check_vma=False,  # the local scans start from a zero (device-invariant) state
+    )(q, k, v, state, extras)
+    out = attn._finish(out, normalize, eps, v.dtype)
+    if return_state:
+        return out, attn.LinearAttentionState(s=final[..., :-1], z=final[..., -1])
+    return out
+
+
+def communication_bytes(
+    b: int,
+    t: int,
+    h: int,
+    d: int,
+    dv: int,
+    f: int,
+    shards: int,
+    decayed: bool = False,
+    itemsize: int = 4,
+) -> dict[str, int]:
+    """Bytes each device receives per layer: this state all-gather vs a K/V all-gather.
+
+    Each device receives the other ``shards - 1`` shards' states, ``f x (v+1)`` per
+    (b, h), plus their total decay (one number per (b, h)) when ``decayed``.
+    """
+    per_shard = b * h * (f * (dv + 1) + (1 if decayed else 0))
+    return {
+        "linear_state_allgather": (shards - 1) * per_shard * itemsize,
+        "kv_allgather": (shards - 1) * (t // shards) * b * h * (d + dv) * itemsize,
+    }
+
+
+_ITEMSIZE = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
+
+
+def allgather_bytes(hlo_text: str) -> int:
+    """Total bytes of the all-gather results in a compiled HLO module's text."""
+    total = 0
+    for line in hlo_text.splitlines():
+        match = re.search(r"=\s*\(?(\w+)\[([\d,]*)\][^=]*\ball-gather(?:-start)?\(", line)
+        if match and match.group(1) in _ITEMSIZE:
+            dims = [int(x) for x in match.group(2).split(",") if x]
+            total += _ITEMSIZE[match.group(1)] * math.prod(dims)
+    return total

@@ -1,0 +1,139 @@
+"""Sequence-parallel causal linear attention on 8 CPU devices.
+
+The checks need ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before JAX
+starts, so the one test that runs in the main pytest process re-runs this file in
+a subprocess with it; there the device-count guard lets the real tests run.
+"""
+
+import functools
+import os
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+from flax import nnx
+from jax.sharding import Mesh
+
+import linattn_jax as la
+from linattn_jax import layers, sequence_parallel
+from tests import helpers
+
+EIGHT = jax.device_count() == 8
+B, H, D, DV = 2, 3, 8, 5
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(EIGHT, reason="this is the launcher; the real tests run below")
+def test_in_a_process_with_eight_devices():
+    env = os.environ | {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    assert " passed" in result.stdout and "skipped" in result.stdout  # the launcher skipped
+
+
+def _mesh(shards, batch=1):
+    devices = np.array(jax.devices()[: shards * batch]).reshape(batch, shards)
+    return Mesh(devices, ("batch", "seq"))
+
+
+@pytest.mark.skipif(not EIGHT, reason="needs 8 devices (run by the launcher test)")
+class SequenceParallelTest(chex.TestCase):
+    @parameterized.product(
+        shards=[2, 4, 8],
+        option=["plain", "decay", "gate_and_state"],
+    )
+    def test_equals_single_device_forward_and_gradient(self, shards, option):
+        t = 6 * shards  # 6 tokens per shard: not a multiple of the chunk size 4
+        q, k, v = helpers.qkv(0, B, t, H, D, DV)
+        opts = {
+            "plain": {},
+            "decay": dict(decay=jnp.array([0.5, 0.9, 1.0])),
+            "gate_and_state": dict(
+                gate=helpers.gate(1, B, t, H), initial_state=helpers.random_state(2, B, H, D, DV)
+            ),
+        }[option]
+        mesh = _mesh(shards)
+        single = functools.partial(la.causal_linear_attention, chunk_size=4, **opts)
+        parallel = functools.partial(
+            la.sequence_parallel_causal_linear_attention,
+            axis_name="seq",
+            mesh=mesh,
+            chunk_size=4,
+            **opts,
+        )
+        tol = helpers.tol(jnp.float32)
+        out, state = jax.jit(functools.partial(parallel, return_state=True))(q, k, v)
+        ref, ref_state = single(q, k, v, return_state=True)
+        chex.assert_trees_all_close(out, ref, **tol)
+        chex.assert_trees_all_close(state, ref_state, **tol)
+        loss = lambda fn: lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
+        grads = [
+            jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))(q, k, v) for fn in (parallel, single)
+        ]
+        chex.assert_trees_all_close(grads[0], grads[1], **helpers.GRAD_TOLERANCE)
+
+    def test_two_dimensional_mesh_and_cosformer_positions(self):
+        q, k, v = helpers.qkv(3, 4, 16, H, D, DV)
+        phi = la.feature_maps.cosformer(64)
+        out = la.sequence_parallel_causal_linear_attention(
+            q,
+            k,
+            v,
+            axis_name="seq",
+            batch_axis="batch",
+            mesh=_mesh(4, batch=2),
+            feature_map=phi,
+            chunk_size=4,
+        )
+        ref = la.causal_linear_attention(q, k, v, feature_map=phi, chunk_size=4)
+        chex.assert_trees_all_close(out, ref, **helpers.tol(jnp.float32))
+
+    def test_layer_with_a_sequence_axis(self):
+        mesh = _mesh(4, batch=2)
+        kw = dict(chunk_size=4, gate=True, decay="retnet")
+        plain = layers.LinearAttention(16, 2, rngs=nnx.Rngs(0), **kw)
+        sharded = layers.LinearAttention(
+            16, 2, sequence_axis="seq", batch_axis="batch", mesh=mesh, rngs=nnx.Rngs(0), **kw
+        )
+        x = jax.random.normal(jax.random.PRNGKey(4), (4, 24, 16))
+        chex.assert_trees_all_close(sharded(x), plain(x), atol=1e-5, rtol=1e-5)
+
+    @parameterized.parameters(False, True)
+    def test_communication_volume_matches_the_compiled_program(self, decayed):
+        """Bytes all-gathered in the compiled HLO equal the analytic count."""
+        b, t, h, d, shards = 1, 4096, 2, 16, 8
+        q = jnp.ones((b, t, h, d))
+        gate = -jnp.ones((b, t, h)) if decayed else None
+        fn = jax.jit(
+            functools.partial(
+                la.sequence_parallel_causal_linear_attention,
+                axis_name="seq",
+                mesh=_mesh(shards),
+                gate=gate,
+            )
+        )
+        hlo = fn.lower(q, q, q).compile().as_text()
+        gathered = sequence_parallel.allgather_bytes(hlo)
+        expected = sequence_parallel.communication_bytes(b, t, h, d, d, d, shards, decayed)
+        # all-gather results hold all n shards; a device receives n - 1 of them.
+        assert gathered * (shards - 1) // shards == expected["linear_state_allgather"]
+
+    def test_errors(self):
+        q, k, v = helpers.qkv(0, B, 12, H, D, DV)
+        with pytest.raises(ValueError, match=r"length t=12 must be divisible by the 8 devices"):
+            la.sequence_parallel_causal_linear_attention(q, k, v, axis_name="seq", mesh=_mesh(8))
+        with pytest.raises(ValueError, match=r"axis_name='x' is not an axis of the mesh"):
+            la.sequence_parallel_causal_linear_attention(q, k, v, axis_name="x", mesh=_mesh(2))
