@@ -348,10 +348,13 @@ def _loop(config, task, model, optimizer, sharder, manager, workdir, start, end)
             )
             loss = float(metrics["loss"])
             if not math.isfinite(loss):
-                raise FloatingPointError(
-                    f"loss became {loss} at step {step + 1}; stopping. The last good checkpoint "
-                    f"is step {manager.latest_step()} in {workdir / 'checkpoints'}"
+                last = manager.latest_step()
+                kept = (
+                    f"the last good checkpoint is step {last} in {workdir / 'checkpoints'}"
+                    if last
+                    else "no checkpoint had been saved yet"
                 )
+                raise FloatingPointError(f"loss became {loss} at step {step + 1}; stopping: {kept}")
             done = step + 1
             if done % config.log_every == 0 or done == end:
                 now = time.perf_counter()

@@ -113,6 +113,7 @@ def linear_attention(
         ``segment_ids``, or an unknown feature map.
     """
     b, t, h, _ = _check_qkv(q, k, v, causal=False)
+    _check_normalize(feature_map, normalize)
     phi_q, phi_k, v32 = _features(q, k, v, feature_map, key_mask)
     dtype = phi_q.dtype
     if segment_ids is None:
@@ -193,12 +194,8 @@ def causal_linear_attention(
     b, t, h, _ = _check_qkv(q, k, v, causal=True)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if (
-        not isinstance(chunk_size, (int, np.integer))
-        or isinstance(chunk_size, bool)
-        or chunk_size < 1
-    ):
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    _check_chunk_size(chunk_size)
+    _check_normalize(feature_map, normalize)
     if positions is not None:
         _check_shape("positions", positions, (b, t), "[batch, length]")
         positions = (positions, positions)
@@ -278,6 +275,7 @@ def causal_linear_attention_step(
         positions = (position[:, None], position[:, None])
     elif getattr(feature_maps.get(feature_map), "needs_positions", False):
         raise ValueError("this feature_map needs positions: pass position=[batch] int")
+    _check_normalize(feature_map, normalize)
     phi_q, phi_k, v32 = _features(q[:, None], k[:, None], v[:, None], feature_map, None, positions)
     if gate is not None:
         _check_shape("gate", gate, (b, h), "[batch, heads]")
@@ -496,6 +494,8 @@ def _features(q, k, v, feature_map, key_mask, positions=None):
         if positions is None:
             positions = [jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2]) for x in (q, k)]
         phi_q, phi_k = phi(q, positions[0]), phi(k, positions[1])
+    elif getattr(phi, "role_aware", False):
+        phi_q, phi_k = phi(q, is_query=True), phi(k, is_query=False)
     else:
         phi_q, phi_k = phi(q), phi(k)
     for name, x, y in [("phi(q)", phi_q, q), ("phi(k)", phi_k, k)]:
@@ -518,6 +518,14 @@ def _features(q, k, v, feature_map, key_mask, positions=None):
         phi_k = jnp.where(key_mask[:, :, None, None], phi_k, 0.0)
     heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
     return heads_first(phi_q), heads_first(phi_k), heads_first(v.astype(dtype))
+
+
+def _check_normalize(feature_map, normalize: bool) -> None:
+    if not normalize and getattr(feature_maps.get(feature_map), "requires_normalize", False):
+        raise ValueError(
+            "this feature_map scales each query's features for stability, which only "
+            "normalize=True cancels: use normalize=True"
+        )
 
 
 def _augment(v: Array) -> Array:
@@ -573,6 +581,15 @@ def _segment_resets(segment_ids, b: int, t: int, dtype) -> Array:
     change = segment_ids[:, 1:] != segment_ids[:, :-1]
     change = jnp.concatenate([jnp.zeros((b, 1), bool), change], axis=1)
     return change.astype(dtype)[:, None, :]
+
+
+def _check_chunk_size(chunk_size) -> None:
+    if (
+        not isinstance(chunk_size, (int, np.integer))
+        or isinstance(chunk_size, bool)
+        or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
 
 
 def _check_rank(name: str, x, rank: int, layout: str) -> None:

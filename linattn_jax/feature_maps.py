@@ -207,23 +207,33 @@ def _projected(x: jax.Array, projection: jax.Array) -> tuple[jax.Array, jax.Arra
 class FavorPlus:
     """Positive random features: ``exp(w . x' - |x'|^2 / 2) / sqrt(m)``, ``x' = x / d^(1/4)``.
 
-    f = m (``num_features``), positive. ``E[phi(q) . phi(k)] = exp(q.k / sqrt(d))``.
-    Numerics: the exponent is at most ``|w|^2 / 2`` whatever x is (its maximum
-    over x), so features never overflow; they underflow to 0 in float32 once
-    ``|x'|^2 / 2`` passes about 87, i.e. for ``|x| > 13 d^(1/4)`` (an RMS above
-    4.5 per coordinate at d = 64): normalise q and k (LayerNorm, l2) first. No
-    data-dependent shift is used, because a per-key shift would change the
-    weights between keys and the decoding step could not reproduce it.
+    f = m (``num_features``), positive. ``E[phi(k) . phi(k')] = exp(k.k' / sqrt(d))``
+    for key features (``is_query=False``, the default).
+
+    Numerics: a key's exponent is at most ``|w|^2 / 2`` whatever k is (its maximum
+    over k), so key features cannot overflow. Query features are shifted per
+    query by ``max_i w_i . q' - |q'|^2 / 2`` (so they lie in (0, 1/sqrt(m)]), as
+    in Performer: a per-query factor cancels between numerator and denominator,
+    so the attention output is unchanged, but only when normalised, hence
+    ``requires_normalize``. Without the shift, a query and a key aligned with the
+    same w overflow float32 once trained q and k grow. Features underflow for
+    ``|x| > 13 d^(1/4)``: normalise q and k (LayerNorm, l2) first.
 
     Attributes:
       projection: ``[m, d]`` random projection (``orthogonal_gaussian``).
     """
 
     projection: jax.Array
+    role_aware = True  # called as phi(x, is_query=...) by the attention functions
+    requires_normalize = True
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, is_query: bool = False) -> jax.Array:
         wx, half_norm = _projected(x, self.projection)
-        return jnp.exp(wx - half_norm) / math.sqrt(self.projection.shape[0])
+        if is_query:
+            exponent = wx - jax.lax.stop_gradient(jnp.max(wx, axis=-1, keepdims=True))
+        else:
+            exponent = wx - half_norm
+        return jnp.exp(exponent) / math.sqrt(self.projection.shape[0])
 
     def redraw(self, key: jax.Array) -> FavorPlus:
         """The same map with a fresh projection drawn from ``key``."""

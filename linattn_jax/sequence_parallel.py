@@ -76,8 +76,8 @@ def sequence_parallel_causal_linear_attention(
         raise ValueError(
             f"length t={t} must be divisible by the {shards} devices of axis {axis_name!r}"
         )
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    attn._check_chunk_size(chunk_size)
+    attn._check_normalize(feature_map, normalize)
     if gate is not None:
         attn._check_shape("gate", gate, (b, t, h), "[batch, length, heads]")
     phi = feature_maps.get(feature_map)

@@ -187,7 +187,10 @@ def test_bad_configs_fail_before_compute(tmp_path):
 
 def test_non_finite_loss_stops_with_a_message(tmp_path):
     config = tiny_config("configs/mqar.py:small", "seq_len=32", "steps=6", "optim.lr=1e30")
-    with pytest.raises(FloatingPointError, match=r"loss became nan at step \d; stopping"):
+    with pytest.raises(
+        FloatingPointError,
+        match=r"loss became nan at step \d; stopping: the last good checkpoint is step 2",
+    ):
         trainer.train(config, tmp_path)
     with ocp.CheckpointManager(tmp_path / "checkpoints") as manager:
         assert manager.latest_step() == 2  # the last good one

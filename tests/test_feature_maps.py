@@ -32,6 +32,10 @@ MAPS = {
     "cosformer": (fm.cosformer(max_length=32), 2 * D, True),
 }
 
+# FAVOR+ scales each query's features (exact under normalisation): compare without
+# the absolute eps, whose weight relative to the denominator that scaling changes.
+EPS = {"favor_plus": 0.0}
+
 
 class EveryMapTest(chex.TestCase):
     @parameterized.parameters(*MAPS)
@@ -46,6 +50,7 @@ class EveryMapTest(chex.TestCase):
     @parameterized.product(name=list(MAPS), method=["chunked", "scan", "quadratic"])
     def test_causal_forms_match_reference(self, name, method):
         phi, _, normalize = MAPS[name]
+        eps = EPS.get(name, 1e-6)
         q, k, v = helpers.qkv(0, B, T, H, D, DV)
         fn = lambda phi, q, k, v: la.causal_linear_attention(
             q,
@@ -55,13 +60,16 @@ class EveryMapTest(chex.TestCase):
             method=method,
             chunk_size=4,
             normalize=normalize,
+            eps=eps,
             return_state=True,
         )
         if isinstance(phi, fm.FavorPlus | fm.RandomFourier):
             out, state = jax.jit(fn)(phi, q, k, v)  # random features travel as a pytree
         else:
             out, state = jax.jit(functools.partial(fn, phi))(q, k, v)
-        ref, ref_state = reference_attention(q, k, v, phi=phi, causal=True, normalize=normalize)
+        ref, ref_state = reference_attention(
+            q, k, v, phi=phi, causal=True, normalize=normalize, eps=eps
+        )
         tol = helpers.tol(jnp.float32)
         chex.assert_trees_all_close(out, ref, **tol)
         chex.assert_trees_all_close((state.s, state.z), ref_state, **tol)
@@ -69,15 +77,18 @@ class EveryMapTest(chex.TestCase):
     @parameterized.parameters(*MAPS)
     def test_noncausal_and_step_match_reference(self, name):
         phi, _, normalize = MAPS[name]
+        eps = EPS.get(name, 1e-6)
         q, k, v = helpers.qkv(1, B, T, H, D, DV)
         tol = helpers.tol(jnp.float32)
-        out = la.linear_attention(q, k, v, feature_map=phi, normalize=normalize)
-        ref, _ = reference_attention(q, k, v, phi=phi, causal=False, normalize=normalize)
+        out = la.linear_attention(q, k, v, feature_map=phi, normalize=normalize, eps=eps)
+        ref, _ = reference_attention(q, k, v, phi=phi, causal=False, normalize=normalize, eps=eps)
         chex.assert_trees_all_close(out, ref, **tol)
-        full = la.causal_linear_attention(q, k, v, feature_map=phi, normalize=normalize)
+        full = la.causal_linear_attention(q, k, v, feature_map=phi, normalize=normalize, eps=eps)
         state = la.init_state(B, H, fm.feature_dim(phi, D), DV)
         step = jax.jit(
-            functools.partial(la.causal_linear_attention_step, feature_map=phi, normalize=normalize)
+            functools.partial(
+                la.causal_linear_attention_step, feature_map=phi, normalize=normalize, eps=eps
+            )
         )
         for i in range(T):
             position = jnp.full((B,), i) if name == "cosformer" else None
@@ -87,13 +98,14 @@ class EveryMapTest(chex.TestCase):
     @parameterized.parameters(*MAPS)
     def test_gradient_matches_reference(self, name):
         phi, _, normalize = MAPS[name]
+        eps = EPS.get(name, 1e-6)
         q, k, v = helpers.qkv(2, B, T, H, D, DV)
         loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
         ours = lambda q, k, v: la.causal_linear_attention(
-            q, k, v, feature_map=phi, chunk_size=4, normalize=normalize
+            q, k, v, feature_map=phi, chunk_size=4, normalize=normalize, eps=eps
         )
         ref = lambda q, k, v: reference_attention(
-            q, k, v, phi=phi, causal=True, normalize=normalize
+            q, k, v, phi=phi, causal=True, normalize=normalize, eps=eps
         )[0]
         grads = [jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v) for f in (ours, ref)]
         chex.assert_trees_all_close(grads[0], grads[1], **helpers.GRAD_TOLERANCE)
@@ -198,6 +210,22 @@ class RandomFeaturesTest(parameterized.TestCase):
         assert fresh.projection.shape == phi.projection.shape
         assert not bool(jnp.allclose(fresh.projection, phi.projection))
 
+    def test_favor_plus_does_not_overflow_when_query_and_key_align(self):
+        """Key features peak at exp(|w|^2 / 2); unshifted, a query on the same w would
+        square that past float32's range (d = 64: about exp(98))."""
+        d, m = 64, 128
+        phi = fm.favor_plus(KEY, d, m)
+        w = phi.projection[jnp.argmax(jnp.linalg.norm(phi.projection, axis=-1))]
+        x = jnp.broadcast_to(w * d**0.25, (1, 4, 1, d))
+        v = jnp.arange(4.0).reshape(1, 4, 1, 1)
+        for out in (
+            la.linear_attention(x, x, v, feature_map=phi),
+            la.causal_linear_attention(x, x, v, feature_map=phi),
+        ):
+            assert bool(jnp.all(jnp.isfinite(out))), out
+        query = phi(x, is_query=True)
+        assert float(jnp.max(query)) <= 1 / math.sqrt(m) + 1e-7
+
     def test_orthogonal_rows_within_a_block(self):
         w = fm.orthogonal_gaussian(KEY, 12, 8)
         chex.assert_shape(w, (12, 8))
@@ -218,6 +246,10 @@ class BadMapTest(parameterized.TestCase):
             fm.favor_plus(KEY, D, 0)
         with pytest.raises(ValueError, match=r"nu must be an int >= 1, got 0"):
             fm.dpfp(q, nu=0)
+        with pytest.raises(ValueError, match=r"only normalize=True cancels"):
+            la.causal_linear_attention(
+                q, k, v, feature_map=fm.favor_plus(KEY, D, 4), normalize=False
+            )
         with pytest.raises(ValueError, match=r"max_length must be an int >= 1"):
             fm.cosformer(0)
         with pytest.raises(ValueError, match=r"needs positions: pass position"):
