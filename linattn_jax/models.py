@@ -11,6 +11,11 @@ from flax import nnx
 from linattn_jax.layers import TransformerBlock
 
 
+def _blocks(depth: int, width: int, num_heads: int, **kwargs) -> nnx.List:
+    """``depth`` independently initialised ``TransformerBlock``s."""
+    return nnx.List([TransformerBlock(width, num_heads, **kwargs) for _ in range(depth)])
+
+
 class LanguageModel(nnx.Module):
     """Token embedding, causal blocks, final RMSNorm and a tied or untied output.
 
@@ -41,22 +46,18 @@ class LanguageModel(nnx.Module):
     ):
         self.vocab_size = vocab_size
         self.embed = nnx.Embed(vocab_size, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.blocks = nnx.List(
-            [
-                TransformerBlock(
-                    width,
-                    num_heads,
-                    attention=attention,
-                    causal=True,
-                    mlp_ratio=mlp_ratio,
-                    short_conv=short_conv,
-                    rngs=rngs,
-                    dtype=dtype,
-                    param_dtype=param_dtype,
-                    **block_kwargs,
-                )
-                for _ in range(depth)
-            ]
+        self.blocks = _blocks(
+            depth,
+            width,
+            num_heads,
+            attention=attention,
+            causal=True,
+            mlp_ratio=mlp_ratio,
+            short_conv=short_conv,
+            rngs=rngs,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            **block_kwargs,
         )
         self.norm = nnx.RMSNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.head = nnx.data(
@@ -164,21 +165,17 @@ class SequenceClassifier(nnx.Module):
         **block_kwargs,
     ):
         self.embed = nnx.Embed(vocab_size, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.blocks = nnx.List(
-            [
-                TransformerBlock(
-                    width,
-                    num_heads,
-                    attention=attention,
-                    causal=False,
-                    mlp_ratio=mlp_ratio,
-                    rngs=rngs,
-                    dtype=dtype,
-                    param_dtype=param_dtype,
-                    **block_kwargs,
-                )
-                for _ in range(depth)
-            ]
+        self.blocks = _blocks(
+            depth,
+            width,
+            num_heads,
+            attention=attention,
+            causal=False,
+            mlp_ratio=mlp_ratio,
+            rngs=rngs,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            **block_kwargs,
         )
         self.norm = nnx.RMSNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.head = nnx.Linear(width, num_classes, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
