@@ -27,10 +27,10 @@ def get_config(arg: str | None = None) -> ConfigDict:
     if arg == "small":
         c.text.num_files = 16
         c.seq_len = 128
-        c.steps = 300
+        c.steps = 1500
         c.batch_size = 16
-        c.eval_every = 100
-        c.checkpoint_every = 100
+        c.eval_every = 500
+        c.checkpoint_every = 500
         c.log_every = 25
         c.model.width = 64
         c.model.num_heads = 2
