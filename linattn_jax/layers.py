@@ -398,6 +398,8 @@ class SoftmaxAttention(nnx.Module):
             allowed = allowed & jnp.tril(jnp.ones((1, t, t), bool))
         new_state = None
         if state is not None or return_state:
+            if segment_ids is not None:
+                raise ValueError("SoftmaxAttention takes no segment_ids with a KV cache")
             if state is None:
                 state = self.init_state(b, max(t, self.max_length))
             n = state.k.shape[1]

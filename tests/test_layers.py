@@ -163,6 +163,9 @@ class BadConfigTest(parameterized.TestCase):
             layers.LinearAttention(W, H, decay=1.5, rngs=rngs)
         with pytest.raises(ValueError, match=r"attention must be one of"):
             layers.TransformerBlock(W, H, attention="sparse", rngs=rngs)
+        softmax = layers.SoftmaxAttention(W, H, rngs=rngs)
+        with pytest.raises(ValueError, match=r"no segment_ids with a KV cache"):
+            softmax(_x(), segment_ids=jnp.zeros((B, T), jnp.int32), return_state=True)
         encoder = layers.LinearAttention(W, H, causal=False, rngs=rngs)
         with pytest.raises(ValueError, match=r"decoding needs a causal layer"):
             encoder.init_state(B)
