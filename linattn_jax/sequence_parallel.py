@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from linattn_jax import attention as attn
-from linattn_jax import feature_maps
+from linattn_jax import checks, chunking, feature_maps
 from linattn_jax.typing import Array, FeatureMap, Float
 
 
@@ -66,7 +66,7 @@ def sequence_parallel_causal_linear_attention(
       ValueError: an axis not in the mesh, a length the axis size does not
         divide, or any error of ``causal_linear_attention``.
     """
-    b, t, h, _ = attn._check_qkv(q, k, v, causal=True)
+    b, t, h, _ = checks.check_qkv(q, k, v, causal=True)
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     for name, axis in [("axis_name", axis_name), ("batch_axis", batch_axis)]:
         if axis is not None and axis not in mesh.axis_names:
@@ -76,42 +76,45 @@ def sequence_parallel_causal_linear_attention(
         raise ValueError(
             f"length t={t} must be divisible by the {shards} devices of axis {axis_name!r}"
         )
-    attn._check_chunk_size(chunk_size)
-    attn._check_normalize(feature_map, normalize)
-    if gate is not None:
-        attn._check_shape("gate", gate, (b, t, h), "[batch, length, heads]")
+    checks.check_chunk_size(chunk_size)
+    attn.check_normalize(feature_map, normalize)
     phi = feature_maps.get(feature_map)
     f = feature_maps.feature_dim(phi, q.shape[-1], h)
     dtype = feature_maps.accumulation_dtype(q.dtype)
-    attn._log_decay(decay, None, b, 1, h, dtype)  # validates decay before tracing shards
-    state = attn._state_in(initial_state, b, h, f, v.shape[-1], dtype)
+    # Validates decay and gate before tracing the shards.
+    checks.log_decay(decay, gate, b, t, h, dtype)
+    state = attn.state_in(initial_state, b, h, f, v.shape[-1], dtype)
 
     def local(q, k, v, state, extras):
-        t_local = q.shape[1]
+        b_local, t_local = q.shape[:2]
         index = jax.lax.axis_index(axis_name)
         positions = index * t_local + jnp.arange(t_local)
         positions = jnp.broadcast_to(positions, q.shape[:2])
-        phi_q, phi_k, v32 = attn._features(q, k, v, phi, None, (positions, positions))
-        log_decay = attn._log_decay(
-            extras.get("decay"), extras.get("gate"), q.shape[0], t_local, h, dtype
+        phi_q, phi_k, v32 = attn.features(q, k, v, phi, positions=(positions, positions))
+        g, resets = checks.log_decay(
+            extras.get("decay"), extras.get("gate"), b_local, t_local, h, dtype
         )
-        out, s_local = attn._chunked(
-            phi_q, phi_k, v32, log_decay, None, None, chunk_size, include_diagonal=True
+        zero = attn.state_in(None, b_local, h, f, v.shape[-1], dtype)
+        (num, den), (s_local, z_local) = attn.chunked(
+            phi_q, phi_k, v32, g, resets, zero, chunk_size, diagonal=True
         )
-        cum = (
-            jnp.zeros(phi_q.shape[:-1], dtype)
-            if log_decay is None
-            else jnp.cumsum(log_decay, axis=-1)
-        )
-        # Every shard's state and total decay; then the state entering each shard.
-        states = jax.lax.all_gather(s_local, axis_name)  # [n, b, h, f, v+1]
-        totals = jax.lax.all_gather(jnp.exp(cum[..., -1]), axis_name)  # [n, b, h]
-        prefix = [state]
+        # The whole shard as one span of decays: exp(G_i) to each token, and across it.
+        dec = chunking.decays(g, resets, phi_q.shape[:3], dtype)
+        into = jnp.ones(phi_q.shape[:3] + (1,), dtype) if dec is None else dec.into
+        across = jnp.ones((b_local, h, 1), dtype) if dec is None else dec.across
+        # Every shard's state (S | Z, one gather) and total decay; then the state
+        # entering each shard, an exclusive prefix.
+        packed = jnp.concatenate([s_local, z_local[..., None]], axis=-1)
+        states = jax.lax.all_gather(packed, axis_name)  # [n, b, h, f, v+1]
+        totals = jax.lax.all_gather(across[..., 0], axis_name)  # [n, b, h]
+        prefix = [jnp.concatenate([state[0], state[1][..., None]], axis=-1)]
         for i in range(shards):
             prefix.append(totals[i][..., None, None] * prefix[-1] + states[i])
         s_in = jnp.stack(prefix[:-1])[index]
-        out = out + jnp.einsum("bhtf,bhfv->bhtv", phi_q * jnp.exp(cum)[..., None], s_in)
-        return out, prefix[-1]
+        q_in = phi_q * into
+        num = num + jnp.einsum("bhtf,bhfv->bhtv", q_in, s_in[..., :-1])
+        den = den + jnp.einsum("bhtf,bhf->bht", q_in, s_in[..., -1])
+        return num, den, prefix[-1]
 
     seq = P(batch_axis, axis_name)
     extras = {}
@@ -120,14 +123,14 @@ def sequence_parallel_causal_linear_attention(
         extras["decay"], extra_specs["decay"] = jnp.asarray(decay, dtype), P()
     if gate is not None:
         extras["gate"], extra_specs["gate"] = gate, seq
-    out, final = jax.shard_map(
+    num, den, final = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(seq, seq, seq, P(batch_axis), extra_specs),
-        out_specs=(P(batch_axis, None, axis_name), P(batch_axis)),
+        out_specs=(P(batch_axis, None, axis_name), P(batch_axis, None, axis_name), P(batch_axis)),
         check_vma=False,  # the local scans start from a zero (device-invariant) state
     )(q, k, v, state, extras)
-    out = attn._finish(out, normalize, eps, v.dtype)
+    out = attn.finish(num, den, normalize, eps, v.dtype)
     if return_state:
         return out, attn.LinearAttentionState(s=final[..., :-1], z=final[..., -1])
     return out

@@ -43,6 +43,7 @@ def reference_attention(
     phi,
     causal,
     key_mask=None,
+    query_mask=None,
     decay=None,
     gate=None,
     segment_ids=None,
@@ -62,6 +63,8 @@ def reference_attention(
         pk = phi(k).astype(jnp.float32)  # [b, s, h, f]
     weights = jnp.einsum("bthf,bshf->bhts", pq, pk)
     allowed = jnp.ones((b, 1, t, s_len), bool)
+    if query_mask is None and key_mask is not None and t == s_len:
+        query_mask = key_mask  # self-attention: a padded token's own output is 0
     if key_mask is not None:
         allowed = allowed & key_mask[:, None, None, :]
     if segment_ids is not None:
@@ -70,6 +73,8 @@ def reference_attention(
         i = jnp.arange(t)
         allowed = allowed & (i[None, None, :, None] >= i[None, None, None, :])
         g = _per_token_log_decay(b, t, h, decay, gate)
+        if key_mask is not None:  # a padded token does not decay the state either
+            g = jnp.where(key_mask[:, None, :], g, 0.0)
         # log prod_{j < l <= i} a_l, from an explicit indicator [i, j, l].
         ind = (i[None, None, :] > i[None, :, None]) & (i[None, None, :] <= i[:, None, None])
         log_prod = jnp.einsum("ijl,bhl->bhij", ind.astype(jnp.float32), g)
@@ -80,19 +85,24 @@ def reference_attention(
         )
         if segment_ids is not None:
             from_start = jnp.where(_same_run(segment_ids, t)[:, None, :, 0], from_start, 0.0)
+    # The final state reads the last row before any query is masked.
+    last_row = allowed[:, :, -1, :]
+    if query_mask is not None:
+        allowed = allowed & query_mask[:, None, :, None]
     weights = jnp.where(allowed, weights, 0.0)
     num = jnp.einsum("bhts,bshv->bhtv", weights, v)
     den = jnp.sum(weights, axis=-1)
     if causal and initial_state is not None:
         s0, z0 = initial_state
-        num = num + from_start[..., None] * jnp.einsum("bthf,bhfv->bhtv", pq, s0)
-        den = den + from_start * jnp.einsum("bthf,bhf->bht", pq, z0)
+        reach = from_start if query_mask is None else jnp.where(query_mask[:, None], from_start, 0)
+        num = num + reach[..., None] * jnp.einsum("bthf,bhfv->bhtv", pq, s0)
+        den = den + reach * jnp.einsum("bthf,bhf->bht", pq, z0)
     out = num / (den[..., None] + eps) if normalize else num
     out = jnp.transpose(out, (0, 2, 1, 3))
     state = None
     if causal:
         # Final state: the decayed, masked weights of every key as seen from the last token.
-        last = jnp.where(allowed[:, :, -1, :], jnp.exp(log_prod[:, :, -1, :]), 0.0)
+        last = jnp.where(last_row, jnp.exp(log_prod[:, :, -1, :]), 0.0)
         s = jnp.einsum("bhs,bshf,bshv->bhfv", last, pk, v)
         z = jnp.einsum("bhs,bshf->bhf", last, pk)
         if initial_state is not None:

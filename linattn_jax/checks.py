@@ -1,0 +1,199 @@
+"""Input checks and parsing shared by every family of recurrences.
+
+Each check raises a ``ValueError`` that names the argument, the layout it
+expects and what it received. Parsers turn the user-facing options (``decay``,
+``gate``, ``segment_ids``, ``key_mask``) into the internal heads-first layout
+that ``linattn_jax.chunking`` runs over:
+
+* log-decays ``[b, h, t, g]`` with ``g`` 1 (one gate per head) or the feature
+  width (one gate per channel: GLA, KDA), finite and <= 0;
+* resets ``[b, 1 or h, t, 1 or g]``, 1.0 where the state is zeroed before the
+  token (a new segment, or a gate of ``-inf``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from linattn_jax.typing import Array
+
+
+def check_rank(name: str, x, rank: int, layout: str) -> None:
+    if not hasattr(x, "shape") or len(x.shape) != rank:
+        shape = getattr(x, "shape", type(x).__name__)
+        raise ValueError(f"{name} must have rank {rank} {layout}, got shape {shape}")
+
+
+def check_shape(name: str, x, shape: tuple[int, ...], layout: str) -> None:
+    if not hasattr(x, "shape") or tuple(x.shape) != tuple(shape):
+        got = getattr(x, "shape", type(x).__name__)
+        raise ValueError(f"{name} must have shape {layout}={tuple(shape)}, got {got}")
+
+
+def check_same(*named, axes: tuple[int, ...], what: str) -> None:
+    shapes = {name: tuple(x.shape[a] for a in axes) for name, x in named}
+    if len(set(shapes.values())) > 1:
+        got = ", ".join(f"{name} {x.shape}" for name, x in named)
+        raise ValueError(f"{' and '.join(shapes)} must agree in {what}; got {got}")
+
+
+def check_float(*named) -> None:
+    """Integer or bool inputs would make integer outputs: refuse them."""
+    for name, x in named:
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a floating-point array, got dtype {x.dtype}")
+
+
+def check_qkv(q, k, v, *, causal: bool) -> tuple[int, int, int, int]:
+    """Validates ``[b, t, h, d]`` queries against keys and values; returns ``q.shape``."""
+    for name, x in [("q", q), ("k", k), ("v", v)]:
+        check_rank(name, x, 4, "[batch, length, heads, dim]")
+    check_float(("q", q), ("k", k), ("v", v))
+    check_same(("q", q), ("k", k), ("v", v), axes=(0, 2), what="batch and heads")
+    check_same(("k", k), ("v", v), axes=(1,), what="key length")
+    check_same(("q", q), ("k", k), axes=(3,), what="head dimension")
+    if causal:
+        check_same(("q", q), ("k", k), axes=(1,), what="length (causal attention)")
+    return q.shape
+
+
+def check_step_qkv(q, k, v) -> tuple[int, int, int]:
+    """Validates one token's ``[b, h, d]`` query, key and value; returns ``q.shape``."""
+    for name, x in [("q", q), ("k", k), ("v", v)]:
+        check_rank(name, x, 3, "[batch, heads, dim]")
+    check_float(("q", q), ("k", k), ("v", v))
+    check_same(("q", q), ("k", k), ("v", v), axes=(0, 1), what="batch and heads")
+    check_same(("q", q), ("k", k), axes=(2,), what="head dimension")
+    return q.shape
+
+
+def check_chunk_size(chunk_size) -> None:
+    if (
+        not isinstance(chunk_size, (int, np.integer))
+        or isinstance(chunk_size, bool)
+        or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+
+
+def is_concrete(x) -> bool:
+    """True when ``x`` holds values now (not a tracer): only then can its range be checked."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def token_mask(name: str, mask, b: int, t: int) -> Array | None:
+    """A bool ``[b, t]`` mask (True = real token), checked; None passes through."""
+    if mask is None:
+        return None
+    check_shape(name, mask, (b, t), "[batch, length]")
+    if mask.dtype != jnp.bool_:
+        raise ValueError(f"{name} must be bool (True = real token), got {mask.dtype}")
+    return mask
+
+
+def where_token(mask: Array | None, x: Array) -> Array:
+    """``x [b, t, ...]`` with masked tokens replaced by zeros.
+
+    ``where``, not a product: a NaN or inf in a padded token must not reach the
+    real ones, in the forward pass or the gradient (0 * NaN is NaN).
+    """
+    if mask is None:
+        return x
+    return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
+
+
+def log_decay(
+    decay, gate, b: int, t: int, h: int, dtype, *, channels: int | None = None, key_mask=None
+):
+    """``log(decay) + gate`` as internal ``(log-decay [b,h,t,g], resets [b,h,t,g])``.
+
+    Args:
+      decay: None, or a fixed decay in [0, 1], a scalar or one per head ``[h]``.
+      gate: None, or log-decays ``[b, t, h]`` (per head) or, when ``channels`` is
+        given, ``[b, t, h, channels]`` (per channel), values <= 0.
+      channels: the width a per-channel gate must have (None: per-head gates only).
+      key_mask: optional bool ``[b, t]``; a masked (padding) token neither decays
+        nor resets the state, whatever its gate holds.
+
+    Returns:
+      ``(g, resets)``, both None when neither option is given. ``g`` is finite and
+      <= 0; entries of ``-inf`` (a decay of 0: a full reset) become resets with
+      ``g = 0``, so the chunked forms never subtract infinities.
+
+    Out-of-range values that can only be seen under ``jit`` (traced) are clamped:
+    a positive gate counts as 0 (no decay), a decay outside [0, 1] as the nearest
+    end. Every form does the same, so they never disagree. Concrete values out of
+    range raise.
+    """
+    if decay is None and gate is None:
+        return None, None
+    total = jnp.zeros((b, h, t, 1), dtype)
+    if decay is not None:
+        decay = jnp.asarray(decay).astype(dtype)
+        if decay.shape not in ((), (h,)):
+            raise ValueError(f"decay must be a scalar or [heads]=({h},), got shape {decay.shape}")
+        if is_concrete(decay):
+            bad = np.asarray(decay)
+            if np.any(~((bad > 0) & (bad <= 1))):
+                raise ValueError(f"decay must lie in (0, 1], got {bad}")
+        # where, not clip: clip passes on half the gradient at a decay of exactly 1.
+        decay = jnp.where(decay > 1, 1.0, jnp.where(decay < 0, 0.0, decay))
+        decay = jnp.broadcast_to(decay, (h,))
+        total = total + jnp.log(decay)[None, :, None, None]
+    if gate is not None:
+        shapes = {(b, t, h): "[batch, length, heads]"}
+        if channels is not None:
+            shapes[(b, t, h, channels)] = "[batch, length, heads, channels]"
+        if not hasattr(gate, "shape") or tuple(gate.shape) not in shapes:
+            raise ValueError(
+                f"gate must have shape {' or '.join(f'{v}={k}' for k, v in shapes.items())}, "
+                f"got {getattr(gate, 'shape', type(gate).__name__)}"
+            )
+        if not jnp.issubdtype(gate.dtype, jnp.floating):
+            raise ValueError(f"gate must be floating-point log-decays, got dtype {gate.dtype}")
+        if is_concrete(gate) and bool(jnp.any(gate > 0)):
+            raise ValueError(
+                f"gate must be log-decays <= 0, got a maximum of {float(jnp.max(gate))}"
+            )
+        g = gate.astype(dtype)
+        g = g[..., None] if g.ndim == 3 else g
+        total = total + jnp.swapaxes(g, 1, 2)
+    # Not jnp.minimum: at a tie it would pass on half the gradient of a gate of exactly 0.
+    total = jnp.where(total > 0, 0.0, total)
+    # exp(-inf) = 0 zeroes the state: carry that as a reset, keep the log-decay finite.
+    reset = jnp.isneginf(total)
+    if key_mask is not None:
+        reset = reset & key_mask[:, None, :, None]
+    total = where_heads_first(key_mask, jnp.where(reset, 0.0, total))
+    return total, reset.astype(dtype)
+
+
+def where_heads_first(mask: Array | None, x: Array) -> Array:
+    """``x [b, h, t, ...]`` with masked tokens (bool ``[b, t]``) replaced by zeros."""
+    if mask is None:
+        return x
+    mask = mask.reshape((mask.shape[0], 1, mask.shape[1]) + (1,) * (x.ndim - 3))
+    return jnp.where(mask, x, jnp.zeros((), x.dtype))
+
+
+def segment_resets(segment_ids, b: int, t: int, dtype) -> Array:
+    """1.0 at tokens whose id differs from the previous token's, as ``[b, 1, t, 1]``."""
+    check_shape("segment_ids", segment_ids, (b, t), "[batch, length]")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(f"segment_ids must be integers, got {segment_ids.dtype}")
+    change = segment_ids[:, 1:] != segment_ids[:, :-1]
+    change = jnp.concatenate([jnp.zeros((b, 1), bool), change], axis=1)
+    return change.astype(dtype)[:, None, :, None]
+
+
+def merge_resets(*resets: Array | None) -> Array | None:
+    """The union of reset indicators (broadcast together), or None when there are none."""
+    present = [r for r in resets if r is not None]
+    if not present:
+        return None
+    out = present[0]
+    for r in present[1:]:
+        out = jnp.maximum(out, r)
+    return out

@@ -1,0 +1,164 @@
+"""The chunk engine under every family of recurrences: it knows no recurrence itself.
+
+A family (``attention.py``, ``delta_rule.py``) writes the body of one chunk,
+``body(state, x) -> (state, y)``; this module cuts the sequence into chunks,
+scans the body across them, and gives the scan a memory-lean gradient: the
+forward pass stores only the state entering each chunk, the backward pass
+re-runs one chunk at a time in a reverse scan. A gradient then costs
+O(t*d + (t/c) * state) extra memory, not a state per token.
+
+It also holds the decay bookkeeping inside a chunk that every family shares:
+cumulative log-decays, the decay from key j to query i formed as a difference of
+cumulative sums masked BEFORE ``exp`` (never ``exp(G_i) * exp(-G_j)``, which
+overflows for strong decays), and the factors that carry the state across.
+
+Internal layout: heads first, ``[b, h, t, .]``; log-decays ``[b, h, t, g]`` with
+``g`` 1 (per head) or the key width (per channel); resets ``[b, 1|h, t, 1|g]``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from linattn_jax.typing import Array
+
+Body = Callable[[Any, Any], tuple[Any, Any]]
+
+
+def scan(body: Body, state: Any, xs: Any, chunk_size: int, length: int) -> tuple[Any, Any]:
+    """Runs ``body`` over chunks of ``xs`` with a memory-lean gradient.
+
+    Args:
+      body: ``(state, chunk) -> (state, y)``; ``chunk`` has the leaves of ``xs``
+        cut to ``[b, h, c, ...]``, ``y`` is a pytree of ``[b, h, c, ...]`` arrays.
+      state: the state before the first token (any pytree).
+      xs: a pytree of ``[b, h, length, ...]`` arrays (None leaves allowed). The
+        last chunk is padded with zeros: the bodies treat a zero token as inert
+        (zero key, zero log-decay, no reset).
+      chunk_size: tokens per chunk.
+      length: the sequence length (the size of axis 2 of every leaf).
+
+    Returns:
+      ``(ys with leaves [b, h, length, ...], final state)``.
+    """
+    c = min(chunk_size, length)
+    n = -(-length // c)
+    pad = n * c - length
+
+    def chunks(x: Array) -> Array:
+        x = jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3))
+        return jnp.moveaxis(x.reshape(x.shape[:2] + (n, c) + x.shape[3:]), 2, 0)
+
+    def unchunk(y: Array) -> Array:
+        y = jnp.moveaxis(y, 0, 2)
+        return y.reshape(y.shape[:2] + (n * c,) + y.shape[4:])[:, :, :length]
+
+    state, ys = _scan_chunks(body, state, jax.tree.map(chunks, xs))
+    return jax.tree.map(unchunk, ys), state
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scan_chunks(body, state, xs):
+    """``lax.scan(body, state, xs)`` whose gradient recomputes each chunk."""
+    return jax.lax.scan(body, state, xs)
+
+
+def _scan_chunks_fwd(body, state, xs):
+    def step(s, x):
+        s_next, y = body(s, x)
+        return s_next, (y, s)
+
+    final, (ys, states) = jax.lax.scan(step, state, xs)
+    return (final, ys), (states, xs)
+
+
+def _scan_chunks_bwd(body, residuals, cotangents):
+    states, xs = residuals
+    d_final, d_ys = cotangents
+
+    def step(d_s, inputs):
+        s, x, d_y = inputs
+        _, vjp = jax.vjp(body, s, x)
+        d_s_prev, d_x = vjp((d_s, d_y))
+        return d_s_prev, d_x
+
+    d_state, d_xs = jax.lax.scan(step, d_final, (states, xs, d_ys), reverse=True)
+    return d_state, d_xs
+
+
+_scan_chunks.defvjp(_scan_chunks_fwd, _scan_chunks_bwd)
+
+
+class Decays(NamedTuple):
+    """The decay factors of one chunk, for log-decays ``g [b, h, c, g]`` and resets ``r``.
+
+    ``G_i`` is the cumulative log-decay from the chunk's start to token i (inclusive).
+
+    Attributes:
+      log_cum: ``G [b, h, c, g]``.
+      run: ``[b, 1|h, c, 1|g]`` the number of resets up to token i (0 when none).
+      into: ``[b, h, c, g]`` the decay from the chunk's start to token i, ``exp(G_i)``,
+        0 after a reset: what the incoming state contributes to token i.
+      out_of: ``[b, h, c, g]`` the decay from token j to the chunk's end,
+        ``exp(G_last - G_j)``, 0 before a later reset: how key j reaches the next state.
+      across: ``[b, h, g]`` the decay across the whole chunk, ``exp(G_last)``, or 0.
+    """
+
+    log_cum: Array
+    run: Array | None
+    into: Array
+    out_of: Array
+    across: Array
+
+
+def decays(g: Array | None, r: Array | None, shape: tuple[int, ...], dtype) -> Decays | None:
+    """The chunk's ``Decays``, or None when it has neither log-decays nor resets.
+
+    ``shape`` is ``[b, h, c]``: the shape of the per-head decays when ``g`` is None.
+    """
+    if g is None and r is None:
+        return None
+    log_cum = jnp.zeros(shape + (1,), dtype) if g is None else jnp.cumsum(g, axis=2)
+    last = log_cum[:, :, -1:]
+    into, out_of = jnp.exp(log_cum), jnp.exp(last - log_cum)  # both exponents <= 0
+    run = None
+    if r is not None:
+        run = jnp.cumsum(r, axis=2)
+        into = jnp.where(run == 0, into, 0.0)
+        out_of = jnp.where(run == run[:, :, -1:], out_of, 0.0)
+    return Decays(log_cum, run, into, out_of, into[:, :, -1])
+
+
+def decayed_scores(a: Array, b: Array, dec: Decays | None, *, diagonal: bool) -> Array:
+    """``P[i, j] = sum_f a_if b_jf exp(G_if - G_jf)`` for ``j <= i`` (``j < i`` without
+    ``diagonal``) in the same run between resets; 0 elsewhere.
+
+    Args:
+      a: ``[b, h, c, f]`` (e.g. queries).
+      b: ``[b, h, c, f]`` (e.g. keys).
+      dec: the chunk's decays (per head: ``g = 1``; per channel: ``g = f``), or None.
+      diagonal: whether ``P[i, i]`` is kept.
+
+    Returns:
+      ``[b, h, c, c]``.
+    """
+    c = a.shape[2]
+    mask = jnp.tril(jnp.ones((1, 1, c, c), bool), 0 if diagonal else -1)
+    if dec is None:
+        return jnp.where(mask, jnp.einsum("bhif,bhjf->bhij", a, b), 0.0)
+    g = dec.log_cum
+    # [b, h, i, j, g]; the mask goes in BEFORE exp: for j > i the difference is positive.
+    mask = mask[..., None]
+    if dec.run is not None:
+        mask = mask & (dec.run[:, :, :, None] == dec.run[:, :, None, :])
+    diff = jnp.where(mask, g[:, :, :, None] - g[:, :, None, :], -jnp.inf)
+    if g.shape[-1] == 1:
+        return jnp.einsum("bhif,bhjf->bhij", a, b) * jnp.exp(diff[..., 0])
+    # Per-channel decays: the [c, c, f] relative decay is formed explicitly; no
+    # factorisation exp(G_i) * exp(-G_j) is safe for strong gates.
+    return jnp.einsum("bhif,bhjf,bhijf->bhij", a, b, jnp.exp(diff))
