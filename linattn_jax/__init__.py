@@ -1,7 +1,8 @@
 """linattn_jax: linear (kernelized) attention for JAX and Flax.
 
 The maths (``linear_attention``, ``causal_linear_attention``,
-``causal_linear_attention_step``) are pure functions, arrays in and arrays out,
+``causal_linear_attention_step``; the delta rule's ``delta_rule``,
+``delta_rule_step``) are pure functions, arrays in and arrays out,
 jit-, vmap- and grad-compatible; ``feature_maps`` names the kernels.
 """
 
@@ -14,16 +15,28 @@ from linattn_jax.attention import (
     init_state,
     linear_attention,
 )
+from linattn_jax.delta_rule import (
+    DELTA_METHODS,
+    DeltaRuleState,
+    delta_rule,
+    delta_rule_step,
+    init_delta_state,
+)
 from linattn_jax.sequence_parallel import sequence_parallel_causal_linear_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DELTA_METHODS",
     "METHODS",
+    "DeltaRuleState",
     "LinearAttentionState",
     "causal_linear_attention",
     "causal_linear_attention_step",
+    "delta_rule",
+    "delta_rule_step",
     "feature_maps",
+    "init_delta_state",
     "init_state",
     "linear_attention",
     "sequence_parallel_causal_linear_attention",

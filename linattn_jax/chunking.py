@@ -46,8 +46,9 @@ def scan(body: Body, state: Any, xs: Any, chunk_size: int, length: int) -> tuple
     Returns:
       ``(ys with leaves [b, h, length, ...], final state)``.
     """
-    c = min(chunk_size, length)
-    n = -(-length // c)
+    # An empty sequence runs one inert padding token: the state passes through unchanged.
+    c = max(1, min(chunk_size, length))
+    n = max(1, -(-length // c))
     pad = n * c - length
 
     def chunks(x: Array) -> Array:
