@@ -153,9 +153,9 @@ def log_decay(
             )
         if not jnp.issubdtype(gate.dtype, jnp.floating):
             raise ValueError(f"gate must be floating-point log-decays, got dtype {gate.dtype}")
-        if is_concrete(gate) and bool(jnp.any(gate > 0)):
+        if is_concrete(gate) and gate.size and np.max(np.asarray(gate)) > 0:
             raise ValueError(
-                f"gate must be log-decays <= 0, got a maximum of {float(jnp.max(gate))}"
+                f"gate must be log-decays <= 0, got a maximum of {np.max(np.asarray(gate))}"
             )
         g = gate.astype(dtype)
         g = g[..., None] if g.ndim == 3 else g

@@ -255,9 +255,11 @@ def _check_beta(beta, shape: tuple[int, ...], layout: str, key_mask=None) -> Non
     """Shape and dtype always; the range [0, 2] of real tokens' values when concrete."""
     checks.check_shape("beta", beta, shape, layout)
     checks.check_float(("beta", beta))
-    if checks.is_concrete(beta) and beta.size:
-        beta = checks.where_token(key_mask, beta)
-        lo, hi = float(jnp.min(beta)), float(jnp.max(beta))
+    if checks.is_concrete(beta) and checks.is_concrete(key_mask) and beta.size:
+        beta = np.asarray(beta)
+        if key_mask is not None:
+            beta = np.where(np.asarray(key_mask)[..., None], beta, 0.0)
+        lo, hi = float(np.min(beta)), float(np.max(beta))
         if not (lo >= 0.0 and hi <= 2.0):
             raise ValueError(f"beta must lie in [0, 2], got values in [{lo}, {hi}]")
 
