@@ -14,6 +14,26 @@ The learnable Hedgehog map (parameters) lives with the Flax layers
 (``linattn_jax.layers.HedgehogFeatureMap``). Every map computes in float32
 (float64 for float64 inputs) whatever its input dtype: exp-based maps overflow
 in bfloat16 otherwise.
+
+A map may carry boolean attributes that the attention functions and layers read
+(absent means False):
+
+* ``needs_positions``: called as ``phi(x, positions)`` (cosFormer);
+* ``role_aware``: called as ``phi(x, is_query=...)``, queries and keys mapped
+  differently (FAVOR+, Hedgehog);
+* ``requires_normalize``: the map scales each query's features by a factor that
+  only ``normalize=True`` cancels (FAVOR+, Hedgehog's ``form="paper"``);
+  ``normalize=False`` is refused;
+* ``signed``: the kernel ``phi(q) . phi(k)`` can be negative, so the denominator
+  ``phi(q)^T Z`` can be zero or change sign and ``normalize=True`` can divide by
+  about zero: ``identity`` (the plain ``q . k``) and ``random_fourier`` (an
+  unbiased estimate of a positive kernel, but each draw's estimate can be
+  negative). Use them with ``normalize=False``. Not signed: ``taylor``, whose
+  features are signed but whose kernel ``1 + u + u^2/2`` is at least 1/2; the
+  maps with non-negative features (``relu``, ``two_sided_relu``, ``dpfp``), whose
+  denominator is zero only where the numerator is too (the output is then 0);
+  and ``cosformer`` within its documented range ``|i - j| <= max_length``
+  (beyond it the reweighting ``cos`` turns negative).
 """
 
 from __future__ import annotations
@@ -31,12 +51,17 @@ _REGISTRY: dict[str, FeatureMap] = {}
 _NEEDS_A_KEY = {"favor_plus", "random_fourier", "hedgehog", "cosformer"}
 
 
-def register(name: str) -> Callable[[FeatureMap], FeatureMap]:
-    """Decorator: registers a parameter-free map under ``name`` (for ``feature_map=name``)."""
+def register(name: str, *, signed: bool = False) -> Callable[[FeatureMap], FeatureMap]:
+    """Decorator: registers a parameter-free map under ``name`` (for ``feature_map=name``).
+
+    ``signed=True`` marks a map whose kernel can be negative (sets ``fn.signed``).
+    """
 
     def wrap(fn: FeatureMap) -> FeatureMap:
         if name in _REGISTRY:
             raise ValueError(f"feature map {name!r} is already registered")
+        if signed:
+            fn.signed = True
         _REGISTRY[name] = fn
         return fn
 
@@ -111,9 +136,9 @@ def relu(x: jax.Array) -> jax.Array:
     return jax.nn.relu(upcast(x))
 
 
-@register("identity")
+@register("identity", signed=True)
 def identity(x: jax.Array) -> jax.Array:
-    """``x`` itself: the plain linear kernel ``q . k``. f = d, signed."""
+    """``x`` itself: the plain linear kernel ``q . k``. f = d, signed (use ``normalize=False``)."""
     return upcast(x)
 
 
@@ -247,13 +272,14 @@ class RandomFourier:
     """Trigonometric random features: ``exp(|x'|^2 / 2) [cos(w.x'), sin(w.x')] / sqrt(m)``.
 
     f = 2m, signed. ``E[phi(q) . phi(k)] = exp(q.k / sqrt(d))``; its estimate can
-    be negative, so prefer ``normalize=False`` or FAVOR+ for long sequences.
+    be negative (``signed``), so use ``normalize=False``, or FAVOR+.
 
     Attributes:
       projection: ``[m, d]`` random projection (``orthogonal_gaussian``).
     """
 
     projection: jax.Array
+    signed = True  # the kernel estimate can be negative: no safe denominator
 
     def __call__(self, x: jax.Array) -> jax.Array:
         wx, half_norm = _projected(x, self.projection)

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from linattn_jax import attention as attn
@@ -25,6 +26,7 @@ from linattn_jax import sequence_parallel
 
 ATTENTION_KINDS = ("linear", "softmax")
 RANDOM_FEATURES = {"favor_plus": fm.FavorPlus, "random_fourier": fm.RandomFourier}
+HEDGEHOG_FORMS = ("softmax", "paper")
 
 
 class RandomProjection(nnx.Variable):
@@ -60,22 +62,66 @@ class KVCache(NamedTuple):
 class HedgehogFeatureMap(nnx.Module):
     """Hedgehog (Zhang et al. 2024, "The Hedgehog & the Porcupine"): a learnable map.
 
-    A per-head linear map initialised to the identity, then a softmax over
-    ``[x W, -x W]``: ``phi(x) = softmax([x W_h + b_h, -(x W_h + b_h)])``. f = 2d,
-    positive. Trained to mimic softmax attention's spiky, monotonic weights.
+    A per-head affine map initialised to the identity, ``y = x W_h + b_h``, then
+    one of two forms (``form=``). f = 2d, positive in both.
+
+    * ``"softmax"`` (the default; FLA's and Zoology's form, which use
+      ``[2y, -2y]``, i.e. W and b doubled): ``phi(x) = softmax([y, -y])``,
+      ``[exp(y), exp(-y)] / c(x)`` with ``c(x) = sum_i 2 cosh(y_i)``. Its kernel
+      is the paper's divided by ``c(q) c(k)``: ``c(q)`` cancels under
+      normalisation, ``c(k)`` does not, so normalised attention weights are
+      ``K(q, k_j) / c(k_j)`` over their sum, each key reweighted by ``1 / c(k_j)``.
+      Stable for any input.
+    * ``"paper"`` (the paper's equation):
+      ``phi(x) = [exp(y), exp(-y)]``, kernel
+      ``K(q, k) = sum_i 2 cosh(y_q,i + y_k,i)``. Role-aware: a query's features
+      are shifted by ``max_i |y_i|`` (``exp(y - max|y|)``, in (0, 1]), a per-query
+      factor that cancels between numerator and denominator, so attention
+      outputs are the paper's exactly, but only under normalisation
+      (``requires_normalize``; ``eps`` is then relative to the shifted
+      denominator). Queries can be any size. Keys are not shifted (a per-key
+      factor would not cancel): in float32 a key's features are finite while
+      ``|y_k| < 88.7`` (``log`` of float32's maximum), and the sums over t keys
+      (the state, the denominator) while ``max |y_k| < 88.7 - log(2d t max|v|)``
+      (about 73 for d = 64, t = 32k, ``|v| <= 1``). Normalise k (LayerNorm, l2) if
+      trained keys can grow so far.
 
     Call on ``[..., h, d]`` (the heads axis second to last).
+
+    Args:
+      heads, head_dim: h and d.
+      form: ``"softmax"`` or ``"paper"``.
+      rngs, param_dtype: as in Flax (the identity initialisation draws nothing).
     """
 
+    role_aware = True  # called as phi(x, is_query=...); only form="paper" uses it
+
     def __init__(
-        self, heads: int, head_dim: int, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32
+        self,
+        heads: int,
+        head_dim: int,
+        *,
+        form: str = "softmax",
+        rngs: nnx.Rngs,
+        param_dtype: Any = jnp.float32,
     ):
         del rngs  # identity initialisation: nothing random
+        if form not in HEDGEHOG_FORMS:
+            raise ValueError(f"form must be one of {HEDGEHOG_FORMS}, got {form!r}")
+        _check_int("heads", heads, 1)
+        _check_int("head_dim", head_dim, 1)
+        self.form = form
         eye = jnp.broadcast_to(jnp.eye(head_dim, dtype=param_dtype), (heads, head_dim, head_dim))
         self.kernel = nnx.Param(eye)
         self.bias = nnx.Param(jnp.zeros((heads, head_dim), param_dtype))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    @property
+    def requires_normalize(self) -> bool:
+        """True for ``form="paper"``: its query shift cancels only under normalisation."""
+        return self.form == "paper"
+
+    def __call__(self, x: jax.Array, is_query: bool = False) -> jax.Array:
+        """``x [..., h, d] -> [..., h, 2d]``, float32 (float64 for float64 inputs)."""
         heads, d, _ = self.kernel.shape
         if x.shape[-2:] != (heads, d):
             raise ValueError(
@@ -85,7 +131,12 @@ class HedgehogFeatureMap(nnx.Module):
         y = jnp.einsum("...hd,hde->...he", x, self.kernel[...].astype(x.dtype))
         bias = self.bias[...].astype(x.dtype)
         y = y + bias.reshape((1,) * (y.ndim - 2) + bias.shape)
-        return jax.nn.softmax(jnp.concatenate([y, -y], axis=-1), axis=-1)
+        both = jnp.concatenate([y, -y], axis=-1)
+        if self.form == "softmax":
+            return jax.nn.softmax(both, axis=-1)
+        if is_query:
+            both = both - jax.lax.stop_gradient(jnp.max(both, axis=-1, keepdims=True))
+        return jnp.exp(both)
 
 
 def _heads(x: jax.Array, heads: int) -> jax.Array:
@@ -93,9 +144,54 @@ def _heads(x: jax.Array, heads: int) -> jax.Array:
     return x.reshape(x.shape[:-1] + (heads, x.shape[-1] // heads))
 
 
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    """An int (not a bool) of at least ``minimum``, or a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
 def _check_width(width: int, num_heads: int) -> None:
-    if num_heads < 1 or width % num_heads:
+    _check_int("width", width, 1)
+    _check_int("num_heads", num_heads, 1)
+    if width % num_heads:
         raise ValueError(f"num_heads={num_heads} must divide the width {width}")
+
+
+def _make_feature_map(feature_map, heads: int, d: int, *, num_features, max_length, form, **kw):
+    """``(hedgehog, projection, fixed)`` for ``LinearAttention``: exactly one is not None.
+
+    ``kw``: ``rngs`` and ``param_dtype``. Raises on an unknown name or bad options.
+    """
+    # Validated whatever the map; like max_length, ignored by maps they do not apply to
+    # (an experiment passes one set of options to every map it sweeps).
+    if num_features is not None:
+        _check_int("num_features", num_features, 1)
+    if form not in HEDGEHOG_FORMS:
+        raise ValueError(f"hedgehog_form must be one of {HEDGEHOG_FORMS}, got {form!r}")
+    if feature_map == "hedgehog":
+        return HedgehogFeatureMap(heads, d, form=form, **kw), None, None
+    if feature_map in RANDOM_FEATURES:
+        draw = fm.orthogonal_gaussian(kw["rngs"].params(), num_features or 2 * d, d)
+        return None, RandomProjection(draw), None
+    if feature_map == "cosformer":
+        return None, None, fm.cosformer(max_length)
+    return None, None, fm.get(feature_map)  # raises on unknown names
+
+
+def _check_normalize(phi: Callable, normalize: bool, feature_map: Any) -> None:
+    """Refuses, at construction, what the attention functions would refuse at the first call."""
+    if not normalize and getattr(phi, "requires_normalize", False):
+        # The same text as linattn_jax.attention's check (one shared helper to come).
+        raise ValueError(
+            "this feature_map scales each query's features for stability, which only "
+            "normalize=True cancels: use normalize=True"
+        )
+    if normalize and getattr(phi, "signed", False):
+        raise ValueError(
+            f"feature_map={feature_map!r} has a signed kernel: the denominator phi(q)^T Z "
+            "can be zero or change sign, so normalize=True can divide by about zero; use "
+            "normalize=False (an RMSNorm per head then keeps the output's scale)"
+        )
 
 
 def _check_tokens(x: jax.Array, width: int) -> None:
@@ -116,7 +212,8 @@ class LinearAttention(nnx.Module):
       num_heads: heads; must divide ``width``.
       feature_map: a registered name (``fm.names()``), ``"favor_plus"`` or
         ``"random_fourier"`` (projection drawn from ``rngs``; ``num_features``),
-        ``"hedgehog"`` (learnable), ``"cosformer"`` (``max_length``), or a callable.
+        ``"hedgehog"`` (learnable; ``hedgehog_form``), ``"cosformer"``
+        (``max_length``), or a callable.
       causal: causal (decoder) or non-causal (encoder) attention.
       method: causal form, ``"chunked"``, ``"scan"`` or ``"quadratic"``.
       chunk_size: tokens per chunk.
@@ -124,9 +221,17 @@ class LinearAttention(nnx.Module):
       gate: learn a data-dependent log-decay per token and head (``log_sigmoid``
         of a projection of the input, biased towards slow decay).
       normalize: divide by ``phi(q)^T Z`` (True) or not; without it an RMSNorm
-        over each head's output keeps the scale (TransNormer).
-      num_features: m for random features (default 2 * head_dim).
-      max_length: cosFormer's M.
+        over each head's output keeps the scale (TransNormer). Maps that need it
+        (``requires_normalize``: FAVOR+, Hedgehog's paper form) refuse False;
+        signed maps (``signed``: ``"identity"``, ``"random_fourier"``) refuse True.
+      num_features: m for random features (default 2 * head_dim); other maps ignore it.
+      max_length: cosFormer's M; other maps ignore it.
+      hedgehog_form: ``"softmax"`` (default) or ``"paper"``; see ``HedgehogFeatureMap``.
+        Other maps ignore it.
+      feature_dim: d' (Based): q and k are projected to ``feature_dim`` per head
+        (instead of ``head_dim``) before the feature map, so a Taylor map's state
+        has 1 + d' + d'^2 features per head (273 at d' = 16, not 4,161 at d = 64).
+        Values keep ``head_dim``. None: no reduction.
       sequence_axis: a mesh axis that splits the sequence: the causal full-sequence
         forward then runs sequence-parallel (``sequence_parallel``; no key mask or
         segments there), decoding steps are unaffected.
@@ -135,9 +240,16 @@ class LinearAttention(nnx.Module):
       eps: the denominator's epsilon.
       rngs, dtype, param_dtype: as in Flax.
 
+    Attributes:
+      feature_dim: f, the feature map's output dimension per head (the state's
+        size; not the ``feature_dim`` argument, which is ``qk_dim``).
+      qk_dim: the per-head dimension of q and k (``feature_dim`` or ``head_dim``).
+
     Raises:
-      ValueError: unknown feature map or method, heads not dividing the width,
-        a bad decay.
+      ValueError: unknown feature map, method or Hedgehog form; a width, head
+        count, chunk size, ``num_features`` or ``feature_dim`` that is not a
+        positive int; heads not dividing the width; a bad decay; ``normalize``
+        the feature map cannot take.
     """
 
     def __init__(
@@ -154,6 +266,8 @@ class LinearAttention(nnx.Module):
         normalize: bool = True,
         num_features: int | None = None,
         max_length: int = 4096,
+        hedgehog_form: str = "softmax",
+        feature_dim: int | None = None,
         sequence_axis: str | None = None,
         batch_axis: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
@@ -163,9 +277,13 @@ class LinearAttention(nnx.Module):
         param_dtype: Any = jnp.float32,
     ):
         _check_width(width, num_heads)
+        _check_int("chunk_size", chunk_size, 1)
+        if feature_dim is not None:
+            _check_int("feature_dim", feature_dim, 1)
         if method not in attn.METHODS:
             raise ValueError(f"method must be one of {attn.METHODS}, got {method!r}")
         self.width, self.num_heads, self.head_dim = width, num_heads, width // num_heads
+        self.qk_dim = self.head_dim if feature_dim is None else feature_dim
         self.causal, self.method, self.chunk_size = causal, method, chunk_size
         self.normalize, self.eps, self.dtype = normalize, eps, dtype
         if sequence_axis is not None and not causal:
@@ -174,8 +292,9 @@ class LinearAttention(nnx.Module):
         linear = lambda n_out, **kw: nnx.Linear(
             width, n_out, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **kw
         )
-        self.q_proj, self.k_proj, self.v_proj = (linear(width, use_bias=False) for _ in range(3))
-        self.out_proj = linear(width, use_bias=False)
+        qk_width = num_heads * self.qk_dim
+        self.q_proj, self.k_proj = (linear(qk_width, use_bias=False) for _ in range(2))
+        self.v_proj, self.out_proj = (linear(width, use_bias=False) for _ in range(2))
         self.decay = nnx.data(self._decay(decay))
         # Optional parts: None or a module, each assigned once.
         self.gate_proj = nnx.data(
@@ -187,20 +306,19 @@ class LinearAttention(nnx.Module):
             else nnx.RMSNorm(self.head_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         )
         self.feature_map_name = feature_map if isinstance(feature_map, str) else None
-        d = self.head_dim
-        hedgehog = projection = fixed = None
-        if feature_map == "hedgehog":
-            hedgehog = HedgehogFeatureMap(num_heads, d, rngs=rngs, param_dtype=param_dtype)
-        elif feature_map in RANDOM_FEATURES:
-            m = num_features or 2 * d
-            projection = RandomProjection(fm.orthogonal_gaussian(rngs.params(), m, d))
-        elif feature_map == "cosformer":
-            fixed = fm.cosformer(max_length)
-        else:
-            fixed = fm.get(feature_map)  # raises on unknown names
+        hedgehog, projection, self._feature_map = _make_feature_map(
+            feature_map,
+            num_heads,
+            self.qk_dim,
+            num_features=num_features,
+            max_length=max_length,
+            form=hedgehog_form,
+            rngs=rngs,
+            param_dtype=param_dtype,
+        )
         self.hedgehog, self.projection = nnx.data(hedgehog), nnx.data(projection)
-        self._feature_map = fixed
-        self.feature_dim = fm.feature_dim(self.phi, d, num_heads)
+        _check_normalize(self.phi, normalize, feature_map)
+        self.feature_dim = fm.feature_dim(self.phi, self.qk_dim, num_heads)
 
     def _decay(self, decay) -> jax.Array | None:
         if decay is None:
@@ -209,10 +327,18 @@ class LinearAttention(nnx.Module):
             if decay != "retnet":
                 raise ValueError(f"decay must be None, 'retnet', a float or [heads], got {decay!r}")
             return 1.0 - 2.0 ** (-5.0 - jnp.arange(self.num_heads, dtype=jnp.float32))
-        gamma = jnp.broadcast_to(jnp.asarray(decay, jnp.float32), (self.num_heads,))
-        if not bool(jnp.all((gamma > 0) & (gamma <= 1))):
+        try:
+            gamma = np.asarray(decay, np.float32)
+        except (TypeError, ValueError):
+            gamma = None
+        if gamma is None or gamma.shape not in ((), (self.num_heads,)):
+            raise ValueError(
+                f"decay must be None, 'retnet', a float or one per head "
+                f"[num_heads={self.num_heads}], got {decay!r}"
+            )
+        if not np.all((gamma > 0) & (gamma <= 1)):
             raise ValueError(f"decay must lie in (0, 1], got {decay!r}")
-        return gamma
+        return jnp.broadcast_to(jnp.asarray(gamma), (self.num_heads,))
 
     @property
     def phi(self) -> Callable:
@@ -454,8 +580,8 @@ class ShortConv(nnx.Module):
     """
 
     def __init__(self, width: int, size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
-        if size < 1:
-            raise ValueError(f"short convolution size must be >= 1, got {size}")
+        _check_int("width", width, 1)
+        _check_int("size", size, 1)
         kernel = 0.02 * jax.random.normal(rngs.params(), (size, width), param_dtype)
         self.kernel = nnx.Param(kernel.at[-1].add(1.0))
         self.size = size
@@ -505,6 +631,11 @@ class TransformerBlock(nnx.Module):
         param_dtype=jnp.float32,
         **attention_kwargs,
     ):
+        _check_width(width, num_heads)
+        _check_int("mlp_ratio", mlp_ratio, 1)
+        _check_int("short_conv", short_conv, 0)
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
         if short_conv and not attention_kwargs.get("causal", True):
             raise ValueError("short_conv is causal: use it in causal blocks only")
         norm = lambda: nnx.RMSNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)

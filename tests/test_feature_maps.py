@@ -111,6 +111,23 @@ class EveryMapTest(chex.TestCase):
         chex.assert_trees_all_close(grads[0], grads[1], **helpers.GRAD_TOLERANCE)
 
 
+class AttributesTest(parameterized.TestCase):
+    @parameterized.parameters(*MAPS)
+    def test_signed_marks_exactly_the_maps_whose_kernel_goes_negative(self, name):
+        """``signed`` (no safe denominator) iff phi(q).phi(k) < 0 for some random q, k
+        (cosFormer within its range |i - j| <= max_length)."""
+        phi = MAPS[name][0]
+        q, k, _ = helpers.qkv(6, 1, 32, 4, D, 1)
+        if name == "cosformer":
+            positions = jnp.broadcast_to(jnp.arange(32), (1, 32))
+            phi_q, phi_k = phi(q, positions), phi(k, positions)
+        else:
+            phi_q, phi_k = phi(q), phi(k)
+        kernel = jnp.einsum("bthf,bshf->bhts", phi_q, phi_k)
+        assert getattr(phi, "signed", False) == bool(jnp.any(kernel < 0)), name
+        assert getattr(phi, "signed", False) == (name in ("identity", "random_fourier"))
+
+
 class IdentitiesTest(parameterized.TestCase):
     def test_taylor_kernel_is_exact(self):
         with jax.enable_x64(True):

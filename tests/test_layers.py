@@ -21,6 +21,8 @@ LINEAR_OPTIONS = {
     "favor_plus": dict(feature_map="favor_plus", num_features=8),
     "random_fourier": dict(feature_map="random_fourier", num_features=8, normalize=False),
     "hedgehog": dict(feature_map="hedgehog"),
+    "hedgehog_paper": dict(feature_map="hedgehog", hedgehog_form="paper"),
+    "taylor_feature_dim": dict(feature_map="taylor", feature_dim=3),
     "cosformer": dict(feature_map="cosformer", max_length=64),
     "identity_unnormalised": dict(feature_map="identity", normalize=False),
     "decay_gate": dict(feature_map="elu", decay="retnet", gate=True, normalize=False),
