@@ -909,7 +909,7 @@ def load(workdir: str | Path) -> tuple[nnx.Module, ConfigDict]:
     folder = workdir / "checkpoints"
     if not _has_checkpoints(workdir):
         raise ValueError(f"workdir {workdir} has no checkpoint in {folder}")
-    options = ocp.CheckpointManagerOptions(create=False, read_only=True)
+    options = ocp.CheckpointManagerOptions(create=False)
     with ocp.CheckpointManager(folder.absolute(), options=options) as manager:
         target = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
         step, restored = restore_latest(manager, target, workdir, move_unreadable=False)

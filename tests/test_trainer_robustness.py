@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from experiments import sweep, trainer
-from tests.test_experiments import tiny_config
+from tests.test_experiments import record_train_batches, tiny_config
 
 MQAR = "configs/mqar.py:small"
 
@@ -28,23 +28,7 @@ def _standard_promotion():
 
 @pytest.fixture
 def train_batches(monkeypatch):
-    """The steps of the training batches that runs ask for, in order (the first
-    one is where a run starts: a resumed run's first step is that + 1)."""
-    asked = []
-    build_task = trainer.build_task
-
-    def recording(config):
-        task = build_task(config)
-
-        def batch(step, split):
-            if split == "train":
-                asked.append(step)
-            return task.batch(step, split)
-
-        return dataclasses.replace(task, batch=batch)
-
-    monkeypatch.setattr(trainer, "build_task", recording)
-    return asked
+    return record_train_batches(monkeypatch)
 
 
 def _rows(workdir, split="train"):
