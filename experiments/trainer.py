@@ -632,32 +632,49 @@ def prepare_workdir(config: ConfigDict, workdir: Path) -> None:
 def restore_latest(
     manager: ocp.CheckpointManager, target: dict, workdir: Path, move_unreadable: bool = True
 ) -> tuple[int, dict | None]:
-    """Restores the newest readable checkpoint; an unreadable one (a truncated file)
-    is skipped with a warning and, with ``move_unreadable``, moved to
-    ``workdir/checkpoints_unreadable``.
+    """Restores the newest readable checkpoint. Newer unreadable ones (a file
+    truncated by a kill) are skipped with a warning and, with ``move_unreadable``,
+    moved to ``workdir/checkpoints_unreadable``.
 
     Returns:
-      (its step, the restored state), or (0, None) when there is none.
+      (its step, the restored state), or (0, None) when there is no checkpoint.
+
+    Raises:
+      ValueError: there are checkpoints but none is readable (nothing is moved).
     """
-    for step in sorted(manager.all_steps(), reverse=True):
+    steps = sorted(manager.all_steps(), reverse=True)
+    unreadable = []
+    for step in steps:
         try:
-            return step, manager.restore(step, args=ocp.args.StandardRestore(target))
+            restored = manager.restore(step, args=ocp.args.StandardRestore(target))
         except Exception as e:  # orbax and tensorstore raise many kinds
+            unreadable.append((step, _reason(e)))
+            continue
+        for bad, reason in unreadable:
             where = ""
             if move_unreadable:
-                aside = workdir / "checkpoints_unreadable" / str(step)
+                aside = workdir / "checkpoints_unreadable" / str(bad)
                 aside.parent.mkdir(exist_ok=True)
                 shutil.rmtree(aside, ignore_errors=True)
-                shutil.move(workdir / "checkpoints" / str(step), aside)
-                manager.reload()
+                shutil.move(workdir / "checkpoints" / str(bad), aside)
                 where = f" (moved to {aside})"
             logging.warning(
-                "checkpoint step %d in %s is unreadable%s: %s; falling back to the previous one",
-                step,
+                "checkpoint step %d in %s is unreadable%s: %s; falling back to step %d",
+                bad,
                 workdir / "checkpoints",
                 where,
-                _reason(e),
+                reason,
+                step,
             )
+        if unreadable and move_unreadable:
+            manager.reload()
+        return step, restored
+    if unreadable:
+        step, reason = unreadable[0]
+        raise ValueError(
+            f"no checkpoint in {workdir / 'checkpoints'} is readable (step {step}: {reason}); "
+            f"rerun with --config.resume=false to start over there, or use a new --workdir"
+        )
     return 0, None
 
 

@@ -169,16 +169,25 @@ def test_a_workdir_of_another_config_is_refused(tmp_path, train_batches):
 
 @pytest.mark.slow
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, train_batches, caplog):
+    def truncate(step):
+        for path in (tmp_path / "checkpoints" / str(step)).rglob("*"):
+            if path.is_file() and path.stat().st_size > 1000:
+                os.truncate(path, path.stat().st_size // 2)  # a kill mid-write
+
     trainer.train(tiny_config(MQAR, "seq_len=32", "steps=4"), tmp_path)  # saves 2 and 4
-    data_files = [p for p in (tmp_path / "checkpoints" / "4").rglob("*") if p.is_file()]
-    for path in data_files:
-        if path.stat().st_size > 1000:
-            os.truncate(path, path.stat().st_size // 2)  # a kill mid-write
+    truncate(4)
     train_batches.clear()
     final = trainer.train(tiny_config(MQAR, "seq_len=32", "steps=6"), tmp_path)
     assert train_batches[0] == 2
     assert np.isfinite(final["loss"])
     assert "checkpoint step 4" in caplog.text and "unreadable" in caplog.text
+    assert (tmp_path / "checkpoints_unreadable" / "4").is_dir()
+    # None readable: an error, and nothing is moved or started over.
+    truncate(4)
+    truncate(6)
+    with pytest.raises(ValueError, match=r"no checkpoint in .* is readable .*resume=false"):
+        trainer.train(tiny_config(MQAR, "seq_len=32", "steps=8"), tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4", "6"]
 
 
 def test_an_unwritable_workdir_fails_at_once_in_one_line(tmp_path, monkeypatch):
