@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import json
 import logging as logging_std
@@ -182,6 +183,15 @@ def _decay_ok(value: Any) -> bool:
 
 _BOOL = (lambda v: isinstance(v, bool)), "true or false"
 
+# The model fields each attention kind reads (the others are not checked for it).
+# A new kind in layers.ATTENTION_KINDS gets a row here and its kwargs in build_model
+# (tests check that the kinds match).
+ATTENTION_FIELDS = {
+    "linear": ("feature_map", "method", "chunk_size", "decay", "gate", "normalize", "num_features"),
+    "softmax": (),
+}
+KIND_FIELDS = {field for fields in ATTENTION_FIELDS.values() for field in fields}
+
 FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": _integer(0),
     "steps": _integer(1),
@@ -196,7 +206,7 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "progress": _BOOL,
     "resume": _BOOL,
     "mesh.sequence": _integer(1),
-    "model.attention": _one_of(layers.ATTENTION_KINDS),
+    "model.attention": _one_of(ATTENTION_FIELDS),
     "model.method": _one_of(attention.METHODS),
     "model.chunk_size": _integer(1),
     "model.decay": (_decay_ok, "'', 'retnet' or a number in (0, 1]"),
@@ -222,15 +232,8 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "text.num_files": _integer(1),
     "text.val_fraction": _number(0, 1, lo_open=True),
     "text.sample_length": _integer(0),
+    "text.sample_prompt": ((lambda v: isinstance(v, str) and v != ""), "a non-empty string"),
 }
-
-# The model fields each attention kind reads (the others are not checked for it).
-# A new kind in layers.ATTENTION_KINDS gets a row here and its kwargs in build_model.
-ATTENTION_FIELDS = {
-    "linear": ("feature_map", "method", "chunk_size", "decay", "gate", "normalize", "num_features"),
-    "softmax": (),
-}
-LINEAR_ONLY = {field for fields in ATTENTION_FIELDS.values() for field in fields}
 
 
 def _feature_map_names() -> tuple[str, ...]:
@@ -320,7 +323,7 @@ def validate(config: ConfigDict) -> None:
         if name not in fields:
             continue  # another task's section
         short = name.removeprefix("model.")
-        if name.startswith("model.") and short in LINEAR_ONLY and short not in used:
+        if name.startswith("model.") and short in KIND_FIELDS and short not in used:
             continue  # a field this attention kind does not read
         if not ok(fields[name]):
             raise ValueError(f"{name} must be {expected}, got {fields[name]!r}")
@@ -459,10 +462,22 @@ def learning_rate(config: ConfigDict) -> optax.Schedule:
 
 
 def build_optimizer(config: ConfigDict) -> optax.GradientTransformation:
+    """AdamW on the ``learning_rate`` schedule after clipping the gradient norm.
+
+    Equal settings give the same (stateless) object, so that the jitted steps of a
+    second run in one process find their compiled code (``nnx.Optimizer`` holds it
+    as static data).
+    """
     o = config.optim
+    return _optimizer(config.steps, o.lr, o.warmup_steps, o.grad_clip, o.b1, o.b2, o.weight_decay)
+
+
+@functools.lru_cache(maxsize=32)
+def _optimizer(steps, lr, warmup_steps, grad_clip, b1, b2, weight_decay):
+    config = ConfigDict({"steps": steps, "optim": {"lr": lr, "warmup_steps": warmup_steps}})
     return optax.chain(
-        optax.clip_by_global_norm(o.grad_clip),
-        optax.adamw(learning_rate(config), b1=o.b1, b2=o.b2, weight_decay=o.weight_decay),
+        optax.clip_by_global_norm(grad_clip),
+        optax.adamw(learning_rate(config), b1=b1, b2=b2, weight_decay=weight_decay),
     )
 
 

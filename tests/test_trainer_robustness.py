@@ -75,6 +75,8 @@ BAD = [
     ("model.attention=sparse", "model.attention"),
     ("model.feature_map=nope", "model.feature_map"),
     ("mqar.vocab_size=8", "mqar.vocab_size"),
+    ("seed=-1", "seed"),
+    ("eval_every=0", "eval_every"),
     ("model.feature_map=favor_plus model.normalize=false", "model.normalize"),
 ]
 
@@ -90,6 +92,12 @@ def test_bad_settings_fail_naming_the_field_before_the_workdir_is_touched(
         trainer.train(config, tmp_path / "run")
     assert "\n" not in str(info.value)
     assert not (tmp_path / "run").exists() and not compute
+
+
+def test_every_attention_kind_has_a_row_of_fields():
+    from linattn_jax import layers
+
+    assert set(trainer.ATTENTION_FIELDS) == set(layers.ATTENTION_KINDS)
 
 
 def test_a_bad_field_of_an_unused_attention_part_is_not_checked(tmp_path):
