@@ -37,8 +37,14 @@ RANDOM_OR_LEARNED = ("favor_plus", "random_fourier", "hedgehog", "cosformer")
 DTYPES = ("float32", "bfloat16", "float16")
 
 # What a workdir holds besides config.json; --config.resume=false removes these.
-RUN_FILES = ("checkpoints", "checkpoints_unreadable", "metrics.jsonl", "final.json", "final.md")
-RUN_FILES += ("curves.png",)
+RUN_FILES = (
+    "checkpoints",
+    "checkpoints_unreadable",
+    "metrics.jsonl",
+    "final.json",
+    "final.md",
+    "curves.png",
+)
 EVENTS_GLOB = "events.out.tfevents.*"  # TensorBoard (tensorboardX) event files
 
 
@@ -364,11 +370,9 @@ def config_changes(stored: dict, config: ConfigDict) -> list[str]:
     for name in sorted(old.keys() | new.keys()):
         if any(name == p or name.startswith(p + ".") for p in RESUMABLE):
             continue
-        missing = "<absent>"
-        if old.get(name, missing) != new.get(name, missing):
-            changes.append(
-                f"{name}={old.get(name, missing)!r} there, {new.get(name, missing)!r} now"
-            )
+        before, now = old.get(name, "<absent>"), new.get(name, "<absent>")
+        if before != now:
+            changes.append(f"{name}={before!r} there, {now!r} now")
     return changes
 
 
