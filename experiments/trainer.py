@@ -984,6 +984,7 @@ def curves_figure(rows: list[dict], config: ConfigDict | dict | None):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     text = config is not None and config["task"] == "text_lm"
     scale = 1 / math.log(2) if text else 1.0
@@ -995,6 +996,8 @@ def curves_figure(rows: list[dict], config: ConfigDict | dict | None):
             ax_loss.plot(steps, loss, style, label=split)
             ax_acc.plot(steps, acc, style, label=split)
     ax_loss.set(xlabel="step", ylabel="bits per byte" if text else "loss", yscale="log")
+    for set_formatter in (ax_loss.yaxis.set_major_formatter, ax_loss.yaxis.set_minor_formatter):
+        set_formatter(matplotlib.ticker.LogFormatter(labelOnlyBase=False))  # 2.5, not 2.5e0
     ax_acc.set(xlabel="step", ylabel="next-byte accuracy" if text else "accuracy")
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
