@@ -1,7 +1,9 @@
 """Training experiments: data, configs, a few steps of each, resumption, sharding."""
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -43,6 +45,26 @@ def tiny_config(spec, *extra):
     for assignment in TINY + list(extra):
         trainer.override(config, assignment)
     return config
+
+
+def record_train_batches(monkeypatch) -> list[int]:
+    """The steps of the training batches that runs ask for, in order (the first one
+    is where a run starts: a resumed run's first step is that + 1)."""
+    asked = []
+    build_task = trainer.build_task
+
+    def recording(config):
+        task = build_task(config)
+
+        def batch(step, split):
+            if split == "train":
+                asked.append(step)
+            return task.batch(step, split)
+
+        return dataclasses.replace(task, batch=batch)
+
+    monkeypatch.setattr(trainer, "build_task", recording)
+    return asked
 
 
 def test_mqar_batches_recall_the_context():
@@ -101,12 +123,14 @@ def _final_checkpoint(workdir, step):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_to_the_same_parameters(tmp_path):
+def test_killed_run_resumes_to_the_same_parameters(tmp_path, monkeypatch):
     spec = "configs/mqar.py:small"
     straight = trainer.train(tiny_config(spec, "seq_len=32", "steps=6"), tmp_path / "a")
     stopped = trainer.train(tiny_config(spec, "seq_len=32", "steps=6", "stop_at=4"), tmp_path / "b")
     assert stopped == {"stopped_at": 4}
+    batches = record_train_batches(monkeypatch)
     resumed = trainer.train(tiny_config(spec, "seq_len=32", "steps=6"), tmp_path / "b")
+    assert batches[0] == 4  # it resumed: its first step is 5
     assert resumed == straight
     chex.assert_trees_all_equal(
         _final_checkpoint(tmp_path / "a", 6), _final_checkpoint(tmp_path / "b", 6)
@@ -147,7 +171,7 @@ def test_sharded_step_gives_the_single_device_loss(tmp_path, devices, sequence):
 
 
 @pytest.mark.slow
-def test_sweep_writes_a_table_and_a_plot(tmp_path):
+def test_sweep_writes_a_table_and_a_plot(tmp_path, capsys):
     sweep.main(
         [
             "--config",
@@ -157,8 +181,11 @@ def test_sweep_writes_a_table_and_a_plot(tmp_path):
             "--workdir",
             str(tmp_path),
         ]
-        + [f"--set={a}" for a in TINY + ["seq_len=32"]]
+        + [f"--config.{a}" for a in TINY + ["seq_len=32"]]
     )
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"softmax: \d+\.\d% accuracy, eval loss \d\.\d{3} \(\d+s\)", lines[0])
+    assert lines[1].startswith("linear_taylor: ")  # one line per run, as it finishes
     table = (tmp_path / "results.md").read_text()
     assert "| mqar | softmax |" in table and "| mqar | linear | taylor |" in table
     assert (tmp_path / "results.png").stat().st_size > 0
@@ -166,11 +193,11 @@ def test_sweep_writes_a_table_and_a_plot(tmp_path):
 
 def test_bad_configs_fail_before_compute(tmp_path):
     cases = [
-        (["optim.lr=-1"], r"optim.lr must be positive, got -1.0"),
+        (["optim.lr=-1"], r"optim.lr must be a number > 0, got -1.0"),
         (["model.attention=sparse"], r"model.attention must be one of \('linear', 'softmax'\)"),
         (["model.feature_map=nope"], r"feature_map must be one of"),
         (["seq_len=8"], r"seq_len=8 is too short for MQAR with mqar.num_pairs=8"),
-        (["batch_size=0"], r"batch_size must be >= 1"),
+        (["batch_size=0"], r"batch_size must be an integer >= 1, got 0"),
         (["model.num_heads=3"], r"model.num_heads=3 must divide model.width=16"),
         (["mesh.sequence=3"], r"mesh.sequence=3 must divide the 1 devices"),
     ]
@@ -179,18 +206,23 @@ def test_bad_configs_fail_before_compute(tmp_path):
             trainer.train(tiny_config("configs/mqar.py:small", *overrides), tmp_path)
     assert not (tmp_path / "checkpoints").exists()
     config = trainer.load_config("configs/mqar.py:small")
-    with pytest.raises(ValueError, match=r"unknown config field 'model.widht'"):
+    with pytest.raises(
+        ValueError, match=r"unknown config field 'model.widht' \(did you mean 'model.width'\?\)"
+    ):
         trainer.override(config, "model.widht=3")
     with pytest.raises(ValueError, match=r"unknown variant 'big'"):
         trainer.load_config("configs/mqar.py:big")
 
 
 def test_non_finite_loss_stops_with_a_message(tmp_path):
+    # The parameters after step 2 overflow: that shows at step 3's forward, which the
+    # trainer checks before saving them, so no checkpoint of them is kept.
     config = tiny_config("configs/mqar.py:small", "seq_len=32", "steps=6", "optim.lr=1e30")
     with pytest.raises(
         FloatingPointError,
-        match=r"loss became nan at step \d; stopping: the last good checkpoint is step 2",
+        match=r"loss becomes nan at step 3 with the parameters after step 2, which are not "
+        r"saved; stopping: no checkpoint had been saved yet",
     ):
         trainer.train(config, tmp_path)
     with ocp.CheckpointManager(tmp_path / "checkpoints") as manager:
-        assert manager.latest_step() == 2  # the last good one
+        assert manager.latest_step() is None

@@ -1,0 +1,174 @@
+"""The trainer's command lines, plots, TensorBoard events and ``experiments.load``."""
+
+import math
+import re
+import struct
+
+import chex
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+import experiments
+from experiments import sweep, train, trainer
+from tests.test_experiments import tiny_config
+
+MQAR = "configs/mqar.py:small"
+
+
+@pytest.fixture(autouse=True)
+def _standard_promotion():
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+# -- command lines -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("main", [train.main, sweep.main], ids=["train", "sweep"])
+def test_one_override_syntax_and_print_config(main, capsys):
+    argv = ["--config", MQAR, "--print_config", "--config.model.width=32"]
+    assert main([*argv, "--config.optim.lr", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^model\.width +\= 32$", out, flags=re.M)
+    assert re.search(r"^optim\.lr +\= 0\.01$", out, flags=re.M)
+    for field in trainer.flatten(trainer.load_config(MQAR)):  # every field, with its value
+        assert re.search(rf"^{re.escape(field)} += \S", out, flags=re.M), field
+
+
+@pytest.mark.parametrize(
+    "main,flags",
+    [
+        (train.main, ["--config", "--workdir", "--print_config", "--multihost"]),
+        (sweep.main, ["--config", "--workdir", "--print_config", "--sweep"]),
+    ],
+    ids=["train", "sweep"],
+)
+def test_help_describes_every_flag(main, flags, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for flag in flags:  # each flag is followed by its description
+        assert re.search(rf"^  {flag}\b.*\n?.*\w{{4}}", out, flags=re.M), flag
+    assert "--config.<field>=<value>" in out
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--config.model.widht=3"],
+            r"unknown config field 'model.widht' \(did you mean 'model.width'\?\)",
+        ),
+        (["--config.model.width=abc"], r"model.width must be an integer, got 'abc'"),
+        (["--config.optim.grad_clip=-1"], r"optim.grad_clip must be a number > 0, got -1.0"),
+        (["--config.model.width"], r"--config.model.width needs a value"),
+        (["--lr=3"], r"unrecognised argument '--lr=3'"),
+    ],
+)
+@pytest.mark.parametrize("main", [train.main, sweep.main], ids=["train", "sweep"])
+def test_command_line_errors_are_one_line(main, argv, message, tmp_path, capsys):
+    assert main(["--config", MQAR, "--workdir", str(tmp_path / "run"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_misspelt_sweep_field_is_one_line(tmp_path, capsys):
+    argv = ["--config", MQAR, "--workdir", str(tmp_path), "--sweep", "model.widht=16,32"]
+    assert sweep.main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "did you mean 'model.width'" in err
+
+
+# -- plots ---------------------------------------------------------------------
+
+
+def _rows(n=3):
+    rows = []
+    for step in range(1, n + 1):
+        rows.append({"step": step, "split": "train", "loss": 4.0 / step, "accuracy": 0.1 * step})
+        rows.append({"step": step, "split": "eval", "loss": 4.5 / step, "accuracy": 0.1 * step})
+    return rows
+
+
+def test_curves_name_the_run_and_show_text_in_bits_per_byte():
+    import matplotlib.pyplot as plt
+
+    config = tiny_config("configs/text_lm.py:small")
+    fig = trainer.curves_figure(_rows(), config)
+    title = fig._suptitle.get_text()
+    assert all(word in title for word in ("text_lm", "linear", "elu", "width 16")), title
+    loss_ax, acc_ax = fig.axes
+    assert all(ax.get_legend() is not None for ax in fig.axes)
+    assert loss_ax.get_ylabel() == "bits per byte"
+    np.testing.assert_allclose(loss_ax.lines[0].get_ydata()[0], 4.0 / math.log(2))
+    plt.close(fig)
+
+
+def test_sweep_plot_has_chance_distinct_markers_and_an_outside_legend():
+    import matplotlib.pyplot as plt
+
+    config = tiny_config(MQAR)
+    perfect = [dict(r, accuracy=1.0) for r in _rows()]  # two runs at 100%: on top of each other
+    fig = sweep.results_figure([("softmax", config, perfect), ("linear_taylor", config, perfect)])
+    (ax,) = fig.axes
+    chance = [line for line in ax.lines if line.get_label() == "chance"]
+    assert len(chance) == 1 and chance[0].get_ydata()[0] == pytest.approx(1 / 32)
+    runs = [line for line in ax.lines if line.get_label() != "chance"]
+    assert len({(line.get_marker(), line.get_markersize()) for line in runs}) == 2
+    fig.canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    assert legend.x0 >= ax.get_window_extent().x1  # outside the data
+    plt.close(fig)
+
+
+# -- TensorBoard events and load -------------------------------------------------
+
+
+def _events(workdir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the workdir's event files (TFRecord framing), by tag."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in workdir.glob("events.out.tfevents.*"):
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            (length,) = struct.unpack("<Q", data[i : i + 8])
+            event = event_pb2.Event.FromString(data[i + 12 : i + 12 + length])
+            i += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+@pytest.mark.slow
+def test_tensorboard_events_and_load_a_trained_text_model(tmp_path):
+    config = tiny_config(
+        "configs/text_lm.py:small", "seq_len=32", "steps=2", "text.sample_length=4"
+    )
+    trainer.train(config, tmp_path)
+    scalars = _events(tmp_path)
+    for tag in ["learning_rate", "grad_norm", "tokens_per_s", "loss", "accuracy"]:
+        assert [step for step, _ in scalars[f"train/{tag}"]] == [2], tag
+    for tag in ["loss", "accuracy", "bits_per_byte"]:
+        assert [step for step, _ in scalars[f"eval/{tag}"]] == [2], tag
+
+    model, loaded = experiments.load(tmp_path)
+    assert loaded.model.width == 16 and loaded.task == "text_lm"
+    with ocp.CheckpointManager(tmp_path / "checkpoints") as manager:
+        saved = manager.restore(2, args=ocp.args.StandardRestore())["model"]
+    # The same leaves in the same (sorted-key) order; depth 1 keeps "0" and 0 in step.
+    chex.assert_trees_all_equal(
+        jax.tree.leaves(nnx.to_pure_dict(nnx.state(model))), jax.tree.leaves(saved)
+    )
+    text = trainer.sample_text(model, loaded, "def ", 5)
+    assert text.startswith("def ") and len(text.encode()) >= 9 - 4
+
+
+def test_load_refuses_a_folder_that_is_not_a_workdir(tmp_path):
+    with pytest.raises(ValueError, match=r"has no config.json: not a training workdir"):
+        experiments.load(tmp_path)
