@@ -491,13 +491,13 @@ def features(q, k, v, feature_map, key_mask=None, query_mask=None, positions=Non
     return heads_first(phi_q), heads_first(phi_k), heads_first(v.astype(dtype))
 
 
-def check_normalize(feature_map, normalize: bool) -> None:
+def check_normalize(feature_map, normalize: bool, *, name: str | None = None) -> None:
     """Refuses the combinations of feature map and ``normalize`` that give wrong answers.
 
     Raises:
       ValueError: a map that shifts each query's features (FAVOR+) without
         normalisation, or a signed map (identity, random Fourier) with it: its
-        denominator can be zero or negative.
+        denominator can be zero or negative. ``name`` is the map's name in the message.
     """
     phi = feature_maps.get(feature_map)
     if not normalize and getattr(phi, "requires_normalize", False):
@@ -506,9 +506,12 @@ def check_normalize(feature_map, normalize: bool) -> None:
             "normalize=True cancels: use normalize=True"
         )
     if normalize and getattr(phi, "signed", False):
+        if name is None:
+            name = feature_map if isinstance(feature_map, str) else getattr(phi, "__name__", phi)
         raise ValueError(
-            "this feature_map gives signed features, so the denominator phi(q).Z can be "
-            "zero or negative: use normalize=False (and a normalisation after attention)"
+            f"feature_map={name!r} has a signed kernel: the denominator phi(q)^T Z "
+            "can be zero or change sign, so normalize=True can divide by about zero; use "
+            "normalize=False (an RMSNorm per head then keeps the output's scale)"
         )
 
 

@@ -178,22 +178,6 @@ def _make_feature_map(feature_map, heads: int, d: int, *, num_features, max_leng
     return None, None, fm.get(feature_map)  # raises on unknown names
 
 
-def _check_normalize(phi: Callable, normalize: bool, feature_map: Any) -> None:
-    """Refuses, at construction, what the attention functions would refuse at the first call."""
-    if not normalize and getattr(phi, "requires_normalize", False):
-        # The same text as linattn_jax.attention's check (one shared helper to come).
-        raise ValueError(
-            "this feature_map scales each query's features for stability, which only "
-            "normalize=True cancels: use normalize=True"
-        )
-    if normalize and getattr(phi, "signed", False):
-        raise ValueError(
-            f"feature_map={feature_map!r} has a signed kernel: the denominator phi(q)^T Z "
-            "can be zero or change sign, so normalize=True can divide by about zero; use "
-            "normalize=False (an RMSNorm per head then keeps the output's scale)"
-        )
-
-
 def _check_tokens(x: jax.Array, width: int) -> None:
     if x.ndim != 3 or x.shape[-1] != width:
         raise ValueError(f"x must have shape [batch, length, {width}], got {x.shape}")
@@ -317,7 +301,7 @@ class LinearAttention(nnx.Module):
             param_dtype=param_dtype,
         )
         self.hedgehog, self.projection = nnx.data(hedgehog), nnx.data(projection)
-        _check_normalize(self.phi, normalize, feature_map)
+        attn.check_normalize(self.phi, normalize, name=feature_map)  # at construction
         self.feature_dim = fm.feature_dim(self.phi, self.qk_dim, num_heads)
 
     def _decay(self, decay) -> jax.Array | None:
