@@ -232,13 +232,11 @@ def causal_linear_attention(
         resets = checks.merge_resets(resets, checks.segment_resets(segment_ids, b, t, dtype))
     state = state_in(initial_state, b, h, f, dv, dtype, with_z=normalize or return_state)
     if method == "quadratic":
-        x = (phi_q, phi_k, v32, g, resets)
-        state, (num, den) = _chunk_body(True, state, x)
-    else:
-        body = _scan_body if method == "scan" else _chunk_body
-        (num, den), state = chunked(
-            phi_q, phi_k, v32, g, resets, state, chunk_size, diagonal=True, body=body
-        )
+        chunk_size = t  # one chunk: the masked t x t form
+    body = _scan_body if method == "scan" else _chunk_body
+    (num, den), state = chunked(
+        phi_q, phi_k, v32, g, resets, state, chunk_size, diagonal=True, body=body
+    )
     out = finish(num, den, normalize, eps, v.dtype)
     if return_state:
         return out, LinearAttentionState(*state)
@@ -468,7 +466,19 @@ def features(q, k, v, feature_map, key_mask=None, query_mask=None, positions=Non
     )
     if getattr(phi, "needs_positions", False):
         if positions is None:
+            span = max(q.shape[1], k.shape[1]) - 1
             positions = [jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2]) for x in (q, k)]
+        elif all(checks.is_concrete(p) and p.size for p in positions):
+            span = int(max(np.max(p) for p in positions) - min(np.min(p) for p in positions))
+        else:
+            span = None
+        max_length = getattr(phi, "max_length", None)
+        if max_length is not None and span is not None and span > max_length:
+            raise ValueError(
+                f"this feature_map's reweighting holds for query-key distances up to "
+                f"max_length={max_length}, got positions spanning {span}: build it with a "
+                f"larger max_length"
+            )
         phi_q, phi_k = phi(q, positions[0]), phi(k, positions[1])
     elif getattr(phi, "role_aware", False):
         phi_q, phi_k = phi(q, is_query=True), phi(k, is_query=False)

@@ -158,10 +158,10 @@ def log_decay(
                 f"gate must be log-decays <= 0, got a maximum of {np.max(np.asarray(gate))}"
             )
         g = gate.astype(dtype)
+        # Not jnp.minimum: at a tie it would pass on half the gradient of a gate of exactly 0.
+        g = jnp.where(g > 0, 0.0, g)
         g = g[..., None] if g.ndim == 3 else g
         total = total + jnp.swapaxes(g, 1, 2)
-    # Not jnp.minimum: at a tie it would pass on half the gradient of a gate of exactly 0.
-    total = jnp.where(total > 0, 0.0, total)
     # exp(-inf) = 0 zeroes the state: carry that as a reset, keep the log-decay finite.
     reset = jnp.isneginf(total)
     if key_mask is not None:

@@ -21,8 +21,8 @@ import numpy as np
 from flax import nnx
 
 from linattn_jax import attention as attn
+from linattn_jax import checks, sequence_parallel
 from linattn_jax import feature_maps as fm
-from linattn_jax import sequence_parallel
 
 ATTENTION_KINDS = ("linear", "softmax")
 RANDOM_FEATURES = {"favor_plus": fm.FavorPlus, "random_fourier": fm.RandomFourier}
@@ -366,6 +366,8 @@ class LinearAttention(nnx.Module):
         if (state is not None or return_state) and not self.causal:
             raise ValueError("decoding (state=, return_state=) needs a causal layer (causal=True)")
         b, t, _ = x.shape
+        # Padding is replaced by zeros before any product: a NaN there reaches no gradient.
+        x = checks.where_token(checks.token_mask("key_mask", key_mask, b, t), x)
         q, k, v = (_heads(p(x), self.num_heads) for p in (self.q_proj, self.k_proj, self.v_proj))
         gate = (
             None
@@ -498,6 +500,8 @@ class SoftmaxAttention(nnx.Module):
         if (state is not None or return_state) and not self.causal:
             raise ValueError("decoding (state=, return_state=) needs a causal layer (causal=True)")
         b, t, _ = x.shape
+        # Padding is replaced by zeros before any product: a NaN there reaches no gradient.
+        x = checks.where_token(checks.token_mask("key_mask", key_mask, b, t), x)
         q, k, v = (_heads(p(x), self.num_heads) for p in (self.q_proj, self.k_proj, self.v_proj))
         allowed = jnp.ones((b, t, t), bool)
         if key_mask is not None:
