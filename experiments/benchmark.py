@@ -90,13 +90,76 @@ def plain_autodiff_scan(q, k, v):
     return jnp.moveaxis(out, 0, 1)
 
 
+RECURRENCES = {
+    # name: (form, gate shape: None, "head" or "channel")
+    "additive_decay": ("additive", "head"),
+    "gla": ("additive", "channel"),
+    "deltanet": ("delta", None),
+    "gated_deltanet": ("delta", "head"),
+    "kda": ("delta", "channel"),
+}
+
+
+def recurrence_case(name: str, method: str, t: int, b: int = 1, h: int = 8, d: int = 64):
+    """``(fn, args)`` for one recurrence: ``fn(*args) -> out``, differentiable in every arg."""
+    form, gated = RECURRENCES[name]
+    keys = jax.random.split(jax.random.PRNGKey(t), 5)
+    q, k, v = (jax.random.normal(kk, (b, t, h, d), jnp.float32) for kk in keys[:3])
+    gate_shape = {None: None, "head": (b, t, h), "channel": (b, t, h, d)}[gated]
+    gate = None if gate_shape is None else -jax.nn.softplus(jax.random.normal(keys[3], gate_shape))
+    if form == "additive":
+        fn = lambda q, k, v, gate: la.causal_linear_attention(q, k, v, gate=gate, method=method)
+        return fn, (q, k, v, gate)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h)))
+    fn = lambda q, k, v, beta, gate: la.delta_rule(q, k, v, beta, gate=gate, method=method)
+    return fn, (q, k, v, beta, gate)
+
+
+def recurrences(lengths, repeats: int, scan_max: int, names=tuple(RECURRENCES)) -> list[dict]:
+    """Forward and forward+backward of every recurrence family, chunked and scan."""
+    rows = []
+    for t in lengths:
+        key = jax.random.PRNGKey(t)
+        q, k, v = (jax.random.normal(kk, (1, t, 8, 64)) for kk in jax.random.split(key, 3))
+        cases = [("noncausal", "", la.linear_attention, (q, k, v))]
+        for name in names:
+            for method in ("chunked", "scan"):
+                if method == "scan" and t > scan_max:
+                    continue
+                cases.append((name, method, *recurrence_case(name, method, t)))
+        for name, method, fn, args in cases:
+            argnums = tuple(i for i, a in enumerate(args) if a is not None)
+            grad = jax.grad(lambda *a, fn=fn: jnp.sum(fn(*a)), argnums=argnums)
+            row = dict(t=t, recurrence=name, method=method)
+            row["fwd_ms"] = median_ms(jax.jit(fn), args, repeats)
+            row["fwd_bwd_ms"] = median_ms(jax.jit(grad), args, repeats)
+            row["fwd_bwd_scratch_mib"] = scratch_mib(grad, args)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def recurrence_table(rows: list[dict]) -> str:
+    lines = [
+        "| t | recurrence | method | fwd ms | fwd+bwd ms | fwd+bwd scratch MiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['t']} | {r['recurrence']} | {r['method']} | {r['fwd_ms']:.1f} "
+        f"| {r['fwd_bwd_ms']:.1f} | {r['fwd_bwd_scratch_mib']:.1f} |"
+        for r in rows
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def fwd_bwd(fn: Callable) -> Callable:
     return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2))
 
 
 def forward_flops(form: str, t: int, h: int, d: int, chunk_size: int) -> float:
     """Matmul FLOPs executed by one forward (masked halves counted), b=1."""
-    dv = d + 1  # the denominator rides as an extra value column
+    dv = d  # S and Z apart: the denominator is a reduction, not counted
     if form == "noncausal":
         return 2 * h * (2 * t * d * dv)
     if form == "chunked":
@@ -401,6 +464,11 @@ def main(argv=None) -> None:
         action="store_true",
         help="communication of sequence parallelism on 8 (forced CPU) devices",
     )
+    parser.add_argument(
+        "--recurrences",
+        action="store_true",
+        help="the additive, GLA and delta-rule recurrences (chunked and scan) at --lengths",
+    )
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
     if args.comm:
@@ -418,6 +486,14 @@ def main(argv=None) -> None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "communication.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
+        return
+    if args.recurrences:
+        ints = lambda s: [int(x) for x in s.split(",") if x]
+        rows = recurrences(ints(args.lengths), args.repeats, args.scan_max)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        table = recurrence_table(rows)
+        (Path(args.out) / "recurrences.md").write_text(table)
+        print(table)
         return
     if args.decode:
         rows = decode_per_token()
