@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -141,7 +142,7 @@ class LanguageModel(nnx.Module):
           rng: a PRNG key, needed unless ``temperature == 0``; step ``i`` draws with
             ``fold_in(rng, i)``.
           temperature: ``> 0`` divides the logits before sampling; ``0`` is greedy.
-          top_k: sample among the ``top_k`` most likely tokens only (``>= 1``; 1 is greedy).
+          top_k: sample among the ``top_k`` most likely tokens only (``>= 1``).
           top_p: nucleus sampling: among the fewest most likely tokens whose
             probability (after ``temperature`` and ``top_k``) reaches ``top_p``, in (0, 1].
           eos_id: a row stops after sampling this id; its later tokens are ``pad_id``.
@@ -194,7 +195,7 @@ class LanguageModel(nnx.Module):
             _check_prompt_mask(prompt_mask, (b, t))
         if steps == 0:
             return prompt.astype(jnp.int32)
-        greedy = temperature == 0 or top_k == 1
+        greedy = temperature == 0
         if not greedy and rng is None:
             raise ValueError("sampling (temperature > 0) needs a PRNG key: pass rng")
         graphdef, variables = nnx.split(self)
@@ -294,8 +295,37 @@ def _generate(
         key = jax.random.fold_in(rng, i)
         return _sample(logits, key, temperature, top_p, top_k=top_k, use_top_p=use_top_p)
 
-    token = sample(logits[:, -1], 0)
-    done = (token == eos_id) if use_eos else jnp.zeros((b,), bool)
+    out = _decode_loop(
+        model,
+        logits[:, -1],
+        state,
+        steps=steps,
+        sample=sample,
+        eos_id=eos_id if use_eos else None,
+        pad_id=pad_id,
+    )
+    return jnp.concatenate([prompt, out], axis=1)
+
+
+def _decode_loop(
+    model: LanguageModel,
+    logits: jax.Array,
+    state: list,
+    *,
+    steps: int,
+    sample: Callable[[jax.Array, jax.Array], jax.Array],
+    eos_id: jax.Array | None = None,
+    pad_id: jax.Array | int = 0,
+) -> jax.Array:
+    """``steps`` new tokens ``[b, steps]`` int32 from the last logits ``[b, vocab]`` and
+    the decoding ``state`` after them: one model step per token after the first, in
+    a ``lax.while_loop`` that ends once every row has sampled ``eos_id`` (if given).
+
+    ``sample(logits [b, vocab], i) -> [b]`` int32 draws token ``i``.
+    """
+    b = logits.shape[0]
+    token = sample(logits, 0)
+    done = jnp.zeros((b,), bool) if eos_id is None else token == eos_id
     out = jnp.full((b, steps), pad_id, jnp.int32).at[:, 0].set(token)
 
     def cond(carry):
@@ -306,15 +336,13 @@ def _generate(
         i, token, state, out, done = carry
         logits, state = model(token[:, None], state=state, return_state=True)
         token = sample(logits[:, 0], i)
-        out = jax.lax.dynamic_update_slice_in_dim(
-            out, jnp.where(done, pad_id, token)[:, None], i, axis=1
-        )
-        if use_eos:
+        written = jnp.where(done, pad_id, token)  # a stopped row gets padding
+        out = jax.lax.dynamic_update_slice_in_dim(out, written[:, None], i, axis=1)
+        if eos_id is not None:
             done = done | (token == eos_id)
         return i + 1, token, state, out, done
 
-    out = jax.lax.while_loop(cond, body, (jnp.int32(1), token, state, out, done))[3]
-    return jnp.concatenate([prompt, out], axis=1)
+    return jax.lax.while_loop(cond, body, (jnp.int32(1), token, state, out, done))[3]
 
 
 def _sample(

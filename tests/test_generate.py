@@ -76,9 +76,9 @@ class GenerateTest(parameterized.TestCase):
         chex.assert_trees_all_equal(out, _stepwise(model, prompt, 5))
         chex.assert_trees_all_equal(out, _greedy_rerun(model, prompt, 5))
 
-    @parameterized.parameters("decay_gate", "hedgehog_conv", "softmax")
+    @parameterized.parameters("cosformer", "decay_gate", "hedgehog_conv", "softmax")
     def test_left_padded_batch_equals_each_row_alone(self, kind):
-        model, lengths, t, steps = _model(kind), (6, 1, 3), 6, 4
+        model, lengths, t, steps = _model(kind, depth=1), (5, 2), 5, 4
         rows = [_prompt(1, n, seed=10 + i) for i, n in enumerate(lengths)]
         # Padding tokens vary on purpose: nothing of them may reach the real tokens.
         pads = [_prompt(1, t - n, seed=20 + i) for i, n in enumerate(lengths)]
@@ -90,16 +90,6 @@ class GenerateTest(parameterized.TestCase):
         for i, row in enumerate(rows):
             alone = model.generate(row, steps, temperature=0.0)
             chex.assert_trees_all_equal(out[i, t:], alone[0, -steps:])
-
-    def test_padded_prefill_logits_equal_each_row_alone(self):
-        for kind in ("cosformer", "softmax", "hedgehog_conv"):
-            model = _model(kind)
-            row = _prompt(1, 3)
-            padded = jnp.concatenate([_prompt(1, 4, seed=5), row], 1)
-            mask = jnp.arange(7)[None] >= 4
-            y, _ = model(padded, key_mask=mask, state=model.init_state(1, 8), return_state=True)
-            alone, _ = model(row, state=model.init_state(1, 8), return_state=True)
-            chex.assert_trees_all_close(y[:, 4:], alone, atol=1e-5, rtol=1e-5)
 
     def test_eos_stops_rows_and_pads(self):
         model, prompt = _model("elu"), _prompt()
@@ -117,21 +107,16 @@ class GenerateTest(parameterized.TestCase):
         assert bool(jnp.all(out[0, 6:] == eos))
 
     def test_top_k_1_is_greedy_and_sampling_is_valid(self):
-        model, prompt = _model("decay_gate"), _prompt()
+        model, prompt = _model("decay_gate", depth=1), _prompt()
         greedy = model.generate(prompt, 6, temperature=0.0)
         rng = jax.random.PRNGKey(3)
-        chex.assert_trees_all_equal(
-            model.generate(prompt, 6, rng, temperature=1.7, top_k=1), greedy
-        )
-        chex.assert_trees_all_equal(
-            model.generate(prompt, 6, rng, temperature=1.0, top_p=1e-6), greedy
-        )
-        sampled = model.generate(prompt, 30, rng, temperature=1.0, top_k=5, top_p=0.9)
+        top_1 = model.generate(prompt, 6, rng, temperature=1.7, top_k=1, top_p=0.9)
+        chex.assert_trees_all_equal(top_1, greedy)
+        sampled = model.generate(prompt, 6, rng, temperature=1.0, top_k=5, top_p=0.9)
         assert bool(jnp.all((sampled >= 0) & (sampled < V)))
-        assert not bool(jnp.all(sampled == model.generate(prompt, 30, temperature=0.0)))
-        # Same key, same tokens.
-        again = model.generate(prompt, 30, rng, temperature=1.0, top_k=5, top_p=0.9)
-        chex.assert_trees_all_equal(sampled, again)
+        assert not bool(jnp.all(sampled == greedy))
+        again = model.generate(prompt, 6, rng, temperature=1.0, top_k=5, top_p=0.9)
+        chex.assert_trees_all_equal(sampled, again)  # same key, same tokens
 
     def test_top_k_keeps_only_the_k_best(self):
         logits = jnp.log(jnp.asarray([[0.05, 0.4, 0.3, 0.25]]))
@@ -215,3 +200,19 @@ class KVCacheLengthTest(parameterized.TestCase):
         assert bool(jnp.all(jnp.isfinite(y)))
         y, _ = step(layer, x[:, 3:], state)  # one past the end
         assert bool(jnp.all(jnp.isnan(y)))
+
+
+@pytest.mark.slow
+def test_decode_benchmark_smoke(tmp_path):
+    from experiments import benchmark
+
+    # Linear decodes from a synthetic state (prefill_tokens=8 < 16), softmax after a prefill.
+    result = benchmark.decode_per_token((16,), (1,), prefill_tokens=8, readme_steps=4)
+    text = benchmark.write_decode_outputs(result, tmp_path, "smoke")
+    assert {(r["attention"], r["decode_from"]) for r in result["rows"]} == {
+        ("linear", "synthetic state"),
+        ("softmax", "prefill"),
+    }
+    assert all(r["tokens_per_s"] > 0 for r in result["rows"])
+    assert "faster per token than the old Python loop" in text
+    assert (tmp_path / "decode.png").stat().st_size > 0
