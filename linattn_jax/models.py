@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -158,7 +160,7 @@ class LanguageModel(nnx.Module):
         Raises:
           ValueError: an empty prompt (``t == 0``: there is no logit to sample the
             first token from), ids outside ``[0, vocab_size)`` or a badly shaped
-            prompt or mask, ``steps < 0``, ``temperature`` < 0 or NaN, ``top_k < 1``,
+            prompt or mask, ``steps < 0``, ``temperature`` < 0, NaN or inf, ``top_k < 1``,
             ``top_p`` outside (0, 1], ``eos_id`` outside the vocabulary, or no
             ``rng`` for sampling.
         """
@@ -172,25 +174,23 @@ class LanguageModel(nnx.Module):
                 f"generate needs a non-empty prompt (no logit to sample from), got shape {(b, t)}"
             )
         _check_ids(prompt, self.vocab_size, "prompt")
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+        steps = _int_arg("steps", steps)
+        if steps < 0:
+            raise ValueError(f"steps must be an int >= 0, got {steps}")
         temperature = _float_arg("temperature", temperature)
-        if not temperature >= 0:  # NaN too
-            raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
-        if top_k is not None and (
-            isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1
-        ):
-            raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+        if not 0 <= temperature < math.inf:  # NaN too
+            raise ValueError(f"temperature must be finite and >= 0 (0: greedy), got {temperature}")
+        top_k = None if top_k is None else _int_arg("top_k", top_k)
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be None or an int >= 1, got {top_k}")
         if top_p is not None:
             top_p = _float_arg("top_p", top_p)
             if not 0 < top_p <= 1:
                 raise ValueError(f"top_p must be None or in (0, 1], got {top_p}")
-        if eos_id is not None and not (isinstance(eos_id, int) and 0 <= eos_id < self.vocab_size):
-            raise ValueError(
-                f"eos_id must be None or an int in [0, {self.vocab_size}), got {eos_id!r}"
-            )
-        if pad_id is not None and not isinstance(pad_id, int):
-            raise ValueError(f"pad_id must be None or an int, got {pad_id!r}")
+        eos_id = None if eos_id is None else _int_arg("eos_id", eos_id)
+        if eos_id is not None and not 0 <= eos_id < self.vocab_size:
+            raise ValueError(f"eos_id must be None or in [0, {self.vocab_size}), got {eos_id}")
+        pad_id = None if pad_id is None else _int_arg("pad_id", pad_id)
         if prompt_mask is not None:
             _check_prompt_mask(prompt_mask, (b, t))
         if steps == 0:
@@ -219,6 +219,15 @@ class LanguageModel(nnx.Module):
 
 def _describe(x) -> str:
     return f"{x.dtype} {tuple(x.shape)}" if hasattr(x, "shape") else type(x).__name__
+
+
+def _int_arg(name: str, value) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError as error:
+        raise ValueError(f"{name} must be an int, got {value!r}") from error
 
 
 def _float_arg(name: str, value) -> float:

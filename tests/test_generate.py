@@ -78,7 +78,8 @@ class GenerateTest(parameterized.TestCase):
 
     @parameterized.parameters("cosformer", "decay_gate", "hedgehog_conv", "softmax")
     def test_left_padded_batch_equals_each_row_alone(self, kind):
-        model, lengths, t, steps = _model(kind, depth=1), (5, 2), 5, 4
+        # Depth 2: a padded position's output (never NaN) feeds the next block's keys.
+        model, lengths, t, steps = _model(kind), (5, 2), 5, 4
         rows = [_prompt(1, n, seed=10 + i) for i, n in enumerate(lengths)]
         # Padding tokens vary on purpose: nothing of them may reach the real tokens.
         pads = [_prompt(1, t - n, seed=20 + i) for i, n in enumerate(lengths)]
@@ -156,7 +157,9 @@ class GenerateTest(parameterized.TestCase):
         cases = [
             (dict(temperature=-1.0), r"temperature must be"),
             (dict(temperature=float("nan")), r"temperature must be"),
+            (dict(temperature=float("inf")), r"temperature must be"),
             (dict(top_k=0), r"top_k must be"),
+            (dict(top_k=2.5), r"top_k must be an int"),
             (dict(top_p=0.0), r"top_p must be"),
             (dict(top_p=1.5), r"top_p must be"),
             (dict(eos_id=V), r"eos_id must be"),
@@ -179,6 +182,22 @@ class GenerateTest(parameterized.TestCase):
                 model(prompt.at[1, 2].set(bad))
         with pytest.raises(ValueError, match=r"prompt must be int"):
             model.generate(jnp.zeros((B, 4)), 3, rng)
+
+
+class PaddedPrefillTest(parameterized.TestCase):
+    def test_linear_state_counts_real_tokens_only(self):
+        layer = layers.LinearAttention(
+            W, H, feature_map="cosformer", max_length=64, chunk_size=4, rngs=nnx.Rngs(0)
+        )
+        x = jax.random.normal(jax.random.PRNGKey(0), (2, 7, W))
+        mask = jnp.arange(7)[None] >= jnp.asarray([4, 0])[:, None]
+        y, state = layer(x, key_mask=mask, state=layer.init_state(2), return_state=True)
+        chex.assert_trees_all_equal(state.position, jnp.asarray([3, 7], jnp.int32))
+        alone, alone_state = layer(x[:1, 4:], state=layer.init_state(1), return_state=True)
+        chex.assert_trees_all_close(y[:1, 4:], alone, atol=1e-5)
+        # cosFormer's state holds each key at its position: the same only if they agree.
+        first_row = jax.tree.map(lambda a: a[:1], state.state)
+        chex.assert_trees_all_close(first_row, alone_state.state, atol=1e-5)
 
 
 class KVCacheLengthTest(parameterized.TestCase):
