@@ -328,7 +328,7 @@ def _old_python_loop_ms(model, prompt_len: int, steps: int) -> float:
                 logits, state = step(model, token, state)
         return jnp.concatenate(tokens, axis=1)
 
-    return median_ms(generate, (), 3) / steps
+    return median_ms(generate, (), 5) / steps
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps"))
@@ -370,7 +370,9 @@ def _decode_row(model, kind: str, b: int, context: int, steps: int, run_prefill:
         logits = jnp.zeros((b, DECODE_MODEL["vocab_size"]), jnp.float32)
     row["decode_from"] = "prefill" if run_prefill else "synthetic state"
     decode = functools.partial(_decode_steps, graphdef, steps=steps)
-    ms = median_ms(decode, (variables, logits, state), 3)
+    # Linear steps are cheap: many runs steady the median; long softmax runs, one.
+    repeats = 15 if kind == "linear" else (3 if context < 65536 else 1)
+    ms = median_ms(decode, (variables, logits, state), repeats)
     row["ms_per_step"] = ms / steps
     row["tokens_per_s"] = 1e3 * b * steps / ms
     return row
@@ -395,8 +397,10 @@ def decode_per_token(
     prefill_tokens``, softmax while its ``[b, h, t, t]`` float32 scores take at most
     ``prefill_scores_bytes``. Elsewhere decoding starts from a synthetic state of the
     same shapes and position. Decoding is ``generate``'s own compiled loop (greedy),
-    timed over a run of steps. Softmax is skipped where its cache would exceed
-    ``cache_bytes`` or its runs would take longer than ``softmax_ms_budget``.
+    timed over a run of steps (one call: its time includes copying the given
+    state into the loop, a few % for the largest KV caches). Softmax is skipped
+    where its cache would exceed ``cache_bytes`` or its runs would take longer
+    than ``softmax_ms_budget``.
 
     Returns:
       ``{"rows": [...], "loop": {...}}``: one row per (attention, batch, context)
@@ -408,15 +412,16 @@ def decode_per_token(
         for b in batches:
             last = None  # softmax: (context, ms per step) of the previous row
             for context in contexts:
-                steps = 256 if kind == "linear" else (64 if context <= 8192 else 16)
+                steps = 256 if kind == "linear" else (64 if context <= 8192 else 8)
                 if kind == "linear":
                     run_prefill = b * context <= prefill_tokens
                 else:
                     heads = DECODE_MODEL["num_heads"]
                     run_prefill = b * heads * context**2 * 4 <= prefill_scores_bytes
-                    cache = _state_bytes(model.init_state(b, context + steps))
+                    shapes = jax.eval_shape(functools.partial(model.init_state, b, context + steps))
+                    cache = _state_bytes(shapes)  # not allocated: it may not fit
                     # Its step reads the whole cache: time grows linearly with the context.
-                    estimate = 0 if last is None else last[1] * context / last[0] * steps * 4
+                    estimate = 0 if last is None else last[1] * context / last[0] * steps * 2
                     if cache > cache_bytes or estimate > softmax_ms_budget:
                         row = dict(attention=kind, batch=b, context=context)
                         row["state_bytes_per_sequence"] = cache // b
