@@ -226,7 +226,7 @@ def test_decode_benchmark_smoke(tmp_path):
     from experiments import benchmark
 
     # Linear decodes from a synthetic state (prefill_tokens=8 < 16), softmax after a prefill.
-    result = benchmark.decode_per_token((16,), (1,), prefill_tokens=8, readme_steps=4)
+    result = benchmark.decode_per_token((16, 32), (1,), prefill_tokens=8, readme_steps=4)
     text = benchmark.write_decode_outputs(result, tmp_path, "smoke")
     assert {(r["attention"], r["decode_from"]) for r in result["rows"]} == {
         ("linear", "synthetic state"),
@@ -234,4 +234,5 @@ def test_decode_benchmark_smoke(tmp_path):
     }
     assert all(r["tokens_per_s"] > 0 for r in result["rows"])
     assert "faster per token than the old Python loop" in text
+    assert "linear decode flat in context, b=1" in text
     assert (tmp_path / "decode.png").stat().st_size > 0
