@@ -351,7 +351,9 @@ def _prefill(graphdef, variables, prompt, state):
     return nnx.merge(graphdef, variables)(prompt, state=state, return_state=True)
 
 
-def _decode_row(model, kind: str, b: int, context: int, steps: int, run_prefill: bool) -> dict:
+def _decode_row(
+    model, kind: str, b: int, context: int, steps: int, run_prefill: bool, warmup_s: float
+) -> dict:
     """One benchmark row: prefill (if ``run_prefill``) then ``steps`` decoding steps."""
     from flax import nnx
 
@@ -362,8 +364,9 @@ def _decode_row(model, kind: str, b: int, context: int, steps: int, run_prefill:
     if run_prefill:
         prompt = jnp.zeros((b, context), jnp.int32)
         prefill = _prefill.lower(graphdef, variables, prompt, empty).compile()
-        repeats = 1 if b * context >= 65536 else 3
-        row["prefill_ms"] = median_ms(prefill, (variables, prompt, empty), repeats)
+        # Long prefills run once (already compiled); short ones after a warm-up call.
+        repeats, warmup = (1, 0) if b * context >= 65536 else (3, 1)
+        row["prefill_ms"] = wall_and_cpu_ms(prefill, (variables, prompt, empty), repeats, warmup)[0]
         logits, state = prefill(variables, prompt, empty)
         logits = logits[:, -1]
     else:
@@ -371,9 +374,12 @@ def _decode_row(model, kind: str, b: int, context: int, steps: int, run_prefill:
         logits = jnp.zeros((b, DECODE_MODEL["vocab_size"]), jnp.float32)
     row["decode_from"] = "prefill" if run_prefill else "synthetic state"
     decode = functools.partial(_decode_steps, graphdef, steps=steps)
-    # Linear steps are cheap: many runs steady the median, after warm-up runs (the
-    # first runs after a long prefill are up to ~50% slower); long softmax runs, one.
-    repeats, warmup = (15, 5) if kind == "linear" else ((3, 1) if context < 65536 else (1, 1))
+    # Linear steps are cheap: many runs steady the median, after 2 s of warm-up runs
+    # (for some seconds after a long prefill they run up to 2x slower); long softmax
+    # runs: one, after one warm-up run.
+    repeats, warmup = (
+        (15, warmup_s) if kind == "linear" else ((3, 1) if context < 65536 else (1, 1))
+    )
     ms, cpu_ms = wall_and_cpu_ms(decode, (variables, logits, state), repeats, warmup)
     row["ms_per_step"] = ms / steps
     row["cpu_ms_per_step"] = cpu_ms / steps
@@ -381,14 +387,20 @@ def _decode_row(model, kind: str, b: int, context: int, steps: int, run_prefill:
     return row
 
 
-def wall_and_cpu_ms(fn: Callable, args: tuple, repeats: int, warmup: int) -> tuple[float, float]:
-    """Median wall and process-CPU time of ``fn(*args)`` in ms, after ``warmup`` calls.
+def wall_and_cpu_ms(
+    fn: Callable, args: tuple, repeats: int, warmup: int | float
+) -> tuple[float, float]:
+    """Median wall and process-CPU time of ``fn(*args)`` in ms, after ``warmup``
+    calls (an int) or at least ``warmup`` seconds of calls (a float).
 
     On a shared machine the CPU time is the steadier of the two: it leaves out the
     time this process waited for a core.
     """
-    for _ in range(warmup):
+    start = time.perf_counter()
+    calls = 0
+    while (calls < warmup) if isinstance(warmup, int) else (time.perf_counter() - start < warmup):
         jax.block_until_ready(fn(*args))
+        calls += 1
     wall, cpu = [], []
     for _ in range(repeats):
         start, start_cpu = time.perf_counter(), time.process_time()
@@ -408,6 +420,7 @@ def decode_per_token(
     softmax_ms_budget: float = 60_000.0,
     readme_prompt: int = 16,
     readme_steps: int = 256,
+    warmup_s: float = 2.0,
 ) -> dict:
     """Prefill time and decoding speed of ``LanguageModel`` (the README's model:
     vocab 256, width 128, depth 2, 4 heads) with linear attention (elu, RetNet
@@ -420,7 +433,8 @@ def decode_per_token(
     timed over a run of steps (one call: its time includes copying the given
     state into the loop, a few % for the largest KV caches). Softmax is skipped
     where its cache would exceed ``cache_bytes`` or its runs would take longer
-    than ``softmax_ms_budget``.
+    than ``softmax_ms_budget``. Linear decoding is timed after ``warmup_s`` seconds
+    of warm-up runs.
 
     Returns:
       ``{"rows": [...], "loop": {...}}``: one row per (attention, batch, context)
@@ -449,7 +463,7 @@ def decode_per_token(
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                         continue
-                row = _decode_row(model, kind, b, context, steps, run_prefill)
+                row = _decode_row(model, kind, b, context, steps, run_prefill, warmup_s)
                 last = (context, row["ms_per_step"])
                 rows.append(row)
                 print(json.dumps(row), flush=True)

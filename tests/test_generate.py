@@ -226,7 +226,9 @@ def test_decode_benchmark_smoke(tmp_path):
     from experiments import benchmark
 
     # Linear decodes from a synthetic state (prefill_tokens=8 < 16), softmax after a prefill.
-    result = benchmark.decode_per_token((16, 32), (1,), prefill_tokens=8, readme_steps=4)
+    result = benchmark.decode_per_token(
+        (16, 32), (1,), prefill_tokens=8, readme_steps=4, warmup_s=0.0
+    )
     text = benchmark.write_decode_outputs(result, tmp_path, "smoke")
     assert {(r["attention"], r["decode_from"]) for r in result["rows"]} == {
         ("linear", "synthetic state"),
