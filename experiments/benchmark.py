@@ -529,7 +529,7 @@ def write_decode_outputs(result: dict, out: Path, command: str) -> str:
             lines.append(
                 f"| linear decode flat in context, b={b} (within 10%, {upto[0][0]:,} to "
                 f"{upto[-1][0]:,}) | spread {100 * wall:.0f}% wall, {100 * cpu:.0f}% CPU: "
-                f"{'met' if min(wall, cpu) <= 0.10 else 'not met'} |"
+                f"{'met' if cpu <= 0.10 else 'not met'} (CPU time) |"
             )
         for c in (65536,):
             if ("linear", b, c) in by and ("softmax", b, c) in by:
