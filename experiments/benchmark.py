@@ -336,44 +336,310 @@ def plot(rows, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def decode_per_token(prompts=(128, 8192), repeats: int = 20) -> list[dict]:
-    """Median ms per generated token of ``LanguageModel`` after prompts of each length.
+DECODE_MODEL = dict(vocab_size=256, width=128, depth=2, num_heads=4, chunk_size=64)
+DECODE_KINDS = {
+    "linear": dict(attention="linear", feature_map="elu", decay="retnet"),
+    "softmax": dict(attention="softmax"),
+}
 
-    Linear attention's step costs the same whatever the prompt; softmax's grows
-    with its KV cache (sized to the prompt plus the generated tokens).
-    """
+
+def _decode_model(kind: str):
     from flax import nnx
 
     from linattn_jax import models
 
+    return models.LanguageModel(**DECODE_MODEL, **DECODE_KINDS[kind], rngs=nnx.Rngs(0))
+
+
+def _state_bytes(state) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+
+def _synthetic_state(model, b: int, context: int, cache: int):
+    """The state after ``context`` tokens without running them: the right sizes and
+    positions (a softmax cache of ``cache`` slots, its first ``context`` valid).
+    Decoding's cost does not depend on the values held."""
+    from linattn_jax import layers
+
+    def fill(x):
+        if isinstance(x, layers.KVCache):
+            valid = jnp.broadcast_to(jnp.arange(cache) < context, (b, cache))
+            return x._replace(position=jnp.full((b,), context, jnp.int32), mask=valid)
+        if isinstance(x, layers.LinearAttentionCache):
+            return x._replace(position=jnp.full((b,), context, jnp.int32))
+        return x
+
+    is_cache = lambda x: isinstance(x, (layers.KVCache, layers.LinearAttentionCache))
+    return jax.tree.map(fill, model.init_state(b, cache), is_leaf=is_cache)
+
+
+def _old_python_loop_ms(model, prompt_len: int, steps: int) -> float:
+    """ms per token of the pre-issue-16 ``generate``: one jitted call per token from Python."""
+    from flax import nnx
+
+    prefill = nnx.jit(lambda m, tokens, state: m(tokens, state=state, return_state=True))
+    step = nnx.jit(lambda m, token, state: m(token, state=state, return_state=True))
+
+    def generate():
+        prompt = jnp.zeros((1, prompt_len), jnp.int32)
+        logits, state = prefill(model, prompt, model.init_state(1, prompt_len + steps))
+        tokens = [prompt]
+        for i in range(steps):
+            token = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
+            tokens.append(token)
+            if i + 1 < steps:
+                logits, state = step(model, token, state)
+        return jnp.concatenate(tokens, axis=1)
+
+    wall, cpu = wall_and_cpu_ms(generate, (), 5, 1)
+    return wall / steps, cpu / steps
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps"))
+def _decode_steps(graphdef, variables, logits, state, steps: int):
+    """``generate``'s compiled decoding loop (greedy) from ``logits [b, vocab]`` and a state."""
+    from flax import nnx
+
+    from linattn_jax import models
+
+    greedy = lambda logits, i: jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    model = nnx.merge(graphdef, variables)
+    return models._decode_loop(model, logits, state, steps=steps, sample=greedy)
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _prefill(graphdef, variables, prompt, state):
+    from flax import nnx
+
+    return nnx.merge(graphdef, variables)(prompt, state=state, return_state=True)
+
+
+def _decode_row(
+    model, kind: str, b: int, context: int, steps: int, run_prefill: bool, warmup_s: float
+) -> dict:
+    """One benchmark row: prefill (if ``run_prefill``) then ``steps`` decoding steps."""
+    from flax import nnx
+
+    graphdef, variables = nnx.split(model)
+    row = dict(attention=kind, batch=b, context=context, decode_steps=steps)
+    empty = model.init_state(b, context + steps)
+    row["state_bytes_per_sequence"] = _state_bytes(empty) // b
+    if run_prefill:
+        prompt = jnp.zeros((b, context), jnp.int32)
+        prefill = _prefill.lower(graphdef, variables, prompt, empty).compile()
+        # Long prefills run once (already compiled); short ones after a warm-up call.
+        repeats, warmup = (1, 0) if b * context >= 65536 else (3, 1)
+        row["prefill_ms"] = wall_and_cpu_ms(prefill, (variables, prompt, empty), repeats, warmup)[0]
+        logits, state = prefill(variables, prompt, empty)
+        logits = logits[:, -1]
+    else:
+        state = _synthetic_state(model, b, context, context + steps)
+        logits = jnp.zeros((b, DECODE_MODEL["vocab_size"]), jnp.float32)
+    row["decode_from"] = "prefill" if run_prefill else "synthetic state"
+    decode = functools.partial(_decode_steps, graphdef, steps=steps)
+    # Linear steps are cheap: many runs steady the median, after 2 s of warm-up runs
+    # (for some seconds after a long prefill they run up to 2x slower); long softmax
+    # runs: one, after one warm-up run.
+    repeats, warmup = (
+        (15, warmup_s) if kind == "linear" else ((3, 1) if context < 65536 else (1, 1))
+    )
+    ms, cpu_ms = wall_and_cpu_ms(decode, (variables, logits, state), repeats, warmup)
+    row["ms_per_step"] = ms / steps
+    row["cpu_ms_per_step"] = cpu_ms / steps
+    row["tokens_per_s"] = 1e3 * b * steps / ms
+    return row
+
+
+def wall_and_cpu_ms(
+    fn: Callable, args: tuple, repeats: int, warmup: int | float
+) -> tuple[float, float]:
+    """Median wall and process-CPU time of ``fn(*args)`` in ms, after ``warmup``
+    calls (an int) or at least ``warmup`` seconds of calls (a float).
+
+    On a shared machine the CPU time is the steadier of the two: it leaves out the
+    time this process waited for a core.
+    """
+    start = time.perf_counter()
+    calls = 0
+    while (calls < warmup) if isinstance(warmup, int) else (time.perf_counter() - start < warmup):
+        jax.block_until_ready(fn(*args))
+        calls += 1
+    wall, cpu = [], []
+    for _ in range(repeats):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        jax.block_until_ready(fn(*args))
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return 1e3 * statistics.median(wall), 1e3 * statistics.median(cpu)
+
+
+def decode_per_token(
+    contexts=(1024, 8192, 65536, 262144),
+    batches=(1, 16),
+    *,
+    prefill_tokens: int = 262144,
+    prefill_scores_bytes: int = 2**30,
+    cache_bytes: int = 2**32,
+    softmax_ms_budget: float = 60_000.0,
+    readme_prompt: int = 16,
+    readme_steps: int = 256,
+    warmup_s: float = 2.0,
+) -> dict:
+    """Prefill time and decoding speed of ``LanguageModel`` (the README's model:
+    vocab 256, width 128, depth 2, 4 heads) with linear attention (elu, RetNet
+    decay) and softmax attention (KV cache), per batch size and context length.
+
+    Prefill is run (and timed) where it fits: linear while ``b * context <=
+    prefill_tokens``, softmax while its ``[b, h, t, t]`` float32 scores take at most
+    ``prefill_scores_bytes``. Elsewhere decoding starts from a synthetic state of the
+    same shapes and position. Decoding is ``generate``'s own compiled loop (greedy),
+    timed over a run of steps (one call: its time includes copying the given
+    state into the loop, a few % for the largest KV caches). Softmax is skipped
+    where its cache would exceed ``cache_bytes`` or its runs would take longer
+    than ``softmax_ms_budget``. Linear decoding is timed after ``warmup_s`` seconds
+    of warm-up runs.
+
+    Returns:
+      ``{"rows": [...], "loop": {...}}``: one row per (attention, batch, context)
+      and the compiled ``generate`` against the old Python loop at the README size.
+    """
     rows = []
-    for attention in ("linear", "softmax"):
-        for t in prompts:
-            model = models.LanguageModel(
-                256,
-                256,
-                2,
-                4,
-                attention=attention,
-                chunk_size=64,
-                max_length=t + repeats + 2,
-                rngs=nnx.Rngs(0),
+    for kind in DECODE_KINDS:
+        model = _decode_model(kind)
+        for b in batches:
+            last = None  # softmax: (context, ms per step) of the previous row
+            for context in contexts:
+                steps = 256 if kind == "linear" else (64 if context <= 8192 else 8)
+                if kind == "linear":
+                    run_prefill = b * context <= prefill_tokens
+                else:
+                    heads = DECODE_MODEL["num_heads"]
+                    run_prefill = b * heads * context**2 * 4 <= prefill_scores_bytes
+                    shapes = jax.eval_shape(functools.partial(model.init_state, b, context + steps))
+                    cache = _state_bytes(shapes)  # not allocated: it may not fit
+                    # Its step reads the whole cache: time grows linearly with the context.
+                    estimate = 0 if last is None else last[1] * context / last[0] * steps * 2
+                    if cache > cache_bytes or estimate > softmax_ms_budget:
+                        row = dict(attention=kind, batch=b, context=context)
+                        row["state_bytes_per_sequence"] = cache // b
+                        row["skipped"] = "cache too large" if cache > cache_bytes else "too slow"
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+                        continue
+                row = _decode_row(model, kind, b, context, steps, run_prefill, warmup_s)
+                last = (context, row["ms_per_step"])
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+
+    model = _decode_model("linear")
+    prompt = jnp.zeros((1, readme_prompt), jnp.int32)
+    old, old_cpu = _old_python_loop_ms(model, readme_prompt, min(64, readme_steps))
+    generate = lambda: model.generate(prompt, readme_steps, temperature=0.0)
+    new, new_cpu = (ms / readme_steps for ms in wall_and_cpu_ms(generate, (), 5, 2))
+    loop = dict(
+        prompt=readme_prompt,
+        steps=readme_steps,
+        old_python_loop_ms_per_token=old,
+        compiled_generate_ms_per_token=new,
+        speedup=old / new,
+        old_python_loop_cpu_ms_per_token=old_cpu,
+        compiled_generate_cpu_ms_per_token=new_cpu,
+        cpu_speedup=old_cpu / new_cpu,
+    )
+    print(json.dumps(loop), flush=True)
+    return dict(rows=rows, loop=loop)
+
+
+def write_decode_outputs(result: dict, out: Path, command: str) -> str:
+    """decode.csv, decode.md (tables and targets) and decode.png; returns the markdown."""
+    rows, loop = result["rows"], result["loop"]
+    out.mkdir(parents=True, exist_ok=True)
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(out / "decode.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    cell = lambda r, k, f: "—" if k not in r else format(r[k], f)
+    lines = [
+        f"`{command}` ({platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, jax {jax.__version__})",
+        "",
+        "| attention | batch | context | prefill ms | decode ms/step (CPU ms) | tokens/s "
+        "| state bytes/sequence | decoding from |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['attention']} | {r['batch']} | {r['context']:,}"
+            f" | {cell(r, 'prefill_ms', ',.0f')}"
+            f" | {cell(r, 'ms_per_step', '.3f')} ({cell(r, 'cpu_ms_per_step', '.3f')})"
+            f" | {cell(r, 'tokens_per_s', ',.0f')}"
+            f" | {r['state_bytes_per_sequence']:,} | {r.get('decode_from', r.get('skipped'))} |"
+        )
+    by = {(r["attention"], r["batch"], r["context"]): r for r in rows if "ms_per_step" in r}
+    lines += ["", "| target | measured |", "|---|---|"]
+    for b in sorted({r["batch"] for r in rows}):
+        lin = sorted(
+            (c, r["ms_per_step"]) for (a, bb, c), r in by.items() if a == "linear" and bb == b
+        )
+        upto = [(c, ms) for c, ms in lin if c <= 65536]
+        if len(upto) >= 2:
+            wall, cpu = (
+                max(r[key] for r in same) / min(r[key] for r in same) - 1
+                for same in [[by[("linear", b, c)] for c, _ in upto]]
+                for key in ("ms_per_step", "cpu_ms_per_step")
             )
-            prompt = jnp.zeros((1, t), jnp.int32)
-            _, state = models._prefill(model, prompt, model.init_state(1, t + repeats + 2))
-            token = jnp.zeros((1, 1), jnp.int32)
-            jax.block_until_ready(models._decode(model, token, state))  # compile
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                _, state = models._decode(model, token, state)
-                jax.block_until_ready(state)
-                times.append(time.perf_counter() - start)
-            rows.append(
-                dict(attention=attention, prompt=t, ms_per_token=1e3 * statistics.median(times))
+            lines.append(
+                f"| linear decode flat in context, b={b} (within 10%, {upto[0][0]:,} to "
+                f"{upto[-1][0]:,}) | spread {100 * wall:.0f}% wall, {100 * cpu:.0f}% CPU: "
+                f"{'met' if cpu <= 0.10 else 'not met'} (CPU time) |"
             )
-            print(json.dumps(rows[-1]), flush=True)
-    return rows
+        for c in (65536,):
+            if ("linear", b, c) in by and ("softmax", b, c) in by:
+                ratio = by[("softmax", b, c)]["ms_per_step"] / by[("linear", b, c)]["ms_per_step"]
+                lines.append(
+                    f"| linear vs softmax per step at {c:,}, b={b} | {ratio:,.0f}x faster |"
+                )
+    lines.append(
+        f"| compiled `generate` >= 30x faster per token than the old Python loop "
+        f"(b=1, {loop['prompt']}-token prompt, {loop['steps']} tokens) "
+        f"| {loop['old_python_loop_ms_per_token']:.3f} -> "
+        f"{loop['compiled_generate_ms_per_token']:.4f} ms: {loop['speedup']:.0f}x "
+        f"(CPU time: {loop['cpu_speedup']:.0f}x), "
+        f"{'met' if loop['speedup'] >= 30 else 'not met'} |"
+    )
+    text = "\n".join(lines) + "\n"
+    (out / "decode.md").write_text(text)
+    (out / "decode.json").write_text(json.dumps(result, indent=1))
+    plot_decode(rows, out / "decode.png")
+    return text
+
+
+def plot_decode(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind, style in (("linear", "-o"), ("softmax", "--s")):
+        for b in sorted({r["batch"] for r in rows}):
+            pts = sorted(
+                (r["context"], r["tokens_per_s"])
+                for r in rows
+                if r["attention"] == kind and r["batch"] == b and "tokens_per_s" in r
+            )
+            if pts:
+                ax.plot(*zip(*pts, strict=True), style, label=f"{kind}, batch {b}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens already seen)")
+    ax.set_ylabel("decoded tokens/s (all rows)")
+    ax.set_title("LanguageModel decoding (vocab 256, width 128, depth 2)", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def communication(lengths=(65536, 262144, 1048576), shards: int = 8) -> list[dict]:
@@ -457,8 +723,10 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--decode",
         action="store_true",
-        help="time generate's per-token step after prompts of 128 and 8192",
+        help="prefill and decoding speed of LanguageModel, linear vs softmax, per context",
     )
+    parser.add_argument("--decode-contexts", default="1024,8192,65536,262144")
+    parser.add_argument("--decode-batches", default="1,16")
     parser.add_argument(
         "--comm",
         action="store_true",
@@ -496,12 +764,13 @@ def main(argv=None) -> None:
         print(table)
         return
     if args.decode:
-        rows = decode_per_token()
-        lines = ["| attention | prompt | ms per generated token |", "|---|---|---|"]
-        lines += [f"| {r['attention']} | {r['prompt']} | {r['ms_per_token']:.2f} |" for r in rows]
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "decode.md").write_text("\n".join(lines) + "\n")
-        print("\n".join(lines))
+        command = "python -m experiments.benchmark " + " ".join(
+            sys.argv[1:] if argv is None else argv
+        )
+        contexts = [int(x) for x in args.decode_contexts.split(",") if x]
+        batches = [int(x) for x in args.decode_batches.split(",") if x]
+        result = decode_per_token(contexts, batches)
+        print(write_decode_outputs(result, Path(args.out), command.strip()))
         return
     ints = lambda s: [int(x) for x in s.split(",") if x]
     rows, dot = run(

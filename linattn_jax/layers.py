@@ -38,7 +38,8 @@ class LinearAttentionCache(NamedTuple):
 
     Attributes:
       state: the recurrent (S, Z) state, ``s [b, h, f, v]``, ``z [b, h, f]``, float32.
-      position: ``[b]`` int32, the number of tokens seen so far (the next position).
+      position: ``[b]`` int32, the number of real (not masked-out) tokens seen so
+        far: the next token's position.
     """
 
     state: attn.LinearAttentionState
@@ -51,12 +52,15 @@ class KVCache(NamedTuple):
     Attributes:
       k: ``[b, max_length, h, d]``.
       v: ``[b, max_length, h, d]``.
-      position: ``[b]`` int32, the number of tokens written (the next position).
+      position: ``[b]`` int32, the number of tokens written (the next slot).
+      mask: ``[b, max_length]`` bool, True at slots holding a real key (written,
+        and not masked out by the ``key_mask`` of the call that wrote it).
     """
 
     k: jax.Array
     v: jax.Array
     position: jax.Array
+    mask: jax.Array
 
 
 class HedgehogFeatureMap(nnx.Module):
@@ -183,9 +187,15 @@ def _check_tokens(x: jax.Array, width: int) -> None:
         raise ValueError(f"x must have shape [batch, length, {width}], got {x.shape}")
 
 
-def _positions(position: jax.Array | None, b: int, t: int) -> jax.Array:
+def _positions(
+    position: jax.Array | None, b: int, t: int, key_mask: jax.Array | None = None
+) -> jax.Array:
+    """``[b, t]`` positions from ``position [b]`` on; with a ``key_mask``, only real
+    tokens count (a left-padded prompt's first real token sits where it would alone)."""
     start = jnp.zeros((b,), jnp.int32) if position is None else position
-    return start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    if key_mask is None or key_mask.shape != (b, t):  # a bad mask: the maths reports it
+        return start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    return start[:, None] + jnp.cumsum(key_mask, axis=1, dtype=jnp.int32) - 1
 
 
 class LinearAttention(nnx.Module):
@@ -435,12 +445,13 @@ class LinearAttention(nnx.Module):
                     decay=self.decay,
                     gate=gate,
                     segment_ids=segment_ids,
-                    positions=_positions(position, b, t),
+                    positions=_positions(position, b, t, key_mask),
                     normalize=self.normalize,
                     eps=self.eps,
                 )
             start = jnp.zeros((b,), jnp.int32) if position is None else position
-            new_state = LinearAttentionCache(s, start + t)
+            seen = t if key_mask is None else jnp.sum(key_mask, axis=1, dtype=jnp.int32)
+            new_state = LinearAttentionCache(s, start + seen)
         if self.output_norm is not None:
             out = self.output_norm(out)
         y = self.out_proj(out.reshape(b, t, self.width))
@@ -484,7 +495,10 @@ class SoftmaxAttention(nnx.Module):
             raise ValueError("decoding needs a causal layer (causal=True)")
         n = max_length or self.max_length
         shape = (batch, n, self.num_heads, self.head_dim)
-        return KVCache(jnp.zeros(shape), jnp.zeros(shape), jnp.zeros((batch,), jnp.int32))
+        zeros = jnp.zeros(shape)
+        return KVCache(
+            zeros, zeros, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, n), jnp.bool_)
+        )
 
     def __call__(
         self,
@@ -495,7 +509,16 @@ class SoftmaxAttention(nnx.Module):
         state: KVCache | None = None,
         return_state: bool = False,
     ):
-        """``x [b, t, width] -> [b, t, width]`` (and the new KV cache if ``return_state``)."""
+        """``x [b, t, width] -> [b, t, width]`` (and the new KV cache if ``return_state``).
+
+        With a ``state``, ``x`` is written to the cache after the tokens already
+        there; keys masked out by ``key_mask`` stay masked for every later call.
+
+        Raises:
+          ValueError: the tokens would not fit in the cache (``t`` longer than it,
+            or, when ``state.position`` is concrete, ``position + t`` past its end).
+            Under ``jit`` the position is not known: rows that overflow get NaN outputs.
+        """
         _check_tokens(x, self.width)
         if (state is not None or return_state) and not self.causal:
             raise ValueError("decoding (state=, return_state=) needs a causal layer (causal=True)")
@@ -517,24 +540,42 @@ class SoftmaxAttention(nnx.Module):
             if state is None:
                 state = self.init_state(b, max(t, self.max_length))
             n = state.k.shape[1]
+            overflow = _check_cache_room(state.position, t, n)
             write = jax.vmap(
                 lambda cache, new, i: jax.lax.dynamic_update_slice_in_dim(
                     cache, new.astype(cache.dtype), i, axis=0
                 )
             )
             k_all, v_all = write(state.k, k, state.position), write(state.v, v, state.position)
+            real = jnp.ones((b, t), bool) if key_mask is None else key_mask
+            mask = write(state.mask, real, state.position)  # padding stays masked from now on
             query_pos = _positions(state.position, b, t)  # [b, t]
             allowed = jnp.arange(n)[None, None, :] <= query_pos[:, :, None]
-            if key_mask is not None:  # the prompt's own padding, at its place in the cache
-                pad = write(jnp.ones((b, n), bool), key_mask, state.position)
-                allowed = allowed & pad[:, None, :]
+            allowed = allowed & mask[:, None, :]
             k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
-            new_state = KVCache(k_all, v_all, state.position + t)
+            new_state = KVCache(k_all, v_all, state.position + t, mask)
         # Scores and softmax in float32, like linear attention's sums.
         f32 = lambda a: a.astype(jnp.float32)
         out = jax.nn.dot_product_attention(f32(q), f32(k), f32(v), mask=allowed[:, None])
+        if new_state is not None:  # a write past the cache's end overwrote its last slots
+            out = jnp.where(overflow[:, None, None, None], jnp.nan, out)
         y = self.out_proj(out.astype(q.dtype).reshape(b, t, self.width))
         return (y, new_state) if return_state else y
+
+
+def _check_cache_room(position: jax.Array, t: int, n: int) -> jax.Array:
+    """``[b]`` bool, True for rows whose ``t`` new tokens would not fit in ``n`` slots.
+
+    Raises where that is known before running: ``t > n``, or a concrete ``position``.
+    """
+    if t > n:
+        raise ValueError(f"the KV cache holds {n} tokens, got {t} at once (x's length)")
+    if not isinstance(position, jax.core.Tracer) and int(jnp.max(position)) + t > n:
+        raise ValueError(
+            f"the KV cache holds {n} tokens: {int(jnp.max(position))} written, "
+            f"{t} more do not fit (make the cache longer: init_state(batch, max_length))"
+        )
+    return position + t > n
 
 
 def make_attention(kind: str, width: int, num_heads: int, **kwargs) -> nnx.Module:
@@ -651,6 +692,8 @@ class TransformerBlock(nnx.Module):
         h = self.attention_norm(x)
         conv_state = None
         if self.conv is not None:
+            if key_mask is not None:  # padding must not reach the next tokens' window
+                h = jnp.where(key_mask[..., None], h, 0.0)
             h, conv_state = self.conv(h, None if state is None else state.conv)
         h = self.attention(
             h,
