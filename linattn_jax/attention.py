@@ -165,7 +165,7 @@ def causal_linear_attention(
     *,
     feature_map: str | FeatureMap = "elu",
     method: str = "chunked",
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     initial_state: LinearAttentionState | None = None,
     return_state: bool = False,
     key_mask: Array | None = None,
@@ -186,7 +186,8 @@ def causal_linear_attention(
       method: ``"chunked"`` (default, fast), ``"scan"`` (one step per token) or
         ``"quadratic"`` (masked ``t x t``, for short inputs). All give the same result.
       chunk_size: tokens per chunk (``"chunked"``) or per recomputed block of the
-        backward pass (``"scan"``); any length works, divisible or not.
+        backward pass (``"scan"``); any length works. None: 64, or 16 with a
+        per-channel gate (whose ``[c, c, f]`` relative decays grow with the chunk).
       initial_state: the state before token 0 (e.g. from an earlier piece of the
         same sequence, ``return_state=True``); zeros when None.
       return_state: also return the state after the last token.
@@ -219,7 +220,8 @@ def causal_linear_attention(
     b, t, h, _ = checks.check_qkv(q, k, v, causal=True)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    checks.check_chunk_size(chunk_size)
+    if chunk_size is not None:
+        checks.check_chunk_size(chunk_size)
     check_normalize(feature_map, normalize)
     if positions is not None:
         checks.check_shape("positions", positions, (b, t), "[batch, length]")
@@ -231,8 +233,7 @@ def causal_linear_attention(
     if segment_ids is not None:
         resets = checks.merge_resets(resets, checks.segment_resets(segment_ids, b, t, dtype))
     state = state_in(initial_state, b, h, f, dv, dtype, with_z=normalize or return_state)
-    if method == "quadratic":
-        chunk_size = t  # one chunk: the masked t x t form
+    chunk_size = t if method == "quadratic" else checks.default_chunk_size(chunk_size, g)
     body = _scan_body if method == "scan" else _chunk_body
     (num, den), state = chunked(
         phi_q, phi_k, v32, g, resets, state, chunk_size, diagonal=True, body=body

@@ -78,6 +78,17 @@ def check_chunk_size(chunk_size) -> None:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
 
 
+def default_chunk_size(chunk_size: int | None, g: Array | None) -> int:
+    """``chunk_size``, or when None 64, or 16 for per-channel log-decays ``g [b,h,t,f>1]``.
+
+    Per-channel decays form a ``[c, c, f]`` relative decay inside each chunk, so
+    their cost grows with c; measured on CPU, c = 16 was 4-5x faster than c = 64.
+    """
+    if chunk_size is not None:
+        return chunk_size
+    return 16 if g is not None and g.shape[-1] > 1 else 64
+
+
 def is_concrete(x) -> bool:
     """True when ``x`` holds values now (not a tracer): only then can its range be checked."""
     return not isinstance(x, jax.core.Tracer)

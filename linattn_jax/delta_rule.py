@@ -79,7 +79,7 @@ def delta_rule(
     *,
     gate: Array | None = None,
     method: str = "chunked",
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     initial_state: DeltaRuleState | None = None,
     return_state: bool = False,
     key_mask: Array | None = None,
@@ -98,7 +98,8 @@ def delta_rule(
         the state (a full reset).
       method: ``"chunked"`` (default, fast) or ``"scan"`` (one step per token).
       chunk_size: tokens per chunk (``"chunked"``) or per recomputed block of the
-        backward pass (``"scan"``); any length works.
+        backward pass (``"scan"``); any length works. None: 64, or 16 with a
+        per-channel gate (whose ``[c, c, f]`` relative decays grow with the chunk).
       initial_state: the state before token 0; zeros when None.
       return_state: also return the state after the last token.
       key_mask: optional bool ``[b, t]``, True for real tokens. A masked token leaves
@@ -119,7 +120,8 @@ def delta_rule(
     b, t, h, dk = checks.check_qkv(q, k, v, causal=True)
     if method not in DELTA_METHODS:
         raise ValueError(f"method must be one of {DELTA_METHODS}, got {method!r}")
-    checks.check_chunk_size(chunk_size)
+    if chunk_size is not None:
+        checks.check_chunk_size(chunk_size)
     key_mask = checks.token_mask("key_mask", key_mask, b, t)
     _check_beta(beta, (b, t, h), "[batch, length, heads]", key_mask)
     dtype, out_dtype = feature_maps.accumulation_dtype(q.dtype), v.dtype
@@ -131,6 +133,7 @@ def delta_rule(
     q, k, v, beta = (heads_first(x.astype(dtype)) for x in (q * scale, k, v, beta))
     state = _state_in(initial_state, b, h, dk, v.shape[-1], dtype)
     body = _scan_body if method == "scan" else _chunk_body
+    chunk_size = checks.default_chunk_size(chunk_size, g)
     out, state = chunking.scan(body, state, (q, k, v, beta, g, resets), chunk_size, t)
     out = jnp.swapaxes(out, 1, 2).astype(out_dtype)
     return (out, DeltaRuleState(state)) if return_state else out
