@@ -85,6 +85,23 @@ class SequenceParallelTest(chex.TestCase):
         ]
         chex.assert_trees_all_close(grads[0], grads[1], **helpers.GRAD_TOLERANCE)
 
+    def test_traced_out_of_range_gates_agree_with_one_device(self):
+        """A positive gate (clamped to 0 under jit) and -inf (a reset) as on one device."""
+        q, k, v = helpers.qkv(5, B, 16, H, D, DV)
+        gate = helpers.gate(6, B, 16, H).at[:, 3].set(50.0).at[:, 9].set(-jnp.inf)
+        parallel = jax.jit(
+            functools.partial(
+                la.sequence_parallel_causal_linear_attention,
+                axis_name="seq",
+                mesh=_mesh(4),
+                chunk_size=4,
+            )
+        )
+        single = jax.jit(functools.partial(la.causal_linear_attention, chunk_size=4))
+        out, ref = parallel(q, k, v, gate=gate), single(q, k, v, gate=gate)
+        assert bool(jnp.all(jnp.isfinite(out)))
+        chex.assert_trees_all_close(out, ref, **helpers.tol(jnp.float32))
+
     def test_two_dimensional_mesh_and_cosformer_positions(self):
         q, k, v = helpers.qkv(3, 4, 16, H, D, DV)
         phi = la.feature_maps.cosformer(64)
