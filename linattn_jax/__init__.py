@@ -22,7 +22,10 @@ from linattn_jax.delta_rule import (
     delta_rule_step,
     init_delta_state,
 )
-from linattn_jax.sequence_parallel import sequence_parallel_causal_linear_attention
+from linattn_jax.sequence_parallel import (
+    sequence_parallel_causal_linear_attention,
+    sequence_parallel_delta_rule,
+)
 
 __version__ = "0.1.0"
 
@@ -40,4 +43,5 @@ __all__ = [
     "init_state",
     "linear_attention",
     "sequence_parallel_causal_linear_attention",
+    "sequence_parallel_delta_rule",
 ]

@@ -13,10 +13,14 @@ all-gather's transpose is a reduce-scatter).
 Communication per layer: an all-gather of ``n * b * h * f * (v+1)`` floats,
 against ``t * b * h * (d + v)`` for gathering keys and values, which is what
 softmax sequence parallelism needs.
+
+The delta rule (``sequence_parallel_delta_rule``) gathers each shard's affine
+map of the state instead, ``(M, S_local)``: ``n * b * h * dk * (dk + dv)`` floats.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any
@@ -27,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from linattn_jax import attention as attn
 from linattn_jax import checks, chunking, feature_maps
+from linattn_jax.delta_rule import DeltaRuleState, delta_rule
 from linattn_jax.typing import Array, FeatureMap, Float
 
 
@@ -67,15 +72,8 @@ def sequence_parallel_causal_linear_attention(
         divide, or any error of ``causal_linear_attention``.
     """
     b, t, h, _ = checks.check_qkv(q, k, v, causal=True)
-    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    for name, axis in [("axis_name", axis_name), ("batch_axis", batch_axis)]:
-        if axis is not None and axis not in mesh.axis_names:
-            raise ValueError(f"{name}={axis!r} is not an axis of the mesh {mesh.axis_names}")
+    mesh = _check_mesh(mesh, axis_name, batch_axis, t)
     shards = mesh.shape[axis_name]
-    if t % shards:
-        raise ValueError(
-            f"length t={t} must be divisible by the {shards} devices of axis {axis_name!r}"
-        )
     checks.check_chunk_size(chunk_size)
     attn.check_normalize(feature_map, normalize)
     phi = feature_maps.get(feature_map)
@@ -136,6 +134,103 @@ def sequence_parallel_causal_linear_attention(
     return out
 
 
+def sequence_parallel_delta_rule(
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b t h d"],
+    v: Float[Array, "b t h v"],
+    beta: Float[Array, "b t h"],
+    *,
+    axis_name: str,
+    mesh: jax.sharding.Mesh | None = None,
+    batch_axis: str | None = None,
+    gate: Array | None = None,
+    chunk_size: int | None = None,
+    initial_state: DeltaRuleState | None = None,
+    return_state: bool = False,
+    scale: float = 1.0,
+):
+    """The delta rule (DeltaNet, Gated DeltaNet, KDA) with the length sharded over an axis.
+
+    A shard's effect on the state is affine, ``S_out = M S_in + S_local``, with
+    ``M = prod_t alpha_t (I - beta_t k_t k_t^T)`` (``dk x dk`` per head). The
+    recurrence is linear in (state, values), so one chunked pass with values
+    ``[v | 0]`` from the state ``[0 | I]`` ends in ``[S_local | M]``. Each device
+    all-gathers these (``n * b * h * dk * (dk + dv)`` floats, never keys or
+    values), folds the exclusive prefix into the state entering its shard, and
+    reruns its shard from that state for the outputs. Equal to ``delta_rule`` on
+    one device; gradients by autodiff.
+
+    Args:
+      q, k, v, beta: ``[b, t, h, dk]``, ``[b, t, h, dk]``, ``[b, t, h, dv]``, ``[b, t, h]``
+        (global arrays); t must be divisible by the size of ``axis_name``.
+      axis_name: the mesh axis that splits the sequence.
+      mesh: the mesh; the current one (``jax.set_mesh``) when None.
+      batch_axis: an optional mesh axis that splits the batch too (a 2-D mesh).
+      gate, chunk_size, initial_state, return_state, scale: as in ``delta_rule``.
+
+    Returns:
+      ``out [b, t, h, dv]``, or ``(out, DeltaRuleState)`` when ``return_state``.
+
+    Raises:
+      ValueError: an axis not in the mesh, a length the axis size does not
+        divide, or any error of ``delta_rule``.
+    """
+    b, t, h, dk = checks.check_qkv(q, k, v, causal=True)
+    dv = v.shape[-1]
+    mesh = _check_mesh(mesh, axis_name, batch_axis, t)
+    shards = mesh.shape[axis_name]
+    # Validates everything else on the global arrays before tracing the shards.
+    jax.eval_shape(
+        lambda *a: delta_rule(*a, gate=gate, chunk_size=chunk_size, scale=scale),
+        q, k, v, beta,
+    )  # fmt: skip
+    dtype = feature_maps.accumulation_dtype(q.dtype)
+    s0 = jnp.zeros((b, h, dk, dv), dtype) if initial_state is None else initial_state.s
+    run = functools.partial(delta_rule, chunk_size=chunk_size, scale=scale)
+
+    def local(q, k, v, beta, s0, extras):
+        gate = extras.get("gate")
+        b_local, t_local = q.shape[:2]
+        eye = jnp.broadcast_to(jnp.eye(dk, dtype=dtype), (b_local, h, dk, dk))
+        start = DeltaRuleState(jnp.concatenate([jnp.zeros_like(s0), eye], axis=-1))
+        values = jnp.concatenate([v, jnp.zeros((b_local, t_local, h, dk), v.dtype)], axis=-1)
+        _, end = run(q, k, values, beta, gate=gate, initial_state=start, return_state=True)
+        ends = jax.lax.all_gather(end.s, axis_name)  # [n, b, h, dk, dv + dk]: S_local | M
+        prefix = [s0]
+        for i in range(shards):
+            prefix.append(ends[i, ..., dv:] @ prefix[-1] + ends[i, ..., :dv])
+        s_in = jnp.stack(prefix[:-1])[jax.lax.axis_index(axis_name)]
+        out = run(q, k, v, beta, gate=gate, initial_state=DeltaRuleState(s_in))
+        return out, prefix[-1]
+
+    seq = P(batch_axis, axis_name)
+    extras, extra_specs = {}, {}
+    if gate is not None:
+        extras["gate"], extra_specs["gate"] = gate, seq
+    out, final = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(seq, seq, seq, seq, P(batch_axis), extra_specs),
+        out_specs=(seq, P(batch_axis)),
+        check_vma=False,  # the local passes start from device-invariant states
+    )(q, k, v, beta, s0.astype(dtype), extras)
+    return (out, DeltaRuleState(final)) if return_state else out
+
+
+def _check_mesh(mesh, axis_name: str, batch_axis: str | None, t: int):
+    """The mesh (the current one when None), checked against the axes and the length."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    for name, axis in [("axis_name", axis_name), ("batch_axis", batch_axis)]:
+        if axis is not None and axis not in mesh.axis_names:
+            raise ValueError(f"{name}={axis!r} is not an axis of the mesh {mesh.axis_names}")
+    shards = mesh.shape[axis_name]
+    if t % shards:
+        raise ValueError(
+            f"length t={t} must be divisible by the {shards} devices of axis {axis_name!r}"
+        )
+    return mesh
+
+
 def communication_bytes(
     b: int,
     t: int,
@@ -150,11 +245,13 @@ def communication_bytes(
     """Bytes each device receives per layer: this state all-gather vs a K/V all-gather.
 
     Each device receives the other ``shards - 1`` shards' states, ``f x (v+1)`` per
-    (b, h), plus their total decay (one number per (b, h)) when ``decayed``.
+    (b, h), plus their total decay (one number per (b, h)) when ``decayed``; for the
+    delta rule, their ``(M, S_local)``, ``d x (d + v)`` per (b, h).
     """
     per_shard = b * h * (f * (dv + 1) + (1 if decayed else 0))
     return {
         "linear_state_allgather": (shards - 1) * per_shard * itemsize,
+        "delta_state_allgather": (shards - 1) * b * h * d * (d + dv) * itemsize,
         "kv_allgather": (shards - 1) * (t // shards) * b * h * (d + dv) * itemsize,
     }
 

@@ -146,6 +146,57 @@ class SequenceParallelTest(chex.TestCase):
         # all-gather results hold all n shards; a device receives n - 1 of them.
         assert gathered * (shards - 1) // shards == expected["linear_state_allgather"]
 
+    @parameterized.product(shards=[2, 4, 8], gate=[None, "head", "channel"])
+    def test_delta_rule_equals_single_device(self, shards, gate):
+        t = 6 * shards  # 6 tokens per shard: not a multiple of the chunk size 4
+        q, k, v = helpers.qkv(7, B, t, H, D, DV)
+        k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+        beta = jax.nn.sigmoid(jax.random.normal(jax.random.PRNGKey(8), (B, t, H)))
+        shape = {None: None, "head": (B, t, H), "channel": (B, t, H, D)}[gate]
+        g = (
+            None
+            if shape is None
+            else -jax.nn.softplus(jax.random.normal(jax.random.PRNGKey(9), shape))
+        )
+        s0 = la.DeltaRuleState(0.3 * jax.random.normal(jax.random.PRNGKey(10), (B, H, D, DV)))
+        kw = dict(gate=g, chunk_size=4, initial_state=s0)
+        parallel = functools.partial(
+            la.sequence_parallel_delta_rule, axis_name="seq", mesh=_mesh(shards), **kw
+        )
+        single = functools.partial(la.delta_rule, **kw)
+        out, state = jax.jit(functools.partial(parallel, return_state=True))(q, k, v, beta)
+        ref, ref_state = single(q, k, v, beta, return_state=True)
+        tol = helpers.tol(jnp.float32)
+        chex.assert_trees_all_close(out, ref, **tol)
+        chex.assert_trees_all_close(state.s, ref_state.s, **tol)
+        loss = lambda fn: lambda q, k, v, beta: jnp.sum(jnp.sin(fn(q, k, v, beta)))
+        grads = [
+            jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2, 3)))(q, k, v, beta)
+            for fn in (parallel, single)
+        ]
+        chex.assert_trees_all_close(grads[0], grads[1], **helpers.GRAD_TOLERANCE)
+
+    def test_delta_rule_moves_only_states_and_stays_sharded(self):
+        """The HLO gathers (M, S_local) and nothing else; the output stays split."""
+        b, t, h, d, shards = 2, 1024, 2, 16, 4
+        mesh = _mesh(shards, batch=2)
+        x = jnp.ones((b, t, h, d)) / 4.0
+        beta, gate = jnp.full((b, t, h), 0.5), -jnp.ones((b, t, h, d))
+        fn = jax.jit(
+            functools.partial(
+                la.sequence_parallel_delta_rule, axis_name="seq", batch_axis="batch", mesh=mesh
+            )
+        )
+        hlo = fn.lower(x, x, x, beta, gate=gate).compile().as_text()
+        gathered = sequence_parallel.allgather_bytes(hlo)
+        expected = sequence_parallel.communication_bytes(b // 2, t, h, d, d, d, shards)
+        assert gathered * (shards - 1) // shards == expected["delta_state_allgather"]
+        for collective in ("all-to-all", "collective-permute", "reduce-scatter", "all-reduce"):
+            assert collective not in hlo, collective
+        out = fn(x, x, x, beta, gate=gate)
+        assert out.sharding.spec[:2] == ("batch", "seq"), out.sharding
+        assert {s.data.shape for s in out.addressable_shards} == {(1, t // shards, h, d)}
+
     def test_errors(self):
         q, k, v = helpers.qkv(0, B, 12, H, D, DV)
         with pytest.raises(ValueError, match=r"length t=12 must be divisible by the 8 devices"):
