@@ -81,8 +81,9 @@ def check_chunk_size(chunk_size) -> None:
 def default_chunk_size(chunk_size: int | None, g: Array | None) -> int:
     """``chunk_size``, or when None 64, or 16 for per-channel log-decays ``g [b,h,t,f>1]``.
 
-    Per-channel decays form a ``[c, c, f]`` relative decay inside each chunk, so
-    their cost grows with c; measured on CPU, c = 16 was 4-5x faster than c = 64.
+    Per-channel decays need a ``[c, c, f]`` relative decay inside each chunk (in
+    sub-chunks of 16 above that size), so their cost grows with c; measured on
+    CPU, c = 16 beat c = 64 by 2-3x (``python -m experiments.benchmark --recurrences``).
     """
     if chunk_size is not None:
         return chunk_size

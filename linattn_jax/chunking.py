@@ -153,13 +153,57 @@ def decayed_scores(a: Array, b: Array, dec: Decays | None, *, diagonal: bool) ->
     if dec is None:
         return jnp.where(mask, jnp.einsum("bhif,bhjf->bhij", a, b), 0.0)
     g = dec.log_cum
-    # [b, h, i, j, g]; the mask goes in BEFORE exp: for j > i the difference is positive.
-    mask = mask[..., None]
-    if dec.run is not None:
-        mask = mask & (dec.run[:, :, :, None] == dec.run[:, :, None, :])
-    diff = jnp.where(mask, g[:, :, :, None] - g[:, :, None, :], -jnp.inf)
     if g.shape[-1] == 1:
-        return jnp.einsum("bhif,bhjf->bhij", a, b) * jnp.exp(diff[..., 0])
+        return jnp.einsum("bhif,bhjf->bhij", a, b) * jnp.exp(_masked_diff(g, dec.run, mask)[..., 0])
+    if c > SUB_CHUNK and c % SUB_CHUNK == 0:
+        return _per_channel_scores_in_sub_chunks(a, b, dec, diagonal)
     # Per-channel decays: the [c, c, f] relative decay is formed explicitly; no
     # factorisation exp(G_i) * exp(-G_j) is safe for strong gates.
-    return jnp.einsum("bhif,bhjf,bhijf->bhij", a, b, jnp.exp(diff))
+    return jnp.einsum("bhif,bhjf,bhijf->bhij", a, b, jnp.exp(_masked_diff(g, dec.run, mask)))
+
+
+SUB_CHUNK = 16
+
+
+def _masked_diff(g: Array, run: Array | None, mask: Array) -> Array:
+    """``G_i - G_j`` as ``[b, h, i, j, g]``, -inf where ``mask`` [.., i, j] is False or a
+    reset lies between: the mask goes in BEFORE exp (for j > i the difference is positive)."""
+    mask = mask[..., None]
+    if run is not None:
+        mask = mask & (run[:, :, :, None] == run[:, :, None, :])
+    return jnp.where(mask, g[:, :, :, None] - g[:, :, None, :], -jnp.inf)
+
+
+def _per_channel_scores_in_sub_chunks(a: Array, b: Array, dec: Decays, diagonal: bool) -> Array:
+    """``decayed_scores`` for per-channel decays, in sub-chunks of ``SUB_CHUNK`` tokens.
+
+    Between sub-chunks the decay factors through the last token before query i's
+    sub-chunk, ``r``: ``exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j)`` with
+    ``j <= r < i``, so both factors are <= 1 and the block is a matmul. Only the
+    diagonal blocks form the ``[s, s, f]`` relative decay explicitly.
+    """
+    bsz, h, c, f = a.shape
+    s, n = SUB_CHUNK, c // SUB_CHUNK
+    g, run = dec.log_cum, dec.run
+    blocks = lambda x: x.reshape(x.shape[:2] + (n, s) + x.shape[3:])
+    # Reference of sub-chunk I: the last token of sub-chunk I - 1 (none for I = 0).
+    ref = jnp.concatenate([g[:, :, :1] * 0, g[:, :, s - 1 : -1 : s]], axis=2)  # [b, h, n, f]
+    before = jnp.arange(c)[None, :] < (jnp.arange(n) * s)[:, None]  # [n, j]: j <= ref(I)
+    log_q = blocks(g) - ref[:, :, :, None]  # [b, h, n, s, f], <= 0
+    log_k = jnp.where(before[None, None, :, :, None], ref[:, :, :, None] - g[:, :, None], -jnp.inf)
+    if run is not None:
+        run_ref = jnp.concatenate([run[:, :, :1] * 0 - 1, run[:, :, s - 1 : -1 : s]], axis=2)
+        log_q = jnp.where(blocks(run) == run_ref[:, :, :, None], log_q, -jnp.inf)
+        log_k = jnp.where(run[:, :, None] == run_ref[:, :, :, None], log_k, -jnp.inf)
+    q_t = blocks(a) * jnp.exp(log_q)
+    k_t = b[:, :, None] * jnp.exp(log_k)  # [b, h, n, c, f]
+    off = jnp.einsum("bhnif,bhnjf->bhnij", q_t, k_t)  # [b, h, n, s, c]
+    # The diagonal blocks, [s, s, f] relative decays with sub-chunks folded into heads.
+    fold = lambda x: blocks(x).reshape(bsz, h * n, s, f)
+    run = None if run is None else fold(jnp.broadcast_to(run, g.shape))
+    mask = jnp.tril(jnp.ones((1, 1, s, s), bool), 0 if diagonal else -1)
+    decay = jnp.exp(_masked_diff(fold(g), run, mask))
+    inside = jnp.einsum("bmif,bmjf,bmijf->bmij", fold(a), fold(b), decay)
+    eye = jnp.eye(n, dtype=a.dtype)[None, None, :, None, :, None]
+    inside = inside.reshape(bsz, h, n, s, 1, s) * eye  # placed on the block diagonal
+    return (off.reshape(bsz, h, n, s, n, s) + inside).reshape(bsz, h, c, c)

@@ -196,6 +196,34 @@ class DeltaRuleTest(chex.TestCase):
             )(q, k, gate)
             assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
 
+    @parameterized.parameters(32, 64)
+    def test_per_channel_gates_in_sub_chunks(self, chunk_size):
+        """Chunks above 16 tokens split per-channel decays into sub-chunks: still exact,
+        with strong gates and per-channel resets crossing the sub-chunk boundaries."""
+        q, k, v, beta, gate = _inputs(25, t=70, variant="kda")
+        strong = jax.random.bernoulli(jax.random.PRNGKey(26), 0.05, gate.shape)
+        gate = jnp.where(strong, -jnp.inf, gate).at[:, 20:23].set(-30.0)
+        ref_out, ref_s = _reference(q, k, v, beta, gate)
+        out, state = la.delta_rule(
+            q, k, v, beta, gate=gate, chunk_size=chunk_size, return_state=True
+        )
+        chex.assert_trees_all_close(out, ref_out, **helpers.tol(jnp.float32))
+        chex.assert_trees_all_close(state.s, ref_s, **helpers.tol(jnp.float32))
+        phi = feature_maps.get("elu")
+        with jax.enable_x64(True):
+            f64 = lambda x: np.asarray(x, np.float64)
+            gla, _ = gla_reference(f64(phi(q)), f64(phi(k)), f64(v), f64(gate))
+        out = la.causal_linear_attention(q, k, v, gate=gate, chunk_size=chunk_size)
+        chex.assert_trees_all_close(out, np.asarray(gla, np.float32), **helpers.tol(jnp.float32))
+        loss = lambda method: (
+            lambda q, k, g: jnp.sum(
+                la.delta_rule(q, k, v, beta, gate=g, method=method, chunk_size=chunk_size) ** 2
+            )
+        )
+        got = jax.grad(loss("chunked"), argnums=(0, 1, 2))(q, k, gate)
+        want = jax.grad(loss("scan"), argnums=(0, 1, 2))(q, k, gate)
+        chex.assert_trees_all_close(got, want, **helpers.GRAD_TOLERANCE)
+
     def test_every_token_at_minus_thirty(self):
         """Per-channel gates of -30 on every token: the chunk's decays span -1920, still finite."""
         q, k, v, beta, _ = _inputs(14, t=70, variant="kda")
