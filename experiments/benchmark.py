@@ -644,7 +644,8 @@ def plot_decode(rows, path: Path) -> None:
 
 def communication(lengths=(65536, 262144, 1048576), shards: int = 8) -> list[dict]:
     """Bytes per device per layer: sequence-parallel linear attention's state
-    all-gather against the K/V all-gather of softmax sequence parallelism, b=1,
+    all-gather (and the delta rule's ``(M, S_local)``) against the K/V all-gather
+    of softmax sequence parallelism, b=1,
     h=8, d=dv=f=64, float32, read from the compiled programs and checked against
     the analytic count (``sequence_parallel.communication_bytes``)."""
     import numpy as np
@@ -681,12 +682,18 @@ def communication(lengths=(65536, 262144, 1048576), shards: int = 8) -> list[dic
         received = lambda fn, *args: (
             sp.allgather_bytes(fn.lower(*args).compile().as_text()) * (shards - 1) // shards
         )
+        delta = jax.jit(
+            functools.partial(la.sequence_parallel_delta_rule, axis_name="seq", mesh=mesh)
+        )
+        beta = jax.ShapeDtypeStruct((b, t, h), jnp.float32)
         expected = sp.communication_bytes(b, t, h, d, d, d, shards)
         row = dict(
             t=t,
             shards=shards,
             linear_hlo=received(linear, x, x, x),
             linear_analytic=expected["linear_state_allgather"],
+            delta_hlo=received(delta, x, x, x, beta),
+            delta_analytic=expected["delta_state_allgather"],
             kv_hlo=received(jax.jit(gather_kv), x, x),
             kv_analytic=expected["kv_allgather"],
         )
@@ -743,11 +750,13 @@ def main(argv=None) -> None:
         rows = communication()
         lines = [
             "| t | devices | linear: state all-gather, bytes/device (HLO = analytic) "
-            "| softmax: K/V all-gather, bytes/device (HLO = analytic) | ratio |",
-            "|---|---|---|---|---|",
+            "| delta rule: (M, S) all-gather (HLO = analytic) "
+            "| softmax: K/V all-gather, bytes/device (HLO = analytic) | ratio (linear) |",
+            "|---|---|---|---|---|---|",
         ]
         lines += [
             f"| {r['t']} | {r['shards']} | {r['linear_hlo']:,} = {r['linear_analytic']:,}"
+            f" | {r['delta_hlo']:,} = {r['delta_analytic']:,}"
             f" | {r['kv_hlo']:,} = {r['kv_analytic']:,} | {r['ratio']:,.0f}x |"
             for r in rows
         ]
