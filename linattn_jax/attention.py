@@ -229,9 +229,8 @@ def causal_linear_attention(
     key_mask = checks.token_mask("key_mask", key_mask, b, t)
     phi_q, phi_k, v32 = features(q, k, v, feature_map, key_mask, key_mask, positions)
     f, dv, dtype = phi_q.shape[-1], v.shape[-1], phi_q.dtype
-    g, resets = checks.log_decay(decay, gate, b, t, h, dtype, channels=f, key_mask=key_mask)
-    if segment_ids is not None:
-        resets = checks.merge_resets(resets, checks.segment_resets(segment_ids, b, t, dtype))
+    g = checks.log_decay(decay, gate, b, t, h, dtype, channels=f, key_mask=key_mask)
+    resets = None if segment_ids is None else checks.segment_resets(segment_ids, b, t, dtype)
     state = state_in(initial_state, b, h, f, dv, dtype, with_z=normalize or return_state)
     chunk_size = t if method == "quadratic" else checks.default_chunk_size(chunk_size, g)
     body = _scan_body if method == "scan" else _chunk_body
@@ -300,11 +299,11 @@ def causal_linear_attention_step(
                 f"{(b, h, f)}, got {getattr(gate, 'shape', type(gate).__name__)}"
             )
         gate = gate[:, None]
-    g, reset = checks.log_decay(decay, gate, b, 1, h, dtype, channels=f)
+    g = checks.log_decay(decay, gate, b, 1, h, dtype, channels=f)
     s, z = state_in(state, b, h, f, v.shape[-1], dtype, with_z=True)
     phi_q, phi_k, v32 = phi_q[:, :, 0], phi_k[:, :, 0], v32[:, :, 0]
     if g is not None:
-        a = (jnp.exp(g) * (1.0 - reset))[:, :, 0]  # [b, h, 1|f]
+        a = jnp.exp(g[:, :, 0])  # [b, h, 1|f]; exp(-inf) = 0 is a full reset
         s, z = a[..., None] * s, a * z
     s = s + phi_k[..., :, None] * v32[..., None, :]
     z = z + phi_k
@@ -316,10 +315,10 @@ def causal_linear_attention_step(
 
 # ----------------------------------------------------------------------------
 # The recurrence, inside one chunk. Internal layout: [b, h, t, f] features,
-# [b, h, t, v] values, [b, h, t, g] log-decays and [b, 1|h, t, 1|g] resets (see
-# ``linattn_jax.checks``); the state is the pair (S [b, h, f, v], Z [b, h, f] or
-# None when no denominator is needed); outputs are the pair (numerator
-# [b, h, t, v], denominator [b, h, t] or None).
+# [b, h, t, v] values, [b, h, t, g] log-decays (-inf: a reset) and [b, 1, t, 1]
+# segment resets (see ``linattn_jax.checks``); the state is the pair
+# (S [b, h, f, v], Z [b, h, f] or None when no denominator is needed); outputs are
+# the pair (numerator [b, h, t, v], denominator [b, h, t] or None).
 # ----------------------------------------------------------------------------
 
 
@@ -330,7 +329,7 @@ def _chunk_body(diagonal: bool, state, x):
       diagonal: whether query i sees key i (False: strictly causal).
       state: ``(S [b, h, f, v], Z [b, h, f] | None)`` before the chunk.
       x: ``(phi_q [b,h,c,f], phi_k [b,h,c,f], v [b,h,c,v], log-decay [b,h,c,g] | None,
-        resets [b,1|h,c,1|g] | None)``.
+        segment resets [b,1,c,1] | None)``.
 
     Returns:
       ``(state after the chunk, (numerator [b, h, c, v], denominator [b, h, c] | None))``.

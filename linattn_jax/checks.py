@@ -6,9 +6,9 @@ expects and what it received. Parsers turn the user-facing options (``decay``,
 that ``linattn_jax.chunking`` runs over:
 
 * log-decays ``[b, h, t, g]`` with ``g`` 1 (one gate per head) or the feature
-  width (one gate per channel: GLA, KDA), finite and <= 0;
-* resets ``[b, 1 or h, t, 1 or g]``, 1.0 where the state is zeroed before the
-  token (a new segment, or a gate of ``-inf``).
+  width (one gate per channel: GLA, KDA), <= 0; ``-inf`` zeroes the state (the
+  chunked forms turn it into a reset, ``chunking.decays``);
+* segment resets ``[b, 1, t, 1]``, 1.0 where a new segment starts.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def where_token(mask: Array | None, x: Array) -> Array:
 def log_decay(
     decay, gate, b: int, t: int, h: int, dtype, *, channels: int | None = None, key_mask=None
 ):
-    """``log(decay) + gate`` as internal ``(log-decay [b,h,t,g], resets [b,h,t,g])``.
+    """``log(decay) + gate`` as the internal log-decay ``[b, h, t, g]``, or None.
 
     Args:
       decay: None, or a fixed decay in [0, 1], a scalar or one per head ``[h]``.
@@ -130,9 +130,9 @@ def log_decay(
         nor resets the state, whatever its gate holds.
 
     Returns:
-      ``(g, resets)``, both None when neither option is given. ``g`` is finite and
-      <= 0; entries of ``-inf`` (a decay of 0: a full reset) become resets with
-      ``g = 0``, so the chunked forms never subtract infinities.
+      ``g`` <= 0, or None when neither option is given. ``-inf`` (a decay of 0) is a
+      full reset: the per-token forms take ``exp(-inf) = 0`` as it is, the chunked
+      ones turn it into a reset (``chunking.decays``) and never subtract infinities.
 
     Out-of-range values that can only be seen under ``jit`` (traced) are clamped:
     a positive gate counts as 0 (no decay), a decay outside [0, 1] as the nearest
@@ -140,7 +140,7 @@ def log_decay(
     range raise.
     """
     if decay is None and gate is None:
-        return None, None
+        return None
     total = jnp.zeros((b, h, t, 1), dtype)
     if decay is not None:
         decay = jnp.asarray(decay).astype(dtype)
@@ -174,12 +174,7 @@ def log_decay(
         g = jnp.where(g > 0, 0.0, g)
         g = g[..., None] if g.ndim == 3 else g
         total = total + jnp.swapaxes(g, 1, 2)
-    # exp(-inf) = 0 zeroes the state: carry that as a reset, keep the log-decay finite.
-    reset = jnp.isneginf(total)
-    if key_mask is not None:
-        reset = reset & key_mask[:, None, :, None]
-    total = where_heads_first(key_mask, jnp.where(reset, 0.0, total))
-    return total, reset.astype(dtype)
+    return where_heads_first(key_mask, total)
 
 
 def where_heads_first(mask: Array | None, x: Array) -> Array:
@@ -198,14 +193,3 @@ def segment_resets(segment_ids, b: int, t: int, dtype) -> Array:
     change = segment_ids[:, 1:] != segment_ids[:, :-1]
     change = jnp.concatenate([jnp.zeros((b, 1), bool), change], axis=1)
     return change.astype(dtype)[:, None, :, None]
-
-
-def merge_resets(*resets: Array | None) -> Array | None:
-    """The union of reset indicators (broadcast together), or None when there are none."""
-    present = [r for r in resets if r is not None]
-    if not present:
-        return None
-    out = present[0]
-    for r in present[1:]:
-        out = jnp.maximum(out, r)
-    return out

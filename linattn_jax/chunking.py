@@ -121,9 +121,16 @@ def decays(g: Array | None, r: Array | None, shape: tuple[int, ...], dtype) -> D
     """The chunk's ``Decays``, or None when it has neither log-decays nor resets.
 
     ``shape`` is ``[b, h, c]``: the shape of the per-head decays when ``g`` is None.
+    A log-decay of ``-inf`` zeroes the state: it becomes a reset here, with a log-decay
+    of 0, so that no difference of cumulative sums ever meets an infinity.
     """
     if g is None and r is None:
         return None
+    if g is not None:
+        reset = jnp.isneginf(g)
+        g = jnp.where(reset, 0.0, g)
+        reset = reset.astype(dtype)
+        r = reset if r is None else jnp.maximum(r, reset)
     log_cum = jnp.zeros(shape + (1,), dtype) if g is None else jnp.cumsum(g, axis=2)
     last = log_cum[:, :, -1:]
     into, out_of = jnp.exp(log_cum), jnp.exp(last - log_cum)  # both exponents <= 0

@@ -125,9 +125,8 @@ def delta_rule(
     key_mask = checks.token_mask("key_mask", key_mask, b, t)
     _check_beta(beta, (b, t, h), "[batch, length, heads]", key_mask)
     dtype, out_dtype = feature_maps.accumulation_dtype(q.dtype), v.dtype
-    g, resets = checks.log_decay(None, gate, b, t, h, dtype, channels=dk, key_mask=key_mask)
-    if segment_ids is not None:
-        resets = checks.merge_resets(resets, checks.segment_resets(segment_ids, b, t, dtype))
+    g = checks.log_decay(None, gate, b, t, h, dtype, channels=dk, key_mask=key_mask)
+    resets = None if segment_ids is None else checks.segment_resets(segment_ids, b, t, dtype)
     q, k, v, beta = (checks.where_token(key_mask, x) for x in (q, k, v, beta))
     heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
     q, k, v, beta = (heads_first(x.astype(dtype)) for x in (q * scale, k, v, beta))
@@ -179,8 +178,8 @@ def delta_rule_step(
                 f"gate must have shape [batch, heads]={(b, h)} or [batch, heads, key_dim]="
                 f"{(b, h, dk)}, got {getattr(gate, 'shape', type(gate).__name__)}"
             )
-        g, reset = checks.log_decay(None, gate[:, None], b, 1, h, dtype, channels=dk)
-        a = (jnp.exp(g) * (1.0 - reset))[:, :, 0]
+        g = checks.log_decay(None, gate[:, None], b, 1, h, dtype, channels=dk)
+        a = jnp.exp(g[:, :, 0])  # exp(-inf) = 0 is a full reset
     s = _state_in(state, b, h, dk, v.shape[-1], dtype)
     x = (q * scale, k, v, beta, a)
     s, out = _token_step(s, tuple(None if y is None else y.astype(dtype) for y in x))
@@ -189,7 +188,7 @@ def delta_rule_step(
 
 # ----------------------------------------------------------------------------
 # The recurrence. Internal layout: [b, h, t, .] (heads first), beta [b, h, t],
-# log-decays [b, h, t, 1|dk] and resets [b, 1|h, t, 1|dk] (``linattn_jax.checks``).
+# log-decays [b, h, t, 1|dk] (-inf: a reset) and segment resets [b, 1, t, 1].
 # ----------------------------------------------------------------------------
 
 
@@ -223,7 +222,7 @@ def _chunk_body(s: Array, x) -> tuple[Array, Array]:
     Args:
       s: ``[b, h, dk, dv]`` before the chunk.
       x: ``(q [b,h,c,dk], k [b,h,c,dk], v [b,h,c,dv], beta [b,h,c],
-        log-decay [b,h,c,1|dk] | None, resets | None)``.
+        log-decay [b,h,c,1|dk] | None, segment resets | None)``.
 
     Returns:
       ``(state after the chunk, out [b, h, c, dv])``.

@@ -89,15 +89,13 @@ def sequence_parallel_causal_linear_attention(
         positions = index * t_local + jnp.arange(t_local)
         positions = jnp.broadcast_to(positions, q.shape[:2])
         phi_q, phi_k, v32 = attn.features(q, k, v, phi, positions=(positions, positions))
-        g, resets = checks.log_decay(
-            extras.get("decay"), extras.get("gate"), b_local, t_local, h, dtype
-        )
+        g = checks.log_decay(extras.get("decay"), extras.get("gate"), b_local, t_local, h, dtype)
         zero = attn.state_in(None, b_local, h, f, v.shape[-1], dtype)
         (num, den), (s_local, z_local) = attn.chunked(
-            phi_q, phi_k, v32, g, resets, zero, chunk_size, diagonal=True
+            phi_q, phi_k, v32, g, None, zero, chunk_size, diagonal=True
         )
         # The whole shard as one span of decays: exp(G_i) to each token, and across it.
-        dec = chunking.decays(g, resets, phi_q.shape[:3], dtype)
+        dec = chunking.decays(g, None, phi_q.shape[:3], dtype)
         into = jnp.ones(phi_q.shape[:3] + (1,), dtype) if dec is None else dec.into
         across = jnp.ones((b_local, h, 1), dtype) if dec is None else dec.across
         # Every shard's state (S | Z, one gather) and total decay; then the state
