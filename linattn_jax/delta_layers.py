@@ -224,7 +224,8 @@ class DeltaRuleAttention(nnx.Module):
         else:
             self.A_log, self.dt_bias = nnx.data(None), nnx.data(None)
         self.g_proj = nnx.data(linear(width, h * d, use_bias=False) if output_gate else None)
-        self.output_norm = nnx.RMSNorm(d, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        # In float32 whatever dtype (Flax's RMSNorm would promote bfloat16 with float32).
+        self.output_norm = nnx.RMSNorm(d, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
         self.out_proj = linear(h * d, width, use_bias=False)
 
     @property
@@ -245,11 +246,12 @@ class DeltaRuleAttention(nnx.Module):
         """``-exp(A_log) softplus(W_a x + dt_bias)``: ``[b, t, h]`` or ``[b, t, h, dk]``."""
         if self.a_proj is None:
             return None
-        a = self.a_proj(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+        a = self.a_proj(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)[None, None]
         decay_rate = jnp.exp(self.A_log[...].astype(jnp.float32))  # [h]
         if self.variant == "kda":
-            return -decay_rate[:, None] * jax.nn.softplus(_heads(a, self.num_heads))
-        return -decay_rate * jax.nn.softplus(a)
+            a = _heads(a, self.num_heads)  # [b, t, h, dk]
+            return -decay_rate[None, None, :, None] * jax.nn.softplus(a)
+        return -decay_rate[None, None] * jax.nn.softplus(a)
 
     def __call__(
         self,
@@ -319,7 +321,7 @@ class DeltaRuleAttention(nnx.Module):
                 segment_ids=segment_ids,
                 scale=self.scale,
             )
-        out = self.output_norm(out)
+        out = self.output_norm(out.astype(jnp.float32)).astype(qkv.dtype)
         if self.g_proj is not None:
             out = out * jax.nn.silu(_heads(self.g_proj(x), self.num_heads)).astype(out.dtype)
         y = self.out_proj(out.reshape(b, t, self.num_heads * self.value_dim))
