@@ -637,7 +637,8 @@ class TransformerBlock(nnx.Module):
 
     Args:
       width, num_heads: as in the attention layers.
-      attention: ``"linear"`` or ``"softmax"``.
+      attention: one of ``ATTENTION_KINDS`` (``make_attention``): ``"linear"``, ``"softmax"``,
+        ``"gla"``, ``"deltanet"``, ``"gated_deltanet"`` or ``"kda"``.
       mlp_ratio: the MLP's hidden width over ``width``.
       short_conv: kernel size of a causal depthwise convolution before attention
         (0: none); causal blocks only.
