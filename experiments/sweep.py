@@ -4,8 +4,9 @@
         --sweep attention=softmax,elu,taylor --workdir runs/mqar_sweep
 
 ``--sweep field=v1,v2,...`` takes any config field; several ``--sweep`` flags
-make their product. ``attention=`` is a shorthand: ``softmax`` selects softmax
-attention, any other value is linear attention with that feature map.
+make their product. ``attention=`` is a shorthand: an attention kind other than
+``linear`` (``softmax``, ``gla``, ``deltanet``, ``gated_deltanet``, ``kda``) selects
+that kind, any other value is linear attention with that feature map.
 ``--config.<field>=<value>`` applies to every run (as in ``experiments.train``).
 Each run gets its own workdir (and resumes from it when re-run) and prints one
 line as it finishes; the table goes to ``<workdir>/results.md`` and the plot to
@@ -25,6 +26,7 @@ from absl import logging
 from ml_collections import ConfigDict
 
 from experiments import train, trainer
+from linattn_jax import layers
 
 HEADER = (
     "| task | attention | feature map | width x depth | seq len | steps | eval loss | result |\n"
@@ -42,8 +44,8 @@ def expand(assignment: str) -> list[list[str]]:
     for value in values.split(","):
         if name == "attention":
             runs.append(
-                ["model.attention=softmax"]
-                if value == "softmax"
+                [f"model.attention={value}"]
+                if value in layers.ATTENTION_KINDS and value != "linear"
                 else ["model.attention=linear", f"model.feature_map={value}"]
             )
         else:
@@ -81,8 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=[],
         metavar="FIELD=V1,V2,...",
         help="one run per value of a config field (model.width=64,128); repeat for a "
-        "product of several; attention=softmax,elu,... is softmax attention or linear "
-        "attention with that feature map",
+        "product of several; attention=softmax,gla,kda,elu,... is that attention kind or "
+        "linear attention with that feature map",
     )
     try:
         args, base = train.parse(parser, argv)

@@ -195,6 +195,10 @@ _BOOL = (lambda v: isinstance(v, bool)), "true or false"
 ATTENTION_FIELDS = {
     "linear": ("feature_map", "method", "chunk_size", "decay", "gate", "normalize", "num_features"),
     "softmax": (),
+    "gla": ("method", "chunk_size"),
+    "deltanet": ("chunk_size",),
+    "gated_deltanet": ("chunk_size",),
+    "kda": ("chunk_size",),
 }
 KIND_FIELDS = {field for fields in ATTENTION_FIELDS.values() for field in fields}
 
@@ -441,6 +445,10 @@ def build_model(config: ConfigDict, mesh: Mesh | None = None) -> nnx.Module:
         )
         if config.mesh.sequence > 1:
             kwargs.update(sequence_axis="sequence", batch_axis="data", mesh=mesh)
+    elif m.attention == "gla":
+        kwargs.update(method=m.method, chunk_size=m.chunk_size)
+    elif m.attention in ("deltanet", "gated_deltanet", "kda"):
+        kwargs.update(chunk_size=m.chunk_size)
     else:
         kwargs.update(max_length=config.seq_len)
     if spec.kind == "lm":

@@ -24,7 +24,10 @@ from linattn_jax import attention as attn
 from linattn_jax import checks, sequence_parallel
 from linattn_jax import feature_maps as fm
 
-ATTENTION_KINDS = ("linear", "softmax")
+ATTENTION_KINDS = ("linear", "softmax", "gla", "deltanet", "gated_deltanet", "kda")
+GATES = (False, True, "channel")
+GLA_GATE_RANK = 16  # GLA's low-rank gate: width -> 16 -> h * f
+GLA_GATE_NORMALIZER = 16.0  # log_sigmoid(.) / 16: slow decays at initialisation
 RANDOM_FEATURES = {"favor_plus": fm.FavorPlus, "random_fourier": fm.RandomFourier}
 HEDGEHOG_FORMS = ("softmax", "paper")
 
@@ -212,8 +215,12 @@ class LinearAttention(nnx.Module):
       method: causal form, ``"chunked"``, ``"scan"`` or ``"quadratic"``.
       chunk_size: tokens per chunk.
       decay: None, ``"retnet"`` (gamma_h = 1 - 2^(-5-h)), a float or one per head.
-      gate: learn a data-dependent log-decay per token and head (``log_sigmoid``
-        of a projection of the input, biased towards slow decay).
+      gate: learn a data-dependent log-decay per token: ``True`` one per head
+        (``log_sigmoid`` of a projection of the input, biased towards slow decay),
+        ``"channel"`` one per feature channel (GLA; Yang et al. 2024, "Gated Linear
+        Attention Transformers with Hardware-Efficient Training"):
+        ``log_sigmoid(W2 W1 x + b) / 16`` through rank 16, ``[b, t, h, f]``.
+        ``False``: none.
       normalize: divide by ``phi(q)^T Z`` (True) or not; without it an RMSNorm
         over each head's output keeps the scale (TransNormer). Maps that need it
         (``requires_normalize``: FAVOR+, Hedgehog's paper form) refuse False;
@@ -256,7 +263,7 @@ class LinearAttention(nnx.Module):
         method: str = "chunked",
         chunk_size: int = 64,
         decay: None | str | float | Sequence[float] = None,
-        gate: bool = False,
+        gate: bool | str = False,
         normalize: bool = True,
         num_features: int | None = None,
         max_length: int = 4096,
@@ -276,6 +283,10 @@ class LinearAttention(nnx.Module):
             _check_int("feature_dim", feature_dim, 1)
         if method not in attn.METHODS:
             raise ValueError(f"method must be one of {attn.METHODS}, got {method!r}")
+        if not (isinstance(gate, bool) or (isinstance(gate, str) and gate == "channel")):
+            raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+        if gate == "channel" and sequence_axis is not None:
+            raise ValueError("gate='channel' has no sequence-parallel form yet: sequence_axis=None")
         self.width, self.num_heads, self.head_dim = width, num_heads, width // num_heads
         self.qk_dim = self.head_dim if feature_dim is None else feature_dim
         self.causal, self.method, self.chunk_size = causal, method, chunk_size
@@ -292,7 +303,7 @@ class LinearAttention(nnx.Module):
         self.decay = nnx.data(self._decay(decay))
         # Optional parts: None or a module, each assigned once.
         self.gate_proj = nnx.data(
-            linear(num_heads, bias_init=nnx.initializers.constant(3.0)) if gate else None
+            linear(num_heads, bias_init=nnx.initializers.constant(3.0)) if gate is True else None
         )
         self.output_norm = nnx.data(
             None
@@ -313,6 +324,20 @@ class LinearAttention(nnx.Module):
         self.hedgehog, self.projection = nnx.data(hedgehog), nnx.data(projection)
         attn.check_normalize(self.phi, normalize, name=feature_map)  # at construction
         self.feature_dim = fm.feature_dim(self.phi, self.qk_dim, num_heads)
+        self.channel_gate = nnx.data(
+            nnx.Sequential(
+                linear(GLA_GATE_RANK, use_bias=False),
+                nnx.Linear(
+                    GLA_GATE_RANK,
+                    num_heads * self.feature_dim,
+                    dtype=dtype,
+                    param_dtype=param_dtype,
+                    rngs=rngs,
+                ),
+            )
+            if gate == "channel"
+            else None
+        )
 
     def _decay(self, decay) -> jax.Array | None:
         if decay is None:
@@ -379,11 +404,12 @@ class LinearAttention(nnx.Module):
         # Padding is replaced by zeros before any product: a NaN there reaches no gradient.
         x = checks.where_token(checks.token_mask("key_mask", key_mask, b, t), x)
         q, k, v = (_heads(p(x), self.num_heads) for p in (self.q_proj, self.k_proj, self.v_proj))
-        gate = (
-            None
-            if self.gate_proj is None
-            else jax.nn.log_sigmoid(self.gate_proj(x).astype(jnp.float32))
-        )
+        gate = None
+        if self.gate_proj is not None:
+            gate = jax.nn.log_sigmoid(self.gate_proj(x).astype(jnp.float32))
+        elif self.channel_gate is not None:
+            logits = _heads(self.channel_gate(x).astype(jnp.float32), self.num_heads)
+            gate = jax.nn.log_sigmoid(logits) / GLA_GATE_NORMALIZER  # [b, t, h, f]
         phi = self.phi
         if not self.causal:
             out = attn.linear_attention(
@@ -579,11 +605,27 @@ def _check_cache_room(position: jax.Array, t: int, n: int) -> jax.Array:
 
 
 def make_attention(kind: str, width: int, num_heads: int, **kwargs) -> nnx.Module:
-    """``"linear"`` or ``"softmax"`` attention from one set of options."""
+    """An attention layer of ``kind`` (one of ``ATTENTION_KINDS``) from one set of options.
+
+    ``"linear"``: ``LinearAttention``; ``"softmax"``: ``SoftmaxAttention``; ``"gla"``:
+    ``LinearAttention`` with GLA's per-channel gate (``gate="channel"``), by default
+    over the identity map without a denominator (``feature_map="identity"``,
+    ``normalize=False``: an output RMSNorm per head); ``"deltanet"``,
+    ``"gated_deltanet"``, ``"kda"``: ``delta_layers.DeltaRuleAttention`` of that variant.
+    """
     if kind == "linear":
         return LinearAttention(width, num_heads, **kwargs)
     if kind == "softmax":
         return SoftmaxAttention(width, num_heads, **kwargs)
+    if kind == "gla":
+        if kwargs.get("gate", "channel") != "channel":
+            raise ValueError(f"gla's gate is 'channel', got gate={kwargs['gate']!r}")
+        kwargs = {"feature_map": "identity", "normalize": False, **kwargs, "gate": "channel"}
+        return LinearAttention(width, num_heads, **kwargs)
+    if kind in ("deltanet", "gated_deltanet", "kda"):
+        from linattn_jax import delta_layers  # imports this module: imported on use
+
+        return delta_layers.DeltaRuleAttention(width, num_heads, variant=kind, **kwargs)
     raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {kind!r}")
 
 
@@ -640,7 +682,8 @@ class TransformerBlock(nnx.Module):
 
     Args:
       width, num_heads: as in the attention layers.
-      attention: ``"linear"`` or ``"softmax"``.
+      attention: one of ``ATTENTION_KINDS`` (``make_attention``): ``"linear"``, ``"softmax"``,
+        ``"gla"``, ``"deltanet"``, ``"gated_deltanet"`` or ``"kda"``.
       mlp_ratio: the MLP's hidden width over ``width``.
       short_conv: kernel size of a causal depthwise convolution before attention
         (0: none); causal blocks only.

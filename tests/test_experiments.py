@@ -194,7 +194,10 @@ def test_sweep_writes_a_table_and_a_plot(tmp_path, capsys):
 def test_bad_configs_fail_before_compute(tmp_path):
     cases = [
         (["optim.lr=-1"], r"optim.lr must be a number > 0, got -1.0"),
-        (["model.attention=sparse"], r"model.attention must be one of \('linear', 'softmax'\)"),
+        (
+            ["model.attention=sparse"],
+            r"model.attention must be one of \('linear', 'softmax', 'gla', 'deltanet', 'gated_deltanet', 'kda'\)",
+        ),
         (["model.feature_map=nope"], r"feature_map must be one of"),
         (["seq_len=8"], r"seq_len=8 is too short for MQAR with mqar.num_pairs=8"),
         (["batch_size=0"], r"batch_size must be an integer >= 1, got 0"),

@@ -226,7 +226,7 @@ BAD_CONSTRUCTIONS = {
     "block_chunk_size_0": (lambda: _block(chunk_size=0), r"chunk_size must be an int >= 1"),
     "block_attention_unknown": (
         lambda: _block(attention="sparse"),
-        r"attention must be one of \('linear', 'softmax'\), got 'sparse'",
+        r"attention must be one of \('linear', 'softmax', 'gla', 'deltanet', 'gated_deltanet', 'kda'\), got 'sparse'",
     ),
     "short_conv_size_0": (
         lambda: layers.ShortConv(W, 0, rngs=nnx.Rngs(0)),
