@@ -39,7 +39,7 @@ from linattn_jax.delta_rule import (
     delta_rule_step,
     init_delta_state,
 )
-from linattn_jax.layers import _check_int, _check_tokens, _check_width, _heads
+from linattn_jax.layer_utils import check_int, check_tokens, check_width, split_heads
 
 VARIANTS = ("deltanet", "gated_deltanet", "kda")
 A_INIT_RANGE = (1.0, 16.0)  # A = exp(A_log) ~ U(1, 16) (FLA)
@@ -73,8 +73,8 @@ class CausalDepthwiseConv(nnx.Module):
     """
 
     def __init__(self, channels: int, size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
-        _check_int("channels", channels, 1)
-        _check_int("conv_size", size, 1)
+        check_int("channels", channels, 1)
+        check_int("conv_size", size, 1)
         kernel = 0.02 * jax.random.normal(rngs.params(), (size, channels), param_dtype)
         self.kernel = nnx.Param(kernel.at[-1].add(1.0))
         self.size, self.channels = size, channels
@@ -163,13 +163,13 @@ class DeltaRuleAttention(nnx.Module):
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
     ):
-        _check_width(width, num_heads)
+        check_width(width, num_heads)
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
         if method not in DELTA_METHODS:
             raise ValueError(f"method must be one of {DELTA_METHODS}, got {method!r}")
-        _check_int("chunk_size", chunk_size, 1)
-        _check_int("conv_size", conv_size, 0)
+        check_int("chunk_size", chunk_size, 1)
+        check_int("conv_size", conv_size, 0)
         for name, flag in [
             ("output_gate", output_gate),
             ("allow_negative_eigenvalues", allow_negative_eigenvalues),
@@ -180,7 +180,7 @@ class DeltaRuleAttention(nnx.Module):
         if gate_rank is not None:
             if variant != "kda":
                 raise ValueError(f"gate_rank is KDA's (variant='kda'), got variant={variant!r}")
-            _check_int("gate_rank", gate_rank, 1)
+            check_int("gate_rank", gate_rank, 1)
         h = num_heads
         d = width // h
         self.width, self.num_heads, self.key_dim, self.value_dim = width, h, d, d
@@ -249,7 +249,7 @@ class DeltaRuleAttention(nnx.Module):
         a = self.a_proj(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)[None, None]
         decay_rate = jnp.exp(self.A_log[...].astype(jnp.float32))  # [h]
         if self.variant == "kda":
-            a = _heads(a, self.num_heads)  # [b, t, h, dk]
+            a = split_heads(a, self.num_heads)  # [b, t, h, dk]
             return -decay_rate[None, None, :, None] * jax.nn.softplus(a)
         return -decay_rate[None, None] * jax.nn.softplus(a)
 
@@ -276,7 +276,7 @@ class DeltaRuleAttention(nnx.Module):
             O(1) step, a longer one (a prompt) is prefilled through the chunked form.
           return_state: also return the new ``DeltaRuleCache``.
         """
-        _check_tokens(x, self.width)
+        check_tokens(x, self.width)
         if (state is not None or return_state) and not self.causal:
             raise ValueError("decoding (state=, return_state=) needs a causal layer (causal=True)")
         if state is not None and not isinstance(state, DeltaRuleCache):
@@ -290,7 +290,7 @@ class DeltaRuleAttention(nnx.Module):
             if segment_ids is not None:
                 checks.segment_resets(segment_ids, b, t, jnp.float32)  # validates
             qkv, conv_state = self.conv(qkv, None if state is None else state.conv, segment_ids)
-        q, k, v = (_heads(y, self.num_heads) for y in jnp.split(jax.nn.silu(qkv), 3, axis=-1))
+        q, k, v = (split_heads(y, self.num_heads) for y in jnp.split(jax.nn.silu(qkv), 3, axis=-1))
         q, k = _l2_normalize(q), _l2_normalize(k)
         beta = self.beta_max * jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
         gate = self._log_decay(x)
@@ -323,6 +323,6 @@ class DeltaRuleAttention(nnx.Module):
             )
         out = self.output_norm(out.astype(jnp.float32)).astype(qkv.dtype)
         if self.g_proj is not None:
-            out = out * jax.nn.silu(_heads(self.g_proj(x), self.num_heads)).astype(out.dtype)
+            out = out * jax.nn.silu(split_heads(self.g_proj(x), self.num_heads)).astype(out.dtype)
         y = self.out_proj(out.reshape(b, t, self.num_heads * self.value_dim))
         return (y, DeltaRuleCache(s, conv_state)) if return_state else y

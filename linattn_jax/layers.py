@@ -21,8 +21,9 @@ import numpy as np
 from flax import nnx
 
 from linattn_jax import attention as attn
-from linattn_jax import checks, sequence_parallel
+from linattn_jax import checks, delta_layers, sequence_parallel
 from linattn_jax import feature_maps as fm
+from linattn_jax.layer_utils import check_int, check_tokens, check_width, split_heads
 
 ATTENTION_KINDS = ("linear", "softmax", "gla", "deltanet", "gated_deltanet", "kda")
 GATES = (False, True, "channel")
@@ -115,8 +116,8 @@ class HedgehogFeatureMap(nnx.Module):
         del rngs  # identity initialisation: nothing random
         if form not in HEDGEHOG_FORMS:
             raise ValueError(f"form must be one of {HEDGEHOG_FORMS}, got {form!r}")
-        _check_int("heads", heads, 1)
-        _check_int("head_dim", head_dim, 1)
+        check_int("heads", heads, 1)
+        check_int("head_dim", head_dim, 1)
         self.form = form
         eye = jnp.broadcast_to(jnp.eye(head_dim, dtype=param_dtype), (heads, head_dim, head_dim))
         self.kernel = nnx.Param(eye)
@@ -146,24 +147,6 @@ class HedgehogFeatureMap(nnx.Module):
         return jnp.exp(both)
 
 
-def _heads(x: jax.Array, heads: int) -> jax.Array:
-    """``[b, t, h * d] -> [b, t, h, d]``."""
-    return x.reshape(x.shape[:-1] + (heads, x.shape[-1] // heads))
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    """An int (not a bool) of at least ``minimum``, or a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
-def _check_width(width: int, num_heads: int) -> None:
-    _check_int("width", width, 1)
-    _check_int("num_heads", num_heads, 1)
-    if width % num_heads:
-        raise ValueError(f"num_heads={num_heads} must divide the width {width}")
-
-
 def _make_feature_map(feature_map, heads: int, d: int, *, num_features, max_length, form, **kw):
     """``(hedgehog, projection, fixed)`` for ``LinearAttention``: exactly one is not None.
 
@@ -172,7 +155,7 @@ def _make_feature_map(feature_map, heads: int, d: int, *, num_features, max_leng
     # Validated whatever the map; like max_length, ignored by maps they do not apply to
     # (an experiment passes one set of options to every map it sweeps).
     if num_features is not None:
-        _check_int("num_features", num_features, 1)
+        check_int("num_features", num_features, 1)
     if form not in HEDGEHOG_FORMS:
         raise ValueError(f"hedgehog_form must be one of {HEDGEHOG_FORMS}, got {form!r}")
     if feature_map == "hedgehog":
@@ -183,11 +166,6 @@ def _make_feature_map(feature_map, heads: int, d: int, *, num_features, max_leng
     if feature_map == "cosformer":
         return None, None, fm.cosformer(max_length)
     return None, None, fm.get(feature_map)  # raises on unknown names
-
-
-def _check_tokens(x: jax.Array, width: int) -> None:
-    if x.ndim != 3 or x.shape[-1] != width:
-        raise ValueError(f"x must have shape [batch, length, {width}], got {x.shape}")
 
 
 def _positions(
@@ -277,10 +255,10 @@ class LinearAttention(nnx.Module):
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
     ):
-        _check_width(width, num_heads)
-        _check_int("chunk_size", chunk_size, 1)
+        check_width(width, num_heads)
+        check_int("chunk_size", chunk_size, 1)
         if feature_dim is not None:
-            _check_int("feature_dim", feature_dim, 1)
+            check_int("feature_dim", feature_dim, 1)
         if method not in attn.METHODS:
             raise ValueError(f"method must be one of {attn.METHODS}, got {method!r}")
         if not (isinstance(gate, bool) or (isinstance(gate, str) and gate == "channel")):
@@ -397,18 +375,20 @@ class LinearAttention(nnx.Module):
         With a ``state`` of a causal layer, a one-token ``x`` takes the O(1) step;
         a longer one (a prompt) is prefilled through the chunked form.
         """
-        _check_tokens(x, self.width)
+        check_tokens(x, self.width)
         if (state is not None or return_state) and not self.causal:
             raise ValueError("decoding (state=, return_state=) needs a causal layer (causal=True)")
         b, t, _ = x.shape
         # Padding is replaced by zeros before any product: a NaN there reaches no gradient.
         x = checks.where_token(checks.token_mask("key_mask", key_mask, b, t), x)
-        q, k, v = (_heads(p(x), self.num_heads) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            split_heads(p(x), self.num_heads) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         gate = None
         if self.gate_proj is not None:
             gate = jax.nn.log_sigmoid(self.gate_proj(x).astype(jnp.float32))
         elif self.channel_gate is not None:
-            logits = _heads(self.channel_gate(x).astype(jnp.float32), self.num_heads)
+            logits = split_heads(self.channel_gate(x).astype(jnp.float32), self.num_heads)
             gate = jax.nn.log_sigmoid(logits) / GLA_GATE_NORMALIZER  # [b, t, h, f]
         phi = self.phi
         if not self.causal:
@@ -507,7 +487,7 @@ class SoftmaxAttention(nnx.Module):
         **unused: Any,
     ):
         del unused  # linear-attention options (feature_map, chunk_size, ...) do not apply
-        _check_width(width, num_heads)
+        check_width(width, num_heads)
         self.width, self.num_heads, self.head_dim = width, num_heads, width // num_heads
         self.causal, self.max_length = causal, max_length
         linear = lambda: nnx.Linear(
@@ -545,13 +525,15 @@ class SoftmaxAttention(nnx.Module):
             or, when ``state.position`` is concrete, ``position + t`` past its end).
             Under ``jit`` the position is not known: rows that overflow get NaN outputs.
         """
-        _check_tokens(x, self.width)
+        check_tokens(x, self.width)
         if (state is not None or return_state) and not self.causal:
             raise ValueError("decoding (state=, return_state=) needs a causal layer (causal=True)")
         b, t, _ = x.shape
         # Padding is replaced by zeros before any product: a NaN there reaches no gradient.
         x = checks.where_token(checks.token_mask("key_mask", key_mask, b, t), x)
-        q, k, v = (_heads(p(x), self.num_heads) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            split_heads(p(x), self.num_heads) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         allowed = jnp.ones((b, t, t), bool)
         if key_mask is not None:
             allowed = allowed & key_mask[:, None, :]
@@ -623,8 +605,6 @@ def make_attention(kind: str, width: int, num_heads: int, **kwargs) -> nnx.Modul
         kwargs = {"feature_map": "identity", "normalize": False, **kwargs, "gate": "channel"}
         return LinearAttention(width, num_heads, **kwargs)
     if kind in ("deltanet", "gated_deltanet", "kda"):
-        from linattn_jax import delta_layers  # imports this module: imported on use
-
         return delta_layers.DeltaRuleAttention(width, num_heads, variant=kind, **kwargs)
     raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {kind!r}")
 
@@ -651,8 +631,8 @@ class ShortConv(nnx.Module):
     """
 
     def __init__(self, width: int, size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
-        _check_int("width", width, 1)
-        _check_int("size", size, 1)
+        check_int("width", width, 1)
+        check_int("size", size, 1)
         kernel = 0.02 * jax.random.normal(rngs.params(), (size, width), param_dtype)
         self.kernel = nnx.Param(kernel.at[-1].add(1.0))
         self.size = size
@@ -703,9 +683,9 @@ class TransformerBlock(nnx.Module):
         param_dtype=jnp.float32,
         **attention_kwargs,
     ):
-        _check_width(width, num_heads)
-        _check_int("mlp_ratio", mlp_ratio, 1)
-        _check_int("short_conv", short_conv, 0)
+        check_width(width, num_heads)
+        check_int("mlp_ratio", mlp_ratio, 1)
+        check_int("short_conv", short_conv, 0)
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
         if short_conv and not attention_kwargs.get("causal", True):
