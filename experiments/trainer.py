@@ -201,6 +201,8 @@ ATTENTION_FIELDS = {
     "kda": ("chunk_size",),
 }
 KIND_FIELDS = {field for fields in ATTENTION_FIELDS.values() for field in fields}
+# The kinds whose layers split one sequence over devices (--config.mesh.sequence=N).
+SEQUENCE_PARALLEL = ("linear", "gla", "deltanet", "gated_deltanet", "kda")
 
 FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": _integer(0),
@@ -268,10 +270,10 @@ def _mesh_rule(config: ConfigDict) -> str | None:
             f"of the data axis"
         )
     if seq_devices > 1:
-        if TASKS[config.task].kind != "lm" or config.model.attention != "linear":
+        if TASKS[config.task].kind != "lm" or config.model.attention not in SEQUENCE_PARALLEL:
             return (
-                "mesh.sequence > 1 (sequence parallelism) needs a causal linear-attention "
-                "language model"
+                "mesh.sequence > 1 (sequence parallelism) needs a causal language model with "
+                f"attention in {SEQUENCE_PARALLEL}"
             )
         if config.seq_len % seq_devices:
             return f"seq_len={config.seq_len} must be divisible by mesh.sequence={seq_devices}"
@@ -443,14 +445,14 @@ def build_model(config: ConfigDict, mesh: Mesh | None = None) -> nnx.Module:
             num_features=m.num_features or None,
             max_length=max(config.seq_len, 1),
         )
-        if config.mesh.sequence > 1:
-            kwargs.update(sequence_axis="sequence", batch_axis="data", mesh=mesh)
     elif m.attention == "gla":
         kwargs.update(method=m.method, chunk_size=m.chunk_size)
     elif m.attention in ("deltanet", "gated_deltanet", "kda"):
         kwargs.update(chunk_size=m.chunk_size)
     else:
         kwargs.update(max_length=config.seq_len)
+    if config.mesh.sequence > 1:
+        kwargs.update(sequence_axis="sequence", batch_axis="data", mesh=mesh)
     if spec.kind == "lm":
         return models.LanguageModel(
             spec.vocab_size(config),

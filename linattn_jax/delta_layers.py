@@ -40,6 +40,7 @@ from linattn_jax.delta_rule import (
     init_delta_state,
 )
 from linattn_jax.layer_utils import check_int, check_tokens, check_width, split_heads
+from linattn_jax.sequence_parallel import sequence_parallel_delta_rule
 
 VARIANTS = ("deltanet", "gated_deltanet", "kda")
 A_INIT_RANGE = (1.0, 16.0)  # A = exp(A_log) ~ U(1, 16) (FLA)
@@ -137,6 +138,9 @@ class DeltaRuleAttention(nnx.Module):
         the layer still reads left to right, and refuses decoding.
       method: ``"chunked"`` (default) or ``"scan"``, as in ``delta_rule``.
       chunk_size: tokens per chunk.
+      sequence_axis: a mesh axis that splits full-sequence forwards along their
+        length (``sequence_parallel_delta_rule``; no ``key_mask`` or ``segment_ids``
+        then); ``batch_axis`` and ``mesh`` as in ``layers.LinearAttention``.
       rngs, dtype, param_dtype: as in Flax; the state stays float32.
 
     Raises:
@@ -159,6 +163,9 @@ class DeltaRuleAttention(nnx.Module):
         causal: bool = True,
         method: str = "chunked",
         chunk_size: int = 64,
+        sequence_axis: str | None = None,
+        batch_axis: str | None = None,
+        mesh: jax.sharding.Mesh | None = None,
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -186,6 +193,9 @@ class DeltaRuleAttention(nnx.Module):
         self.width, self.num_heads, self.key_dim, self.value_dim = width, h, d, d
         self.variant, self.causal = variant, causal
         self.method, self.chunk_size = method, chunk_size
+        if sequence_axis is not None and not causal:
+            raise ValueError("sequence_axis needs a causal layer (causal=True)")
+        self.sequence_axis, self.batch_axis, self.mesh = sequence_axis, batch_axis, mesh
         self.beta_max = 2.0 if allow_negative_eigenvalues else 1.0
         self.scale = 1.0 / math.sqrt(d)
         linear = lambda n_in, n_out, **kw: nnx.Linear(
@@ -306,6 +316,22 @@ class DeltaRuleAttention(nnx.Module):
                 scale=self.scale,
             )
             out = out[:, None]
+        elif self.sequence_axis is not None and state is None:
+            if key_mask is not None or segment_ids is not None:
+                raise ValueError("a sequence-parallel layer takes no key_mask or segment_ids")
+            out, s = sequence_parallel_delta_rule(
+                q,
+                k,
+                v,
+                beta,
+                axis_name=self.sequence_axis,
+                batch_axis=self.batch_axis,
+                mesh=self.mesh,
+                gate=gate,
+                chunk_size=self.chunk_size,
+                return_state=True,
+                scale=self.scale,
+            )
         else:
             out, s = delta_rule(
                 q,

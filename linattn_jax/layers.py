@@ -263,8 +263,6 @@ class LinearAttention(nnx.Module):
             raise ValueError(f"method must be one of {attn.METHODS}, got {method!r}")
         if not (isinstance(gate, bool) or (isinstance(gate, str) and gate == "channel")):
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
-        if gate == "channel" and sequence_axis is not None:
-            raise ValueError("gate='channel' has no sequence-parallel form yet: sequence_axis=None")
         self.width, self.num_heads, self.head_dim = width, num_heads, width // num_heads
         self.qk_dim = self.head_dim if feature_dim is None else feature_dim
         self.causal, self.method, self.chunk_size = causal, method, chunk_size

@@ -80,7 +80,7 @@ def sequence_parallel_causal_linear_attention(
     f = feature_maps.feature_dim(phi, q.shape[-1], h)
     dtype = feature_maps.accumulation_dtype(q.dtype)
     # Validates decay and gate before tracing the shards.
-    checks.log_decay(decay, gate, b, t, h, dtype)
+    checks.log_decay(decay, gate, b, t, h, dtype, channels=f)
     state = attn.state_in(initial_state, b, h, f, v.shape[-1], dtype)
 
     def local(q, k, v, state, extras):
@@ -89,7 +89,9 @@ def sequence_parallel_causal_linear_attention(
         positions = index * t_local + jnp.arange(t_local)
         positions = jnp.broadcast_to(positions, q.shape[:2])
         phi_q, phi_k, v32 = attn.features(q, k, v, phi, positions=(positions, positions))
-        g = checks.log_decay(extras.get("decay"), extras.get("gate"), b_local, t_local, h, dtype)
+        g = checks.log_decay(
+            extras.get("decay"), extras.get("gate"), b_local, t_local, h, dtype, channels=f
+        )
         zero = attn.state_in(None, b_local, h, f, v.shape[-1], dtype)
         (num, den), (s_local, z_local) = attn.chunked(
             phi_q, phi_k, v32, g, None, zero, chunk_size, diagonal=True
@@ -102,10 +104,10 @@ def sequence_parallel_causal_linear_attention(
         # entering each shard, an exclusive prefix.
         packed = jnp.concatenate([s_local, z_local[..., None]], axis=-1)
         states = jax.lax.all_gather(packed, axis_name)  # [n, b, h, f, v+1]
-        totals = jax.lax.all_gather(across[..., 0], axis_name)  # [n, b, h]
+        totals = jax.lax.all_gather(across, axis_name)  # [n, b, h, 1 or f (GLA)]
         prefix = [jnp.concatenate([state[0], state[1][..., None]], axis=-1)]
         for i in range(shards):
-            prefix.append(totals[i][..., None, None] * prefix[-1] + states[i])
+            prefix.append(totals[i][..., None] * prefix[-1] + states[i])
         s_in = jnp.stack(prefix[:-1])[index]
         q_in = phi_q * into
         num = num + jnp.einsum("bhtf,bhfv->bhtv", q_in, s_in[..., :-1])

@@ -53,7 +53,7 @@ def _mesh(shards, batch=1):
 class SequenceParallelTest(chex.TestCase):
     @parameterized.product(
         shards=[2, 4, 8],
-        option=["plain", "decay", "gate_and_state"],
+        option=["plain", "decay", "gate_and_state", "channel_gate"],
     )
     def test_equals_single_device_forward_and_gradient(self, shards, option):
         t = 6 * shards  # 6 tokens per shard: not a multiple of the chunk size 4
@@ -63,6 +63,9 @@ class SequenceParallelTest(chex.TestCase):
             "decay": dict(decay=jnp.array([0.5, 0.9, 1.0])),
             "gate_and_state": dict(
                 gate=helpers.gate(1, B, t, H), initial_state=helpers.random_state(2, B, H, D, DV)
+            ),
+            "channel_gate": dict(  # GLA: one gate per feature channel (elu: f = d)
+                gate=-jax.nn.softplus(jax.random.normal(jax.random.PRNGKey(11), (B, t, H, D)))
             ),
         }[option]
         mesh = _mesh(shards)
@@ -124,6 +127,23 @@ class SequenceParallelTest(chex.TestCase):
         plain = layers.LinearAttention(16, 2, rngs=nnx.Rngs(0), **kw)
         sharded = layers.LinearAttention(
             16, 2, sequence_axis="seq", batch_axis="batch", mesh=mesh, rngs=nnx.Rngs(0), **kw
+        )
+        x = jax.random.normal(jax.random.PRNGKey(4), (4, 24, 16))
+        chex.assert_trees_all_close(sharded(x), plain(x), atol=1e-5, rtol=1e-5)
+
+    @parameterized.parameters("gla", "gated_deltanet", "kda")
+    def test_gated_and_delta_layers_with_a_sequence_axis(self, kind):
+        mesh = _mesh(4, batch=2)
+        plain = layers.make_attention(kind, 16, 2, chunk_size=4, rngs=nnx.Rngs(0))
+        sharded = layers.make_attention(
+            kind,
+            16,
+            2,
+            chunk_size=4,
+            sequence_axis="seq",
+            batch_axis="batch",
+            mesh=mesh,
+            rngs=nnx.Rngs(0),
         )
         x = jax.random.normal(jax.random.PRNGKey(4), (4, 24, 16))
         chex.assert_trees_all_close(sharded(x), plain(x), atol=1e-5, rtol=1e-5)
