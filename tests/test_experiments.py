@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import chex
 import jax
@@ -138,10 +139,15 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices,sequence", [(4, 1), (8, 4)])  # data only; data x sequence
-def test_sharded_step_gives_the_single_device_loss(tmp_path, devices, sequence):
+@pytest.mark.parametrize(
+    "devices,sequence,attention",
+    [(4, 1, "linear"), (8, 4, "linear"), (8, 4, "gated_deltanet")],  # data; data x sequence
+)
+def test_sharded_step_gives_the_single_device_loss(tmp_path, devices, sequence, attention):
     assert jax.device_count() == 1
-    config = ["seq_len=32", "steps=3", "batch_size=8", "model.gate=true"]
+    config = ["seq_len=32", "steps=3", "batch_size=8", f"model.attention={attention}"]
+    if attention == "linear":
+        config.append("model.gate=true")
     single = trainer.train(tiny_config("configs/mqar.py:small", *config), tmp_path / "one")
     config.append(f"mesh.sequence={sequence}")
     script = textwrap.dedent(f"""
@@ -163,7 +169,7 @@ def test_sharded_step_gives_the_single_device_loss(tmp_path, devices, sequence):
         capture_output=True,
         text=True,
         check=True,
-        cwd=os.getcwd(),
+        cwd=Path(__file__).parents[1],
     )
     four = json.loads(out.stdout.strip().splitlines()[-1])
     np.testing.assert_allclose(four["loss"], single["loss"], rtol=1e-5)
