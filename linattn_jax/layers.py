@@ -217,6 +217,9 @@ class LinearAttention(nnx.Module):
       batch_axis: the mesh axis that splits the batch alongside ``sequence_axis``.
       mesh: the mesh of those axes; the current one (``jax.set_mesh``) when None.
       eps: the denominator's epsilon.
+      dropout_rate: dropout on the attention's output (before ``out_proj``), active
+        when the call's (or the layer's) ``deterministic`` is False, as in
+        ``nnx.MultiHeadAttention``.
       rngs, dtype, param_dtype: as in Flax.
 
     Attributes:
@@ -251,12 +254,14 @@ class LinearAttention(nnx.Module):
         batch_axis: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
         eps: float = 1e-6,
+        dropout_rate: float = 0.0,
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
     ):
         check_width(width, num_heads)
         check_int("chunk_size", chunk_size, 1)
+        _check_dropout_rate(dropout_rate)
         if feature_dim is not None:
             check_int("feature_dim", feature_dim, 1)
         if method not in attn.METHODS:
@@ -314,6 +319,8 @@ class LinearAttention(nnx.Module):
             if gate == "channel"
             else None
         )
+        # Last: its RNG stream (rate > 0) must not shift the parameters' initialisation.
+        self.dropout = nnx.Dropout(dropout_rate, rngs=rngs if dropout_rate > 0 else None)
 
     def _decay(self, decay) -> jax.Array | None:
         if decay is None:
@@ -362,26 +369,32 @@ class LinearAttention(nnx.Module):
     def __call__(
         self,
         x: jax.Array,
+        inputs_k: jax.Array | None = None,
+        inputs_v: jax.Array | None = None,
         *,
         key_mask: jax.Array | None = None,
+        query_mask: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         state: LinearAttentionCache | None = None,
         return_state: bool = False,
+        deterministic: bool | None = None,
+        rngs: nnx.Rngs | None = None,
     ):
         """``x [b, t, width] -> [b, t, width]`` (and the new state if ``return_state``).
 
         With a ``state`` of a causal layer, a one-token ``x`` takes the O(1) step;
-        a longer one (a prompt) is prefilled through the chunked form.
+        a longer one (a prompt) is prefilled through the chunked form. The call
+        follows ``nnx.MultiHeadAttention``'s where it applies: ``inputs_k`` and
+        ``inputs_v`` (``[b, s, width]``) make a non-causal layer cross-attend
+        (``key_mask [b, s]`` then masks them, ``query_mask [b, t]`` the queries);
+        ``deterministic`` and ``rngs`` drive the output dropout.
         """
-        check_tokens(x, self.width)
         if (state is not None or return_state) and not self.causal:
             raise ValueError("decoding (state=, return_state=) needs a causal layer (causal=True)")
-        b, t, _ = x.shape
-        # Padding is replaced by zeros before any product: a NaN there reaches no gradient.
-        x = checks.where_token(checks.token_mask("key_mask", key_mask, b, t), x)
-        q, k, v = (
-            split_heads(p(x), self.num_heads) for p in (self.q_proj, self.k_proj, self.v_proj)
+        x, (q, k, v), key_mask, query_mask = _project_qkv(
+            self, x, inputs_k, inputs_v, key_mask, query_mask
         )
+        b, t, _ = x.shape
         gate = None
         if self.gate_proj is not None:
             gate = jax.nn.log_sigmoid(self.gate_proj(x).astype(jnp.float32))
@@ -396,6 +409,7 @@ class LinearAttention(nnx.Module):
                 v,
                 feature_map=phi,
                 key_mask=key_mask,
+                query_mask=query_mask,
                 segment_ids=segment_ids,
                 normalize=self.normalize,
                 eps=self.eps,
@@ -458,6 +472,7 @@ class LinearAttention(nnx.Module):
             new_state = LinearAttentionCache(s, start + seen)
         if self.output_norm is not None:
             out = self.output_norm(out)
+        out = self.dropout(out, deterministic=deterministic, rngs=rngs)
         y = self.out_proj(out.reshape(b, t, self.width))
         return (y, new_state) if return_state else y
 
@@ -467,9 +482,12 @@ class SoftmaxAttention(nnx.Module):
     ``LinearAttention``, with a KV cache for decoding; for like-for-like comparisons.
 
     Args:
-      width, num_heads, causal: as in ``LinearAttention``.
+      width, num_heads, causal, dropout_rate: as in ``LinearAttention``.
       max_length: the KV cache's length (decoding only).
       rngs, dtype, param_dtype: as in Flax.
+      **linear_options: ``LinearAttention``'s own options (``LINEAR_ONLY_OPTIONS``),
+        accepted and ignored so that one set of options builds either kind; any
+        other keyword raises ``TypeError``.
     """
 
     def __init__(
@@ -479,19 +497,26 @@ class SoftmaxAttention(nnx.Module):
         *,
         causal: bool = True,
         max_length: int = 4096,
+        dropout_rate: float = 0.0,
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
-        **unused: Any,
+        **linear_options: Any,
     ):
-        del unused  # linear-attention options (feature_map, chunk_size, ...) do not apply
+        # One set of options builds any kind (make_attention): linear attention's
+        # are accepted and ignored here, anything else is a mistake.
+        unknown = sorted(set(linear_options) - LINEAR_ONLY_OPTIONS)
+        if unknown:
+            raise TypeError(f"SoftmaxAttention got unexpected keyword arguments {unknown}")
         check_width(width, num_heads)
+        _check_dropout_rate(dropout_rate)
         self.width, self.num_heads, self.head_dim = width, num_heads, width // num_heads
         self.causal, self.max_length = causal, max_length
         linear = lambda: nnx.Linear(
             width, width, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (linear() for _ in range(4))
+        self.dropout = nnx.Dropout(dropout_rate, rngs=rngs if dropout_rate > 0 else None)
 
     def init_state(self, batch: int, max_length: int | None = None) -> KVCache:
         """An empty KV cache of ``max_length`` (the layer's by default) tokens."""
@@ -507,32 +532,38 @@ class SoftmaxAttention(nnx.Module):
     def __call__(
         self,
         x: jax.Array,
+        inputs_k: jax.Array | None = None,
+        inputs_v: jax.Array | None = None,
         *,
         key_mask: jax.Array | None = None,
+        query_mask: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         state: KVCache | None = None,
         return_state: bool = False,
+        deterministic: bool | None = None,
+        rngs: nnx.Rngs | None = None,
     ):
         """``x [b, t, width] -> [b, t, width]`` (and the new KV cache if ``return_state``).
 
         With a ``state``, ``x`` is written to the cache after the tokens already
         there; keys masked out by ``key_mask`` stay masked for every later call.
+        ``inputs_k``, ``inputs_v``, ``query_mask``, ``deterministic`` and ``rngs`` as
+        in ``LinearAttention`` (cross-attention for non-causal layers).
 
         Raises:
           ValueError: the tokens would not fit in the cache (``t`` longer than it,
             or, when ``state.position`` is concrete, ``position + t`` past its end).
             Under ``jit`` the position is not known: rows that overflow get NaN outputs.
         """
-        check_tokens(x, self.width)
         if (state is not None or return_state) and not self.causal:
             raise ValueError("decoding (state=, return_state=) needs a causal layer (causal=True)")
-        b, t, _ = x.shape
-        # Padding is replaced by zeros before any product: a NaN there reaches no gradient.
-        x = checks.where_token(checks.token_mask("key_mask", key_mask, b, t), x)
-        q, k, v = (
-            split_heads(p(x), self.num_heads) for p in (self.q_proj, self.k_proj, self.v_proj)
+        x, (q, k, v), key_mask, query_mask = _project_qkv(
+            self, x, inputs_k, inputs_v, key_mask, query_mask
         )
-        allowed = jnp.ones((b, t, t), bool)
+        b, t, _ = x.shape
+        if segment_ids is not None and k.shape[1] != t:
+            raise ValueError("segment_ids needs self-attention (no inputs_k / inputs_v)")
+        allowed = jnp.ones((b, t, k.shape[1]), bool)
         if key_mask is not None:
             allowed = allowed & key_mask[:, None, :]
         if segment_ids is not None:
@@ -565,8 +596,60 @@ class SoftmaxAttention(nnx.Module):
         out = jax.nn.dot_product_attention(f32(q), f32(k), f32(v), mask=allowed[:, None])
         if new_state is not None:  # a write past the cache's end overwrote its last slots
             out = jnp.where(overflow[:, None, None, None], jnp.nan, out)
-        y = self.out_proj(out.astype(q.dtype).reshape(b, t, self.width))
+        out = checks.where_token(query_mask, out)  # a padded query's output is 0
+        out = self.dropout(out.astype(q.dtype), deterministic=deterministic, rngs=rngs)
+        y = self.out_proj(out.reshape(b, t, self.width))
         return (y, new_state) if return_state else y
+
+
+LINEAR_ONLY_OPTIONS = frozenset(
+    (
+        "feature_map", "method", "chunk_size", "decay", "gate", "normalize", "num_features",
+        "hedgehog_form", "feature_dim", "sequence_axis", "batch_axis", "mesh", "eps",
+    )
+)  # fmt: skip
+
+
+def _check_dropout_rate(rate) -> None:
+    """A rate in [0, 1). The layers' ``nnx.Dropout`` holds an RNG stream only when the
+    rate is above 0, so a layer without dropout has no RNG state."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+        raise ValueError(f"dropout_rate must be a number in [0, 1), got {rate!r}")
+
+
+def _project_qkv(layer, x, inputs_k, inputs_v, key_mask, query_mask):
+    """``(x, (q, k, v), key_mask, query_mask)`` of a layer with q/k/v projections.
+
+    Self-attention unless ``inputs_k`` / ``inputs_v`` are given (cross-attention,
+    non-causal layers only; ``inputs_v`` defaults to ``inputs_k``). In
+    self-attention ``key_mask`` masks the queries too. Padding is replaced by zeros
+    before the projections, so a NaN there reaches no output or gradient.
+    """
+    check_tokens(x, layer.width)
+    b, t, _ = x.shape
+    cross = inputs_k is not None or inputs_v is not None
+    if cross:
+        if layer.causal:
+            raise ValueError("inputs_k / inputs_v (cross-attention) need causal=False")
+        inputs_k = x if inputs_k is None else inputs_k
+        inputs_v = inputs_k if inputs_v is None else inputs_v
+        for name, y in [("inputs_k", inputs_k), ("inputs_v", inputs_v)]:
+            if y.ndim != 3 or y.shape[0] != b or y.shape[-1] != layer.width:
+                raise ValueError(
+                    f"{name} must have shape [batch={b}, key_length, {layer.width}], got {y.shape}"
+                )
+        if inputs_k.shape != inputs_v.shape:
+            raise ValueError(f"inputs_k {inputs_k.shape} and inputs_v {inputs_v.shape} differ")
+    else:
+        inputs_k = inputs_v = x
+    key_mask = checks.token_mask("key_mask", key_mask, b, inputs_k.shape[1])
+    query_mask = checks.token_mask("query_mask", query_mask, b, t)
+    if query_mask is None:
+        query_mask = jnp.ones((b, t), bool) if cross and key_mask is not None else key_mask
+    x = checks.where_token(query_mask, x)
+    heads = lambda proj, y, mask: split_heads(proj(checks.where_token(mask, y)), layer.num_heads)
+    qkv = (heads(layer.q_proj, x, None), heads(layer.k_proj, inputs_k, key_mask))
+    return x, (*qkv, heads(layer.v_proj, inputs_v, key_mask)), key_mask, query_mask
 
 
 def _check_cache_room(position: jax.Array, t: int, n: int) -> jax.Array:
