@@ -66,14 +66,7 @@ class LinearAttentionState(NamedTuple):
 
 def init_state(batch: int, heads: int, feature_dim: int, value_dim: int) -> LinearAttentionState:
     """The empty state: ``s`` zeros ``[batch, heads, feature_dim, value_dim]``, ``z`` zeros."""
-    for name, n in [
-        ("batch", batch),
-        ("heads", heads),
-        ("feature_dim", feature_dim),
-        ("value_dim", value_dim),
-    ]:
-        if not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    checks.check_sizes(batch=batch, heads=heads, feature_dim=feature_dim, value_dim=value_dim)
     return LinearAttentionState(
         s=jnp.zeros((batch, heads, feature_dim, value_dim), jnp.float32),
         z=jnp.zeros((batch, heads, feature_dim), jnp.float32),

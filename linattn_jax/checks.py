@@ -69,6 +69,13 @@ def check_step_qkv(q, k, v) -> tuple[int, int, int]:
     return q.shape
 
 
+def check_sizes(**sizes) -> None:
+    """Each named size a positive int, or a ValueError naming it."""
+    for name, n in sizes.items():
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+
+
 def check_chunk_size(chunk_size) -> None:
     if (
         not isinstance(chunk_size, (int, np.integer))

@@ -60,14 +60,7 @@ class DeltaRuleState(NamedTuple):
 
 def init_delta_state(batch: int, heads: int, key_dim: int, value_dim: int) -> DeltaRuleState:
     """The empty state: ``s`` zeros ``[batch, heads, key_dim, value_dim]``, float32."""
-    for name, n in [
-        ("batch", batch),
-        ("heads", heads),
-        ("key_dim", key_dim),
-        ("value_dim", value_dim),
-    ]:
-        if not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    checks.check_sizes(batch=batch, heads=heads, key_dim=key_dim, value_dim=value_dim)
     return DeltaRuleState(s=jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32))
 
 
