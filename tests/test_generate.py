@@ -19,6 +19,9 @@ KINDS = {
     ),
     "hedgehog_conv": dict(attention="linear", feature_map="hedgehog", short_conv=3),
     "softmax": dict(attention="softmax", max_length=64),
+    "gla": dict(attention="gla"),
+    "gated_deltanet": dict(attention="gated_deltanet"),
+    "kda": dict(attention="kda"),
 }
 
 
@@ -76,7 +79,7 @@ class GenerateTest(parameterized.TestCase):
         chex.assert_trees_all_equal(out, _stepwise(model, prompt, 5))
         chex.assert_trees_all_equal(out, _greedy_rerun(model, prompt, 5))
 
-    @parameterized.parameters("cosformer", "decay_gate", "hedgehog_conv", "softmax")
+    @parameterized.parameters("cosformer", "decay_gate", "hedgehog_conv", "softmax", "kda")
     def test_left_padded_batch_equals_each_row_alone(self, kind):
         # Depth 2: a padded position's output (never NaN) feeds the next block's keys.
         model, lengths, t, steps = _model(kind), (5, 2), 5, 4
