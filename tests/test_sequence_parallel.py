@@ -217,6 +217,22 @@ class SequenceParallelTest(chex.TestCase):
         assert out.sharding.spec[:2] == ("batch", "seq"), out.sharding
         assert {s.data.shape for s in out.addressable_shards} == {(1, t // shards, h, d)}
 
+    def test_empty_sequence_passes_the_state_through(self):
+        q = jnp.ones((B, 0, H, D))
+        s0 = helpers.random_state(12, B, H, D, D)
+        out, state = la.sequence_parallel_causal_linear_attention(
+            q, q, q, axis_name="seq", mesh=_mesh(4), initial_state=s0, return_state=True
+        )
+        chex.assert_shape(out, (B, 0, H, D))
+        chex.assert_trees_all_close(state, s0)
+        d0 = la.DeltaRuleState(s0.s)
+        out, state = la.sequence_parallel_delta_rule(
+            q, q, q, jnp.ones((B, 0, H)), axis_name="seq", mesh=_mesh(4), initial_state=d0,
+            return_state=True,
+        )  # fmt: skip
+        chex.assert_shape(out, (B, 0, H, D))
+        chex.assert_trees_all_close(state.s, s0.s)
+
     def test_errors(self):
         q, k, v = helpers.qkv(0, B, 12, H, D, DV)
         with pytest.raises(ValueError, match=r"length t=12 must be divisible by the 8 devices"):
