@@ -358,11 +358,7 @@ def _scan_body(diagonal: bool, state, x):
     if z is not None:
         s = jnp.concatenate([s, z[..., None]], axis=-1)
         v = jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), v.dtype)], axis=-1)
-    a = None
-    if g is not None or r is not None:
-        a = jnp.exp(g) if g is not None else jnp.ones(q.shape[:3] + (1,), q.dtype)
-        if r is not None:
-            a = a * (1.0 - r)
+    a = chunking.token_decays(g, r, q.shape[:3], q.dtype)
     seq = functools.partial(jnp.moveaxis, source=2, destination=0)
     s, out = _token_scan(s, seq(q), seq(k), seq(v), None if a is None else seq(a))
     out = jnp.moveaxis(out, 0, 2)

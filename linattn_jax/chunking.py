@@ -117,6 +117,15 @@ class Decays(NamedTuple):
     across: Array
 
 
+def token_decays(g: Array | None, r: Array | None, shape: tuple[int, ...], dtype):
+    """Each token's own decay ``a_i = exp(g_i)`` (0 at a reset; ``exp(-inf) = 0``) as
+    ``[b, h, c, 1|g]``, or None: what the per-token (scan) forms multiply the state by."""
+    if g is None and r is None:
+        return None
+    a = jnp.exp(g) if g is not None else jnp.ones(shape + (1,), dtype)
+    return a if r is None else a * (1.0 - r)
+
+
 def decays(g: Array | None, r: Array | None, shape: tuple[int, ...], dtype) -> Decays | None:
     """The chunk's ``Decays``, or None when it has neither log-decays nor resets.
 

@@ -198,11 +198,7 @@ def _token_step(s: Array, x) -> tuple[Array, Array]:
 def _scan_body(s: Array, x) -> tuple[Array, Array]:
     """One block of tokens, one ``lax.scan`` step each (the reference recurrence)."""
     q, k, v, beta, g, r = x
-    a = None
-    if g is not None or r is not None:
-        a = jnp.exp(g) if g is not None else jnp.ones(q.shape[:3] + (1,), q.dtype)
-        if r is not None:
-            a = a * (1.0 - r)
+    a = chunking.token_decays(g, r, q.shape[:3], q.dtype)
     seq = functools.partial(jnp.moveaxis, source=2, destination=0)
     a = None if a is None else seq(a)
     s, out = jax.lax.scan(_token_step, s, (seq(q), seq(k), seq(v), seq(beta), a))
