@@ -31,6 +31,7 @@ def base() -> ConfigDict:
     c.model.gate = False
     c.model.normalize = True
     c.model.num_features = 0  # random features: m (0: 2 * head_dim)
+    c.model.feature_dim = 0  # Based: q, k projected to this many dims per head (0: head_dim)
     c.model.width = 128
     c.model.depth = 2
     c.model.num_heads = 4

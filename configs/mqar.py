@@ -18,6 +18,9 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c = common.base()
     c.task = "mqar"
     c.mqar = ConfigDict(dict(num_pairs=16, vocab_size=256))
+    c.mqar.spread = False  # Zoology's layout: queries scattered among noise tokens
+    c.mqar.train_mix = ""  # "seq_len:num_pairs,...": one split per step, in turn ("": seq_len)
+    c.mqar.test_mix = ""  # "seq_len:num_pairs,...": eval sets reported apart, and their mean
     c.seq_len = 128
     c.steps = 2000
     c.batch_size = 64

@@ -42,6 +42,9 @@ def _rng(seed: int, step: int, split: str) -> np.random.Generator:
 # ----------------------------------------------------------------------------
 
 
+POWER_A = 0.01  # Zoology's power law of the distance from the context to a query
+
+
 def mqar_batch(
     seed: int,
     step: int,
@@ -50,9 +53,18 @@ def mqar_batch(
     num_pairs: int,
     vocab_size: int,
     split: str = "train",
+    *,
+    spread: bool = False,
 ) -> Batch:
     """Keys come from the first half of the vocabulary, values from the second;
-    queries ask for every key once, in random order. Token 0 pads."""
+    queries ask for every key once, in random order. Token 0 pads.
+
+    With ``spread`` (Zoology's layout), the queries are not packed after the
+    key-value pairs but scattered over the rest of the sequence, at distances from
+    the context drawn from Zoology's power law (``p(gap) ~ gap^(POWER_A - 1)``,
+    mostly near, some far), and every other position holds a random value token
+    (noise that is never a key, so no query's answer is ever overwritten).
+    """
     if 4 * num_pairs > seq_len:
         raise ValueError(
             f"seq_len={seq_len} is too short for num_pairs={num_pairs} "
@@ -64,14 +76,25 @@ def mqar_batch(
     rng = _rng(seed, step, split)
     inputs = np.zeros((batch_size, seq_len), np.int32)
     labels = np.full((batch_size, seq_len), IGNORE, np.int32)
+    slots = (seq_len - 2 * num_pairs) // 2  # query slots after the context (spread)
+    gap_p = np.arange(1, slots + 1, dtype=np.float64) ** (POWER_A - 1)
+    gap_p /= gap_p.sum()
     for row in range(batch_size):
         keys = rng.choice(np.arange(1, half), num_pairs, replace=False)
         values = rng.choice(np.arange(half, vocab_size), num_pairs, replace=True)
         order = rng.permutation(num_pairs)
         context = np.stack([keys, values], 1).reshape(-1)
-        queries = np.stack([keys[order], values[order]], 1).reshape(-1)
-        inputs[row, : 4 * num_pairs] = np.concatenate([context, queries])
-        query_positions = 2 * num_pairs + 2 * np.arange(num_pairs)
+        if spread:
+            inputs[row] = rng.integers(half, vocab_size, seq_len)
+            inputs[row, : 2 * num_pairs] = context
+            gaps = rng.choice(slots, num_pairs, replace=False, p=gap_p)
+            query_positions = 2 * num_pairs + 2 * gaps
+            inputs[row, query_positions] = keys[order]
+            inputs[row, query_positions + 1] = values[order]
+        else:
+            queries = np.stack([keys[order], values[order]], 1).reshape(-1)
+            inputs[row, : 4 * num_pairs] = np.concatenate([context, queries])
+            query_positions = 2 * num_pairs + 2 * np.arange(num_pairs)
         labels[row, query_positions] = values[order]
     return Batch(inputs, labels, np.ones_like(inputs, bool))
 

@@ -193,7 +193,16 @@ _BOOL = (lambda v: isinstance(v, bool)), "true or false"
 # A new kind in layers.ATTENTION_KINDS gets a row here and its kwargs in build_model
 # (tests check that the kinds match).
 ATTENTION_FIELDS = {
-    "linear": ("feature_map", "method", "chunk_size", "decay", "gate", "normalize", "num_features"),
+    "linear": (
+        "feature_map",
+        "method",
+        "chunk_size",
+        "decay",
+        "gate",
+        "normalize",
+        "num_features",
+        "feature_dim",
+    ),
     "softmax": (),
     "gla": ("method", "chunk_size"),
     "deltanet": ("chunk_size",),
@@ -225,6 +234,7 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.gate": _BOOL,
     "model.normalize": _BOOL,
     "model.num_features": (_integer(0)[0], "an integer >= 0 (0: 2 * head_dim)"),
+    "model.feature_dim": (_integer(0)[0], "an integer >= 0 (0: q and k keep head_dim)"),
     "model.width": _integer(1),
     "model.depth": _integer(1),
     "model.num_heads": _integer(1),
@@ -239,6 +249,9 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "optim.b2": _number(0, 1),
     "mqar.num_pairs": _integer(1),
     "mqar.vocab_size": _integer(4),
+    "mqar.spread": _BOOL,
+    "mqar.train_mix": (lambda v: _mix_ok(v), "'' or 'seq_len:num_pairs,...' (e.g. '64:4,128:8')"),
+    "mqar.test_mix": (lambda v: _mix_ok(v), "'' or 'seq_len:num_pairs,...' (e.g. '256:16')"),
     "listops.max_depth": _integer(1),
     "listops.max_args": _integer(1),
     "text.num_files": _integer(1),
@@ -280,18 +293,57 @@ def _mesh_rule(config: ConfigDict) -> str | None:
     return None
 
 
+def parse_mix(text: str) -> list[tuple[int, int]]:
+    """``"64:4,128:8"`` -> ``[(64, 4), (128, 8)]``: MQAR's (seq_len, num_pairs) splits.
+
+    Raises:
+      ValueError: not of that form, or a number < 1.
+    """
+    shapes = []
+    for item in text.split(",") if text else ():
+        length, sep, pairs = item.strip().partition(":")
+        if not (sep and length.isdigit() and pairs.isdigit() and int(length) and int(pairs)):
+            raise ValueError(f"not 'seq_len:num_pairs,...': {text!r}")
+        shapes.append((int(length), int(pairs)))
+    return shapes
+
+
+def _mix_ok(value) -> bool:
+    try:
+        return isinstance(value, str) and (parse_mix(value) or not value.strip())
+    except ValueError:
+        return False
+
+
+def mqar_shapes(config: ConfigDict, split: str) -> list[tuple[int, int]]:
+    """The (seq_len, num_pairs) of MQAR's train or eval batches: ``mqar.train_mix``
+    (``test_mix``), or ``(seq_len, mqar.num_pairs)`` when that is empty."""
+    mix = config.mqar.get("train_mix" if split == "train" else "test_mix", "")
+    return parse_mix(mix) or [(config.seq_len, config.mqar.num_pairs)]
+
+
 def _mqar_rule(config: ConfigDict) -> str | None:
     c = config.mqar
-    if 4 * c.num_pairs > config.seq_len:
-        return (
-            f"seq_len={config.seq_len} is too short for MQAR with "
-            f"mqar.num_pairs={c.num_pairs} (needs 4 * num_pairs)"
-        )
-    if c.num_pairs > c.vocab_size // 2 - 1:
-        return (
-            f"mqar.vocab_size={c.vocab_size} has too few keys for mqar.num_pairs={c.num_pairs} "
-            f"(needs vocab_size >= 2 * num_pairs + 2)"
-        )
+    for split, field in (("train", "train_mix"), ("eval", "test_mix")):
+        mix = c.get(field, "")
+        for length, pairs in mqar_shapes(config, split):
+            if mix and length > config.seq_len:
+                return (
+                    f"mqar.{field} has seq_len {length} > seq_len={config.seq_len} "
+                    f"(seq_len is the longest sequence the model sees)"
+                )
+            split_name = f"mqar.{field}'s {length}:{pairs}" if mix else f"seq_len={length}"
+            pairs_name = "num_pairs" if mix else "mqar.num_pairs"
+            if 4 * pairs > length:
+                return (
+                    f"{split_name} is too short for MQAR with {pairs_name}={pairs} "
+                    f"(needs 4 * num_pairs)"
+                )
+            if pairs > c.vocab_size // 2 - 1:
+                return (
+                    f"mqar.vocab_size={c.vocab_size} has too few keys for {pairs_name}={pairs} "
+                    f"(needs vocab_size >= 2 * num_pairs + 2)"
+                )
     return None
 
 
@@ -353,6 +405,7 @@ def validate(config: ConfigDict) -> None:
 # Fields that change neither the model, the task nor the data: a workdir's run
 # resumes under new values of these (a prefix names a whole section).
 RESUMABLE = (
+    "recall",  # experiments.recall's grid (each run's own fields are checked)
     "steps",
     "stop_at",
     "optim",
@@ -394,6 +447,9 @@ class Task:
     num_classes: int
     batch: Callable[[int, str], data.Batch]  # (step, split) -> global batch
     text: np.ndarray | None = None  # text_lm: validation bytes for sampling
+    # Named eval sets, (name, i -> the i-th eval batch), each reported apart (empty:
+    # the eval batches are batch(i, "eval")).
+    evals: tuple[tuple[str, Callable[[int], data.Batch]], ...] = ()
 
 
 def build_task(config: ConfigDict) -> Task:
@@ -401,10 +457,31 @@ def build_task(config: ConfigDict) -> Task:
     spec = TASKS[config.task]
     shape = (spec.kind, spec.vocab_size(config), spec.num_classes)
     if config.task == "mqar":
-        c = config.mqar
+        c, spread = config.mqar, config.mqar.get("spread", False)
+        train_shapes = mqar_shapes(config, "train")  # one split per step, in turn
+        longest = max(length for length, _ in train_shapes)
+
+        def mqar(step: int, split: str, shape: tuple[int, int]) -> data.Batch:
+            # batch_size counts sequences of the longest training split; a shorter
+            # split's batch holds as many tokens (and as many queries).
+            length, pairs = shape
+            rows = max(1, b * longest // length)
+            return data.mqar_batch(
+                seed, step, rows, length, pairs, c.vocab_size, split, spread=spread
+            )
+
+        evals = tuple(
+            (f"{length}x{pairs}", functools.partial(mqar, split="eval", shape=(length, pairs)))
+            for length, pairs in (mqar_shapes(config, "eval") if c.get("test_mix") else ())
+        )
         return Task(
             *shape,
-            lambda step, split: data.mqar_batch(seed, step, b, t, c.num_pairs, c.vocab_size, split),
+            lambda step, split: mqar(
+                step,
+                split,
+                train_shapes[step % len(train_shapes)] if split == "train" else (t, c.num_pairs),
+            ),
+            evals=evals,
         )
     if config.task == "listops":
         c = config.listops
@@ -443,6 +520,7 @@ def build_model(config: ConfigDict, mesh: Mesh | None = None) -> nnx.Module:
             gate=m.gate,
             normalize=m.normalize,
             num_features=m.num_features or None,
+            feature_dim=m.get("feature_dim", 0) or None,
             max_length=max(config.seq_len, 1),
         )
     elif m.attention == "gla":
@@ -558,14 +636,23 @@ class Sharder:
 
 
 def evaluate(model, task: Task, config: ConfigDict, sharder: Sharder) -> dict:
-    totals = {"loss": 0.0, "accuracy": 0.0}
-    for i in range(config.eval_batches):
-        out = eval_step(model, *sharder.put_batch(task.batch(i, "eval")), task.kind)
-        for k in totals:
-            totals[k] += float(out[k]) / config.eval_batches
+    """Mean loss and accuracy over ``eval_batches`` batches; with named eval sets,
+    also ``loss@name`` and ``accuracy@name`` for each, and their mean as the headline."""
+    evals = task.evals or (("", lambda i: task.batch(i, "eval")),)
+    out = {}
+    for name, batch in evals:
+        totals = {"loss": 0.0, "accuracy": 0.0}
+        for i in range(config.eval_batches):
+            metrics = eval_step(model, *sharder.put_batch(batch(i)), task.kind)
+            for k in totals:
+                totals[k] += float(metrics[k]) / config.eval_batches
+        out |= {f"{k}@{name}": v for k, v in totals.items()} if name else totals
+    if task.evals:
+        for k in ("loss", "accuracy"):
+            out[k] = sum(out[f"{k}@{name}"] for name, _ in task.evals) / len(task.evals)
     if config.task == "text_lm":
-        totals["bits_per_byte"] = totals["loss"] / math.log(2)
-    return totals
+        out["bits_per_byte"] = out["loss"] / math.log(2)
+    return out
 
 
 def _reason(error: BaseException) -> str:
@@ -832,7 +919,6 @@ def _summary_writer(workdir: Path, start: int):
 def _loop(config, task, model, optimizer, sharder, manager, workdir, start, end) -> None:
     from tqdm.auto import tqdm
 
-    tokens_per_step = config.batch_size * config.seq_len
     schedule = learning_rate(config)
     checkpoints = _Checkpointer(manager)
     bar = tqdm(
@@ -867,10 +953,11 @@ def _loop(config, task, model, optimizer, sharder, manager, workdir, start, end)
                         if key not in ("step", "split"):
                             writer.add_scalar(f"{row['split']}/{key}", value, row["step"])
 
+            tokens = 0  # since the last log line
             for step in bar:
-                metrics = train_step(
-                    model, optimizer, *sharder.put_batch(task.batch(step, "train")), task.kind
-                )
+                batch = task.batch(step, "train")
+                tokens += batch.inputs.size
+                metrics = train_step(model, optimizer, *sharder.put_batch(batch), task.kind)
                 loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
                 if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                     what = (
@@ -882,8 +969,7 @@ def _loop(config, task, model, optimizer, sharder, manager, workdir, start, end)
                 done = step + 1
                 if done % config.log_every == 0 or done == end:
                     now = time.perf_counter()
-                    rate = tokens_per_step * min(config.log_every, done - start) / (now - last)
-                    last = now
+                    rate, tokens, last = tokens / (now - last), 0, now
                     write(
                         {
                             "step": done,
