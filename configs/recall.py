@@ -29,11 +29,11 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.mqar.train_mix = "32:4,64:8,128:16"  # Zoology's (64, 4), (128, 8), (256, 16), halved
     c.mqar.test_mix = "128:16,256:32"  # the second longer than any seen in training
     c.seq_len = 256  # the longest split
-    c.steps = 800
+    c.steps = 1000
     c.batch_size = 8  # sequences of the longest training split: 1024 tokens a step
-    c.eval_every = 400
+    c.eval_every = 500
     c.eval_batches = 16  # 128 test sequences of 128 tokens, 64 of 256 (the same in every run)
-    c.checkpoint_every = 400
+    c.checkpoint_every = 500
     c.log_every = 50
     c.model.depth = 2
     c.model.num_heads = 1
@@ -45,22 +45,22 @@ def get_config(arg: str | None = None) -> ConfigDict:
 
     c.recall = ConfigDict()
     c.recall.kinds = "softmax,elu,based,hedgehog,retnet,gla,deltanet,gated_deltanet,kda"
-    c.recall.widths = "64,128,256"
-    c.recall.lrs = "1e-3,3e-3"
+    c.recall.widths = "64,96,128"
+    c.recall.lrs = "3e-3,1e-2"
     if arg == "small":  # about 4 minutes on 2 CPU cores
         c.mqar.vocab_size = 128
-        c.mqar.train_mix = "32:4,64:8"
+        c.mqar.train_mix = "16:2,32:4,64:8"
         c.mqar.test_mix = "64:8,128:16"
         c.seq_len = 128
         c.batch_size = 16
-        c.steps = 400
-        c.eval_every = 200
-        c.checkpoint_every = 200
+        c.steps = 500
+        c.eval_every = 250
+        c.checkpoint_every = 250
         c.eval_batches = 4
+        c.model.chunk_size = 32
         c.recall.kinds = "softmax,elu,based,deltanet"
         c.recall.widths = "32,64"
-        c.recall.lrs = "3e-3"
-        c.model.chunk_size = 32
+        c.recall.lrs = "1e-2"
     elif arg:
         raise ValueError(f"unknown variant {arg!r} of configs/recall.py (try 'small')")
     c.lock()
