@@ -34,6 +34,11 @@ A map may carry boolean attributes that the attention functions and layers read
   denominator is zero only where the numerator is too (the output is then 0);
   and ``cosformer`` within its documented range ``|i - j| <= max_length``
   (beyond it the reweighting ``cos`` turns negative).
+
+and one function attribute: ``kernel(dots, d)``, the kernel ``phi(q) . phi(k)`` from the
+dot products ``q . k`` of d-wide inputs (``taylor``: ``1 + s/sqrt(d) + s^2/(2d)``); the
+chunked causal form then computes the scores inside a chunk from the ``[c, c]`` dot
+products and uses the features only for the state.
 """
 
 from __future__ import annotations
@@ -183,6 +188,14 @@ def taylor(x: jax.Array) -> jax.Array:
     outer = (x[..., :, None] * x[..., None, :]).reshape(x.shape[:-1] + (d * d,))
     ones = jnp.ones(x.shape[:-1] + (1,), x.dtype)
     return jnp.concatenate([ones, x / d**0.25, outer / (math.sqrt(2.0) * math.sqrt(d))], axis=-1)
+
+
+def _taylor_kernel(dots: jax.Array, d: int) -> jax.Array:
+    """``phi(q) . phi(k)`` of ``taylor`` from ``q . k`` alone (the chunked form's scores)."""
+    return 1.0 + dots / math.sqrt(d) + dots * dots / (2.0 * d)
+
+
+taylor.kernel = _taylor_kernel
 
 
 # ----------------------------------------------------------------------------
