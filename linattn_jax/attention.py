@@ -31,8 +31,9 @@ gradient.
 
 Memory: the scan and chunked forms are differentiated through
 ``linattn_jax.chunking``, which stores only the state at each chunk boundary and
-recomputes the inside of a chunk in a reverse scan, so a gradient costs
-O(t*d + (t/c)*f*v) extra memory, not the O(t*f*v) of autodiff through a
+runs the chunks' backward in a reverse scan (for the chunked form a hand-written
+one, ``_chunk_body_bwd``, that recomputes only a chunk's scores), so a gradient
+costs O(t*d + (t/c)*f*v) extra memory, not the O(t*f*v) of autodiff through a
 per-token scan. States are never rebuilt by subtracting from the final state
 (that cancels catastrophically).
 """

@@ -4,8 +4,10 @@ A family (``attention.py``, ``delta_rule.py``) writes the body of one chunk,
 ``body(state, x) -> (state, y)``; this module cuts the sequence into chunks,
 scans the body across them, and gives the scan a memory-lean gradient: the
 forward pass stores only the state entering each chunk, the backward pass
-re-runs one chunk at a time in a reverse scan. A gradient then costs
-O(t*d + (t/c) * state) extra memory, not a state per token.
+runs one chunk at a time in a reverse scan: the family's hand-written transpose
+of the body (``body_bwd``) where it has one, else ``jax.vjp`` of the body (which
+re-runs the chunk's forward). A gradient then costs O(t*d + (t/c) * state) extra
+memory, not a state per token.
 
 It also holds the decay bookkeeping inside a chunk that every family shares:
 cumulative log-decays, the decay from key j to query i formed as a difference of
