@@ -597,10 +597,11 @@ def features(q, k, v, feature_map, key_mask=None, query_mask=None, positions=Non
 
 
 def chunk_kernel(q, k, feature_map, key_mask, g):
-    """``chunked``'s ``kernel`` argument: ``(phi.kernel, q, k, live)`` heads first, masked and
-    upcast as ``features`` does, for a map with a ``kernel`` (``feature_maps.taylor``);
-    None for the others, and with per-channel decays (which do not factor out of it)."""
-    fn = getattr(feature_maps.get(feature_map), "kernel", None)
+    """``chunked``'s ``kernel`` argument: ``(phi.kernel_from_dots, q, k, live)``, q and k
+    heads first, masked and upcast as ``features`` does, for a map that has
+    ``kernel_from_dots`` (``feature_maps.taylor``); None for the others, and with
+    per-channel decays (which do not factor out of the kernel)."""
+    fn = getattr(feature_maps.get(feature_map), "kernel_from_dots", None)
     if fn is None or (g is not None and g.shape[-1] != 1):
         return None
     dtype = feature_maps.accumulation_dtype(q.dtype)

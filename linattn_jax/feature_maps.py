@@ -35,10 +35,10 @@ A map may carry boolean attributes that the attention functions and layers read
   and ``cosformer`` within its documented range ``|i - j| <= max_length``
   (beyond it the reweighting ``cos`` turns negative).
 
-and one function attribute: ``kernel(dots, d)``, the kernel ``phi(q) . phi(k)`` from the
-dot products ``q . k`` of d-wide inputs (``taylor``: ``1 + s/sqrt(d) + s^2/(2d)``); the
-chunked causal form then computes the scores inside a chunk from the ``[c, c]`` dot
-products and uses the features only for the state.
+and one function attribute: ``kernel_from_dots(dots, d)``, the kernel ``phi(q) . phi(k)``
+from the dot products ``q . k`` of d-wide inputs (``taylor``: ``1 + s/sqrt(d) +
+s^2/(2d)``); the chunked causal form then computes the scores inside a chunk from the
+``[c, c]`` dot products and uses the features only for the state.
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def _taylor_kernel(dots: jax.Array, d: int) -> jax.Array:
     return 1.0 + dots / math.sqrt(d) + dots * dots / (2.0 * d)
 
 
-taylor.kernel = _taylor_kernel
+taylor.kernel_from_dots = _taylor_kernel
 
 
 # ----------------------------------------------------------------------------

@@ -207,9 +207,9 @@ def test_taylor_kernel_matches_features(option, method):
 
 def test_taylor_kernel_saves_work():
     """The chunked Taylor form takes its scores from q.k, not from the 1 + d + d^2
-    features: fewer FLOPs than the same map without its ``kernel``."""
+    features: fewer FLOPs than the same map without its ``kernel_from_dots``."""
     q, k, v = helpers.qkv(0, 1, 256, 2, 16, 16)
-    no_kernel = lambda x: la.feature_maps.taylor(x)  # same map, no .kernel attribute
+    no_kernel = lambda x: la.feature_maps.taylor(x)  # same map, no kernel_from_dots
 
     def flops(feature_map):
         fn = functools.partial(la.causal_linear_attention, feature_map=feature_map, chunk_size=64)
