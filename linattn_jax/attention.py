@@ -31,8 +31,9 @@ gradient.
 
 Memory: the scan and chunked forms are differentiated through
 ``linattn_jax.chunking``, which stores only the state at each chunk boundary and
-recomputes the inside of a chunk in a reverse scan, so a gradient costs
-O(t*d + (t/c)*f*v) extra memory, not the O(t*f*v) of autodiff through a
+runs the chunks' backward in a reverse scan (for the chunked form a hand-written
+one, ``_chunk_body_bwd``, that recomputes only a chunk's scores), so a gradient
+costs O(t*d + (t/c)*f*v) extra memory, not the O(t*f*v) of autodiff through a
 per-token scan. States are never rebuilt by subtracting from the final state
 (that cancels catastrophically).
 """
@@ -226,9 +227,13 @@ def causal_linear_attention(
     resets = None if segment_ids is None else checks.segment_resets(segment_ids, b, t, dtype)
     state = state_in(initial_state, b, h, f, dv, dtype, with_z=normalize or return_state)
     chunk_size = t if method == "quadratic" else checks.default_chunk_size(chunk_size, g)
-    body = _scan_body if method == "scan" else _chunk_body
+    body, kernel = (
+        (_scan_body, None)
+        if method == "scan"
+        else (None, chunk_kernel(q, k, feature_map, key_mask, g))
+    )
     (num, den), state = chunked(
-        phi_q, phi_k, v32, g, resets, state, chunk_size, diagonal=True, body=body
+        phi_q, phi_k, v32, g, resets, state, chunk_size, diagonal=True, body=body, kernel=kernel
     )
     out = finish(num, den, normalize, eps, v.dtype)
     if return_state:
@@ -315,37 +320,6 @@ def causal_linear_attention_step(
 # ----------------------------------------------------------------------------
 
 
-def _chunk_body(diagonal: bool, state, x):
-    """One chunk of c tokens: a masked matmul inside, plus the incoming state.
-
-    Args:
-      diagonal: whether query i sees key i (False: strictly causal).
-      state: ``(S [b, h, f, v], Z [b, h, f] | None)`` before the chunk.
-      x: ``(phi_q [b,h,c,f], phi_k [b,h,c,f], v [b,h,c,v], log-decay [b,h,c,g] | None,
-        segment resets [b,1,c,1] | None)``.
-
-    Returns:
-      ``(state after the chunk, (numerator [b, h, c, v], denominator [b, h, c] | None))``.
-    """
-    q, k, v, g, r = x
-    s, z = state
-    dec = chunking.decays(g, r, q.shape[:3], q.dtype)
-    scores = chunking.decayed_scores(q, k, dec, diagonal=diagonal)
-    if dec is None:
-        q_in, k_out, s_carried, z_carried = q, k, s, z
-    else:
-        q_in, k_out = q * dec.into, k * dec.out_of
-        s_carried = dec.across[..., None] * s
-        z_carried = None if z is None else dec.across * z
-    num = jnp.einsum("bhij,bhjv->bhiv", scores, v) + jnp.einsum("bhif,bhfv->bhiv", q_in, s)
-    s = s_carried + jnp.einsum("bhjf,bhjv->bhfv", k_out, v)
-    if z is None:
-        return (s, None), (num, None)
-    den = jnp.sum(scores, axis=-1) + jnp.einsum("bhif,bhf->bhi", q_in, z)
-    z = z_carried + jnp.sum(k_out, axis=2)
-    return (s, z), (num, den)
-
-
 def _scan_body(diagonal: bool, state, x):
     """One block of c tokens run one token at a time (the reference recurrence).
 
@@ -422,14 +396,146 @@ def _token_scan_bwd(residuals, cotangents):
 _token_scan.defvjp(_token_scan_fwd, _token_scan_bwd)
 
 
-def chunked(phi_q, phi_k, v, g, resets, state, chunk_size, *, diagonal, body=_chunk_body):
+def chunked(phi_q, phi_k, v, g, resets, state, chunk_size, *, diagonal, body=None, kernel=None):
     """The additive recurrence over chunks, internal layout in and out.
+
+    With ``body=None`` each chunk runs ``_chunk_body`` and its gradient is the
+    hand-written ``_chunk_body_bwd``; another body (``_scan_body``) is differentiated
+    by ``chunking.scan`` re-running it under ``jax.vjp``.
+
+    ``kernel``: optional ``(fn, q [b,h,t,d], k [b,h,t,d], live [b,1,t,1] bool | None)``
+    with ``fn(q_i . k_j, d)`` equal to ``phi(q_i) . phi(k_j)`` for live tokens: the scores
+    inside a chunk then come from the d-wide dot products, and the features only carry
+    the state (per-head decays only).
 
     Returns ``((numerator [b,h,t,v], denominator [b,h,t] | None), final (S, Z | None))``.
     """
     t = phi_q.shape[2]
-    body = functools.partial(body, diagonal)
-    return chunking.scan(body, state, (phi_q, phi_k, v, g, resets), chunk_size, t)
+    xs = (phi_q, phi_k, v, g, resets)
+    if body is not None:
+        return chunking.scan(functools.partial(body, diagonal), state, xs, chunk_size, t)
+    fn = None
+    if kernel is not None:
+        fn, q, k, live = kernel
+        xs = xs + (q, k, live)
+    body = functools.partial(_chunk_body, diagonal, fn)
+    body_bwd = functools.partial(_chunk_body_bwd, diagonal, fn)
+    return chunking.scan(body, state, xs, chunk_size, t, body_bwd=body_bwd)
+
+
+# ----------------------------------------------------------------------------
+# One chunk, forward and hand-written backward. The backward takes the state
+# entering the chunk (stored by ``chunking.scan``) and the cotangent of the state
+# after it, and runs only the transposed products: the chunk's outputs and its
+# update of the state are never recomputed, only its decayed scores.
+# ----------------------------------------------------------------------------
+
+
+def _chunk_parts(diagonal: bool, kernel, x):
+    """The decayed pieces of one chunk, all that its gradient needs to recompute.
+
+    Args:
+      diagonal: whether query i sees key i (False: strictly causal).
+      kernel: None, or ``fn(q . k, d)`` giving the scores from ``x``'s last entries.
+      x: ``(phi_q [b,h,c,f], phi_k [b,h,c,f], log-decay [b,h,c,g] | None, segment
+        resets [b,1,c,1] | None[, q [b,h,c,d], k [b,h,c,d], live [b,1,c,1] | None])``
+        (no values).
+
+    Returns:
+      ``(scores [b,h,c,c], phi_q decayed from the chunk's start [b,h,c,f], phi_k decayed
+      to the chunk's end [b,h,c,f], the decay across the chunk [b,h,g] | None)``.
+    """
+    q, k, g, r = x[:4]
+    dec = chunking.decays(g, r, q.shape[:3], q.dtype)
+    if kernel is None:
+        scores = chunking.decayed_scores(q, k, dec, diagonal=diagonal)
+    else:
+        q_raw, k_raw, live = x[4:]
+        scores = kernel(jnp.einsum("bhid,bhjd->bhij", q_raw, k_raw), q_raw.shape[-1])
+        if live is not None:  # a masked token's features are zeros, not phi(0)
+            scores = jnp.where(live & jnp.swapaxes(live, 2, 3), scores, 0.0)
+        scores = chunking.decay_scores(scores, dec, diagonal=diagonal)
+    if dec is None:
+        return scores, q, k, None
+    return scores, q * dec.into, k * dec.out_of, dec.across
+
+
+def _chunk_body(diagonal: bool, kernel, state, x):
+    """One chunk of c tokens: a masked matmul inside, plus the incoming state.
+
+    Args:
+      diagonal, kernel: as in ``_chunk_parts``.
+      state: ``(S [b, h, f, v], Z [b, h, f] | None)`` before the chunk.
+      x: ``(phi_q [b,h,c,f], phi_k [b,h,c,f], v [b,h,c,v], log-decay [b,h,c,g] | None,
+        segment resets [b,1,c,1] | None[, q, k, live])``.
+
+    Returns:
+      ``(state after the chunk, (numerator [b, h, c, v], denominator [b, h, c] | None))``.
+    """
+    v = x[2]
+    s, z = state
+    scores, q_in, k_out, across = _chunk_parts(diagonal, kernel, _without_values(x))
+    num = jnp.einsum("bhij,bhjv->bhiv", scores, v) + jnp.einsum("bhif,bhfv->bhiv", q_in, s)
+    s = _decay(across, s) + jnp.einsum("bhjf,bhjv->bhfv", k_out, v)
+    if z is None:
+        return (s, None), (num, None)
+    den = jnp.sum(scores, axis=-1) + jnp.einsum("bhif,bhf->bhi", q_in, z)
+    z = _decay(across, z) + jnp.sum(k_out, axis=2)
+    return (s, z), (num, den)
+
+
+def _chunk_body_bwd(diagonal: bool, kernel, d_state, inputs):
+    """The transpose of ``_chunk_body`` (``chunking.scan``'s ``body_bwd``).
+
+    Args:
+      diagonal, kernel: as in ``_chunk_body``.
+      d_state: ``(dS [b,h,f,v], dZ [b,h,f] | None)``, the cotangent of the state after
+        the chunk.
+      inputs: ``((S, Z | None) entering the chunk, x, (d numerator [b,h,c,v],
+        d denominator [b,h,c] | None))``.
+
+    Returns:
+      ``((dS, dZ | None) before the chunk, d x)``.
+    """
+    (s, z), x, (d_num, d_den) = inputs
+    d_s, d_z = d_state
+    v = x[2]
+    parts, vjp = jax.vjp(functools.partial(_chunk_parts, diagonal, kernel), _without_values(x))
+    scores, q_in, k_out, across = parts
+    d_scores = jnp.einsum("bhiv,bhjv->bhij", d_num, v)
+    d_v = jnp.einsum("bhij,bhiv->bhjv", scores, d_num) + jnp.einsum("bhjf,bhfv->bhjv", k_out, d_s)
+    d_q_in = jnp.einsum("bhiv,bhfv->bhif", d_num, s)
+    d_k_out = jnp.einsum("bhjv,bhfv->bhjf", v, d_s)
+    d_across = None if across is None else _reduce_to(d_s * s, across.shape)
+    d_s_prev = _decay(across, d_s) + jnp.einsum("bhif,bhiv->bhfv", q_in, d_num)
+    d_z_prev = None
+    if z is not None:
+        d_scores = d_scores + d_den[..., None]
+        d_q_in = d_q_in + d_den[..., None] * z[:, :, None]
+        d_k_out = d_k_out + d_z[:, :, None]
+        if across is not None:
+            d_across = d_across + _reduce_to(d_z * z, across.shape)
+        d_z_prev = _decay(across, d_z) + jnp.einsum("bhif,bhi->bhf", q_in, d_den)
+    (d_x,) = vjp((d_scores, d_q_in, d_k_out, d_across))
+    return (d_s_prev, d_z_prev), d_x[:2] + (d_v,) + d_x[2:]
+
+
+def _without_values(x):
+    """A chunk's inputs without v (``_chunk_parts``' x)."""
+    return x[:2] + x[3:]
+
+
+def _decay(a: Array | None, x: Array) -> Array:
+    """The decay across a chunk, ``a [b, h, 1|f]`` (None: 1), times ``S`` or ``Z``."""
+    if a is None:
+        return x
+    return a.reshape(a.shape + (1,) * (x.ndim - a.ndim)) * x
+
+
+def _reduce_to(x: Array, shape: tuple[int, ...]) -> Array:
+    """``x [b, h, f, ...]`` summed down to ``shape`` ``[b, h, 1|f]``."""
+    x = jnp.sum(x, axis=tuple(range(len(shape), x.ndim)))
+    return jnp.sum(x, axis=-1, keepdims=True) if shape[-1] == 1 else x
 
 
 # ----------------------------------------------------------------------------
@@ -488,6 +594,20 @@ def features(q, k, v, feature_map, key_mask=None, query_mask=None, positions=Non
     phi_k = checks.where_token(key_mask, phi_k.astype(dtype))
     heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
     return heads_first(phi_q), heads_first(phi_k), heads_first(v.astype(dtype))
+
+
+def chunk_kernel(q, k, feature_map, key_mask, g):
+    """``chunked``'s ``kernel`` argument: ``(phi.kernel_from_dots, q, k, live)``, q and k
+    heads first, masked and upcast as ``features`` does, for a map that has
+    ``kernel_from_dots`` (``feature_maps.taylor``); None for the others, and with
+    per-channel decays (which do not factor out of the kernel)."""
+    fn = getattr(feature_maps.get(feature_map), "kernel_from_dots", None)
+    if fn is None or (g is not None and g.shape[-1] != 1):
+        return None
+    dtype = feature_maps.accumulation_dtype(q.dtype)
+    q, k = (jnp.swapaxes(checks.where_token(key_mask, x).astype(dtype), 1, 2) for x in (q, k))
+    live = None if key_mask is None else key_mask[:, None, :, None]
+    return fn, q, k, live
 
 
 def check_normalize(feature_map, normalize: bool, *, name: str | None = None) -> None:

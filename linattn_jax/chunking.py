@@ -4,8 +4,10 @@ A family (``attention.py``, ``delta_rule.py``) writes the body of one chunk,
 ``body(state, x) -> (state, y)``; this module cuts the sequence into chunks,
 scans the body across them, and gives the scan a memory-lean gradient: the
 forward pass stores only the state entering each chunk, the backward pass
-re-runs one chunk at a time in a reverse scan. A gradient then costs
-O(t*d + (t/c) * state) extra memory, not a state per token.
+runs one chunk at a time in a reverse scan: the family's hand-written transpose
+of the body (``body_bwd``) where it has one, else ``jax.vjp`` of the body (which
+re-runs the chunk's forward). A gradient then costs O(t*d + (t/c) * state) extra
+memory, not a state per token.
 
 It also holds the decay bookkeeping inside a chunk that every family shares:
 cumulative log-decays, the decay from key j to query i formed as a difference of
@@ -28,9 +30,17 @@ import jax.numpy as jnp
 from linattn_jax.typing import Array
 
 Body = Callable[[Any, Any], tuple[Any, Any]]
+BodyBwd = Callable[[Any, tuple[Any, Any, Any]], tuple[Any, Any]]
 
 
-def scan(body: Body, state: Any, xs: Any, chunk_size: int, length: int) -> tuple[Any, Any]:
+def scan(
+    body: Body,
+    state: Any,
+    xs: Any,
+    chunk_size: int,
+    length: int,
+    body_bwd: BodyBwd | None = None,
+) -> tuple[Any, Any]:
     """Runs ``body`` over chunks of ``xs`` with a memory-lean gradient.
 
     Args:
@@ -42,6 +52,10 @@ def scan(body: Body, state: Any, xs: Any, chunk_size: int, length: int) -> tuple
         (zero key, zero log-decay, no reset).
       chunk_size: tokens per chunk.
       length: the sequence length (the size of axis 2 of every leaf).
+      body_bwd: optional hand-written transpose of ``body``, ``(d_state, (state, chunk,
+        d_y)) -> (d_state before the chunk, d_chunk)``, given the state entering the
+        chunk and the cotangents of the state after it and of ``y``; None: ``jax.vjp``
+        of ``body`` (which re-runs the chunk's forward in the reverse scan).
 
     Returns:
       ``(ys with leaves [b, h, length, ...], final state)``.
@@ -49,47 +63,82 @@ def scan(body: Body, state: Any, xs: Any, chunk_size: int, length: int) -> tuple
     # An empty sequence runs one inert padding token: the state passes through unchanged.
     c = max(1, min(chunk_size, length))
     n = max(1, -(-length // c))
-    pad = n * c - length
-
-    def chunks(x: Array) -> Array:
-        x = jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3))
-        return jnp.moveaxis(x.reshape(x.shape[:2] + (n, c) + x.shape[3:]), 2, 0)
-
-    def unchunk(y: Array) -> Array:
-        y = jnp.moveaxis(y, 0, 2)
-        return y.reshape(y.shape[:2] + (n * c,) + y.shape[4:])[:, :, :length]
-
-    state, ys = _scan_chunks(body, state, jax.tree.map(chunks, xs))
-    return jax.tree.map(unchunk, ys), state
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, n * c - length)] + [(0, 0)] * (x.ndim - 3))
+    if n * c != length:
+        xs = jax.tree.map(pad, xs)
+    ys, state = _scan_chunks(body, body_bwd, c, state, xs)
+    return jax.tree.map(lambda y: y[:, :, :length], ys), state
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _scan_chunks(body, state, xs):
-    """``lax.scan(body, state, xs)`` whose gradient recomputes each chunk."""
-    return jax.lax.scan(body, state, xs)
+# The chunks are read and written in place along the token axis (dynamic slices in
+# the loop), not cut into a chunk-major [n, b, h, c, .] copy: on CPU those
+# transposes of every input and output cost as much as the chunks' matmuls.
 
 
-def _scan_chunks_fwd(body, state, xs):
-    def step(s, x):
-        s_next, y = body(s, x)
-        return s_next, (y, s)
-
-    final, (ys, states) = jax.lax.scan(step, state, xs)
-    return (final, ys), (states, xs)
+def _chunk(tree: Any, i: Array, c: int) -> Any:
+    """Chunk ``i`` (tokens ``i*c .. i*c + c - 1``) of every ``[b, h, t, ...]`` leaf."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=2), tree)
 
 
-def _scan_chunks_bwd(body, residuals, cotangents):
+def _put(tree: Any, chunk: Any, i: Array, c: int) -> Any:
+    """``tree`` with chunk ``i`` of every leaf replaced by ``chunk``'s."""
+    put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), i * c, axis=2)
+    return jax.tree.map(put, tree, chunk)
+
+
+def _full(chunk: Any, n: int) -> Any:
+    """Zeros shaped like ``n`` chunks of ``chunk``'s ``[b, h, c, ...]`` leaves."""
+    full = lambda y: jnp.zeros(y.shape[:2] + (n * y.shape[2],) + y.shape[3:], y.dtype)
+    return jax.tree.map(full, chunk)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _scan_chunks(body, body_bwd, c, state, xs):
+    """``body`` over the chunks of ``c`` tokens of ``xs`` ``[b, h, n*c, ...]``; its
+    gradient is a reverse scan over the chunks from the states entering them
+    (``body_bwd``, or ``jax.vjp`` of ``body``). Returns ``(ys, final state)``."""
+    return _scan_chunks_fwd(body, body_bwd, c, state, xs)[0]
+
+
+def _scan_chunks_fwd(body, body_bwd, c, state, xs):
+    n = jax.tree.leaves(xs)[0].shape[2] // c
+    y_shape = jax.eval_shape(lambda s, x: body(s, x)[1], state, _chunk(xs, 0, c))
+
+    def step(carry, i):
+        s, ys = carry
+        s_next, y = body(s, _chunk(xs, i, c))
+        return (s_next, _put(ys, y, i, c)), s
+
+    (final, ys), states = jax.lax.scan(step, (state, _full(y_shape, n)), jnp.arange(n))
+    return (ys, final), (states, xs)
+
+
+def _scan_chunks_bwd(body, body_bwd, c, residuals, cotangents):
     states, xs = residuals
-    d_final, d_ys = cotangents
+    d_ys, d_final = cotangents
+    n = jax.tree.leaves(xs)[0].shape[2] // c
+    leaves, treedef = jax.tree.flatten(xs)
+    # Only float inputs get a cotangent (a bool mask's is None: zero).
+    floats = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
+    d_leaves = [jnp.zeros_like(x) for x, f in zip(leaves, floats, strict=True) if f]
 
-    def step(d_s, inputs):
-        s, x, d_y = inputs
-        _, vjp = jax.vjp(body, s, x)
-        d_s_prev, d_x = vjp((d_s, d_y))
-        return d_s_prev, d_x
+    def step(carry, inputs):
+        d_s, d_xs = carry
+        i, s = inputs
+        x, d_y = _chunk(xs, i, c), _chunk(d_ys, i, c)
+        if body_bwd is not None:
+            d_s, d_x = body_bwd(d_s, (s, x, d_y))
+        else:
+            d_s, d_x = jax.vjp(body, s, x)[1]((d_s, d_y))
+        d_x = [d for d, f in zip(jax.tree.leaves(d_x), floats, strict=True) if f]
+        return (d_s, _put(d_xs, d_x, i, c)), None
 
-    d_state, d_xs = jax.lax.scan(step, d_final, (states, xs, d_ys), reverse=True)
-    return d_state, d_xs
+    (d_state, d_leaves), _ = jax.lax.scan(
+        step, (d_final, d_leaves), (jnp.arange(n), states), reverse=True
+    )
+    d_leaves = iter(d_leaves)
+    d_xs = [next(d_leaves) if f else None for f in floats]
+    return d_state, jax.tree.unflatten(treedef, d_xs)
 
 
 _scan_chunks.defvjp(_scan_chunks_fwd, _scan_chunks_bwd)
@@ -165,17 +214,27 @@ def decayed_scores(a: Array, b: Array, dec: Decays | None, *, diagonal: bool) ->
       ``[b, h, c, c]``.
     """
     c = a.shape[2]
-    mask = jnp.tril(jnp.ones((1, 1, c, c), bool), 0 if diagonal else -1)
-    if dec is None:
-        return jnp.where(mask, jnp.einsum("bhif,bhjf->bhij", a, b), 0.0)
+    if dec is None or dec.log_cum.shape[-1] == 1:
+        return decay_scores(jnp.einsum("bhif,bhjf->bhij", a, b), dec, diagonal=diagonal)
     g = dec.log_cum
-    if g.shape[-1] == 1:
-        return jnp.einsum("bhif,bhjf->bhij", a, b) * jnp.exp(_masked_diff(g, dec.run, mask)[..., 0])
+    mask = jnp.tril(jnp.ones((1, 1, c, c), bool), 0 if diagonal else -1)
     if c > SUB_CHUNK and c % SUB_CHUNK == 0:
         return _per_channel_scores_in_sub_chunks(a, b, dec, diagonal)
     # Per-channel decays: the [c, c, f] relative decay is formed explicitly; no
     # factorisation exp(G_i) * exp(-G_j) is safe for strong gates.
     return jnp.einsum("bhif,bhjf,bhijf->bhij", a, b, jnp.exp(_masked_diff(g, dec.run, mask)))
+
+
+def decay_scores(scores: Array, dec: Decays | None, *, diagonal: bool) -> Array:
+    """``scores [b, h, c, c]`` (any kernel of queries i and keys j) masked as in
+    ``decayed_scores`` and times ``exp(G_i - G_j)`` for per-head decays (``g = 1``)."""
+    c = scores.shape[-1]
+    mask = jnp.tril(jnp.ones((1, 1, c, c), bool), 0 if diagonal else -1)
+    if dec is None:
+        return jnp.where(mask, scores, 0.0)
+    if dec.log_cum.shape[-1] != 1:
+        raise ValueError(f"decay_scores needs per-head decays, got {dec.log_cum.shape}")
+    return scores * jnp.exp(_masked_diff(dec.log_cum, dec.run, mask)[..., 0])
 
 
 SUB_CHUNK = 16

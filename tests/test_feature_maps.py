@@ -138,6 +138,24 @@ class IdentitiesTest(parameterized.TestCase):
             expected = 1 + dot / math.sqrt(d) + dot**2 / (2 * d)
             chex.assert_trees_all_close(kernel, expected, rtol=1e-12)
 
+    def test_taylor_gradient_matches_autodiff(self):
+        """The hand-written gradient of taylor's outer products equals plain autodiff."""
+        with jax.enable_x64(True):
+            x = jax.random.normal(KEY, (3, 5, 6), jnp.float64)
+            w = jax.random.normal(jax.random.PRNGKey(1), (3, 5, 1 + 6 + 36), jnp.float64)
+
+            def plain(x):
+                d = x.shape[-1]
+                outer = (x[..., :, None] * x[..., None, :]).reshape(x.shape[:-1] + (d * d,))
+                ones = jnp.ones(x.shape[:-1] + (1,), x.dtype)
+                scaled = outer / (math.sqrt(2.0) * math.sqrt(d))
+                return jnp.concatenate([ones, x / d**0.25, scaled], axis=-1)
+
+            chex.assert_trees_all_close(fm.taylor(x), plain(x), rtol=1e-14)
+            grad = jax.grad(lambda x: jnp.sum(fm.taylor(x) * w))(x)
+            expected = jax.grad(lambda x: jnp.sum(plain(x) * w))(x)
+            chex.assert_trees_all_close(grad, expected, rtol=1e-12, atol=1e-12)
+
     def test_dpfp_nu1_is_products_of_neighbours(self):
         x = jnp.array([1.0, -2.0, 3.0])
         r = jnp.array([1.0, 0.0, 3.0, 0.0, 2.0, 0.0])

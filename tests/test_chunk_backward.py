@@ -1,0 +1,218 @@
+"""The chunked form's hand-written backward equals plain autodiff, and the Taylor
+kernel inside chunks equals the explicit features.
+
+The reference gradient is ``jax.vjp`` of a plain ``lax.scan`` over the same chunk
+body (no custom gradient anywhere), in float64, so the two may differ only by
+rounding.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+
+import linattn_jax as la
+from linattn_jax import attention, checks
+from tests import helpers
+
+B, T, H, D, DV, C = 2, 13, 3, 4, 5, 4
+# float64: both sides do the same sums in a different order.
+F64 = dict(atol=1e-12, rtol=1e-12)
+
+
+def _plain_chunked(phi_q, phi_k, v, g, resets, state, chunk_size, *, diagonal, kernel=None):
+    """``attention.chunked`` as a plain ``lax.scan`` of ``_chunk_body``: autodiff only."""
+    t = phi_q.shape[2]
+    n = -(-t // chunk_size)
+    xs = (phi_q, phi_k, v, g, resets)
+    fn = None
+    if kernel is not None:
+        fn, q, k, live = kernel
+        xs = xs + (q, k, live)
+
+    def chunks(x):
+        x = jnp.pad(x, [(0, 0), (0, 0), (0, n * chunk_size - t)] + [(0, 0)] * (x.ndim - 3))
+        return jnp.moveaxis(x.reshape(x.shape[:2] + (n, chunk_size) + x.shape[3:]), 2, 0)
+
+    def unchunk(y):
+        y = jnp.moveaxis(y, 0, 2)
+        return y.reshape(y.shape[:2] + (n * chunk_size,) + y.shape[4:])[:, :, :t]
+
+    body = functools.partial(attention._chunk_body, diagonal, fn)
+    state, ys = jax.lax.scan(body, state, jax.tree.map(chunks, xs))
+    return jax.tree.map(unchunk, ys), state
+
+
+CASES = {
+    "plain": dict(),
+    "decay": dict(decay=jnp.array([0.5, 0.9, 1.0])),
+    "gate_with_resets": dict(gate="gate", neg_inf=True),
+    "decay_and_segments": dict(decay=0.8, segments=True),
+    "per_channel_gate": dict(gate="channels"),
+    "everything": dict(decay=0.9, gate="gate", neg_inf=True, segments=True, mask=True),
+}
+
+
+def _inputs(case, feature_map, poison=False):
+    """Raw q, k, v (float64, NaN/inf at padded tokens when ``poison``) and the options."""
+    opts = CASES[case]
+    q, k, v = (x.astype(jnp.float64) for x in helpers.qkv(0, B, T, H, D, DV))
+    gate = None
+    if opts.get("gate") == "gate":
+        gate = helpers.gate(1, B, T, H).astype(jnp.float64)
+        if opts.get("neg_inf"):
+            gate = gate.at[:, 5, 1].set(-jnp.inf).at[0, 9, 2].set(-jnp.inf)
+    elif opts.get("gate") == "channels":
+        f = la.feature_maps.feature_dim(feature_map, D, H)
+        key = jax.random.PRNGKey(2)
+        gate = -jax.nn.softplus(jax.random.normal(key, (B, T, H, f), jnp.float64))
+    segment_ids = helpers.segment_ids(3, B, T, p=0.25) if opts.get("segments") else None
+    key_mask = helpers.key_mask(4, B, T) if opts.get("mask") or poison else None
+    if poison:
+        pad = ~key_mask[:, :, None, None]
+        q, k, v = (
+            jnp.where(pad, bad, x)
+            for x, bad in zip((q, k, v), (jnp.nan, jnp.inf, jnp.nan), strict=True)
+        )
+    return (q, k, v), dict(decay=opts.get("decay"), gate=gate), segment_ids, key_mask
+
+
+def _run(chunked, case, feature_map, *, normalize, with_state, diagonal, poison=False):
+    """(outputs, vjp) of the chunked form on raw inputs, through ``features``."""
+    (q, k, v), decay_gate, segment_ids, key_mask = _inputs(case, feature_map, poison)
+    f = la.feature_maps.feature_dim(feature_map, D, H)
+    state = helpers.random_state(7, B, H, f, DV) if with_state else None
+
+    def fn(q, k, v, s, z, gate):
+        phi_q, phi_k, v64 = attention.features(q, k, v, feature_map, key_mask, key_mask)
+        g = checks.log_decay(
+            decay_gate["decay"],
+            gate,
+            B,
+            T,
+            H,
+            jnp.float64,
+            channels=f,
+            key_mask=key_mask,
+        )
+        r = None if segment_ids is None else checks.segment_resets(segment_ids, B, T, jnp.float64)
+        kernel = attention.chunk_kernel(q, k, feature_map, key_mask, g) if diagonal else None
+        z = z if normalize else None
+        (num, den), (s, z) = chunked(
+            phi_q, phi_k, v64, g, r, (s, z), C, diagonal=diagonal, kernel=kernel
+        )
+        return num, den, s, z
+
+    s0 = jnp.zeros((B, H, f, DV)) if state is None else state.s.astype(jnp.float64)
+    z0 = jnp.zeros((B, H, f)) if state is None else state.z.astype(jnp.float64)
+    return jax.vjp(fn, q, k, v, s0, z0, decay_gate["gate"])  # the gate's gradient too
+
+
+def _cotangent(outs):
+    keys = jax.random.split(jax.random.PRNGKey(11), len(outs))
+    return tuple(
+        None if o is None else jax.random.normal(kk, o.shape, o.dtype)
+        for kk, o in zip(keys, outs, strict=True)
+    )
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("diagonal", [True, False])
+def test_backward_matches_plain_autodiff(case, normalize, with_state, diagonal):
+    with jax.enable_x64(True):
+        kw = dict(normalize=normalize, with_state=with_state, diagonal=diagonal)
+        outs, vjp = _run(attention.chunked, case, "elu", **kw)
+        ref_outs, ref_vjp = _run(_plain_chunked, case, "elu", **kw)
+        chex.assert_trees_all_close(outs, ref_outs, **F64)
+        ct = _cotangent(outs)
+        grads = vjp(ct)
+        chex.assert_trees_all_close(grads, ref_vjp(ct), **F64)
+        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "taylor"])
+@pytest.mark.parametrize("case", ["plain", "everything"])
+def test_backward_with_nan_padding(feature_map, case):
+    """NaN/inf in padded q, k, v under key_mask reach no output and no gradient."""
+    with jax.enable_x64(True):
+        kw = dict(normalize=True, with_state=True, diagonal=True, poison=True)
+        outs, vjp = _run(attention.chunked, case, feature_map, **kw)
+        ref_outs, ref_vjp = _run(_plain_chunked, case, feature_map, **kw)
+        chex.assert_trees_all_close(outs, ref_outs, **F64)
+        ct = _cotangent(outs)
+        grads = vjp(ct)
+        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+        chex.assert_trees_all_close(grads, ref_vjp(ct), **F64)
+
+
+# ----------------------------------------------------------------------------
+# The Taylor kernel inside chunks: 1 + s / sqrt(d) + s^2 / (2d) from s = q.k.
+# ----------------------------------------------------------------------------
+
+
+def _taylor(options, method, chunk_size=C):
+    def fn(q, k, v, s, z):
+        out, state = la.causal_linear_attention(
+            q,
+            k,
+            v,
+            feature_map="taylor",
+            method=method,
+            chunk_size=chunk_size,
+            initial_state=la.LinearAttentionState(s, z),
+            return_state=True,
+            **options,
+        )
+        return out, state.s, state.z
+
+    return fn
+
+
+TAYLOR_OPTIONS = {
+    "plain": dict(),
+    "gate": dict(gate=helpers.gate(1, B, T, H)),
+    "everything": dict(
+        decay=jnp.array([0.5, 0.9, 1.0]),
+        gate=helpers.gate(2, B, T, H).at[:, 4, 0].set(-jnp.inf),
+        segment_ids=helpers.segment_ids(3, B, T, p=0.25),
+        key_mask=helpers.key_mask(4, B, T),
+    ),
+    "unnormalized": dict(normalize=False, key_mask=helpers.key_mask(5, B, T)),
+}
+
+
+@pytest.mark.parametrize("option", list(TAYLOR_OPTIONS))
+@pytest.mark.parametrize("method", ["chunked", "quadratic"])
+def test_taylor_kernel_matches_features(option, method):
+    """The kernel path equals the explicit features (the scan form), outputs and grads."""
+    with jax.enable_x64(True):
+        opts = {
+            key: x.astype(jnp.float64) if hasattr(x, "dtype") and x.dtype == jnp.float32 else x
+            for key, x in TAYLOR_OPTIONS[option].items()
+        }
+        q, k, v = (x.astype(jnp.float64) for x in helpers.qkv(0, B, T, H, D, DV))
+        f = la.feature_maps.feature_dim("taylor", D, H)
+        state = helpers.random_state(7, B, H, f, DV)
+        args = (q, k, v, state.s.astype(jnp.float64), state.z.astype(jnp.float64))
+        outs, vjp = jax.vjp(_taylor(opts, method), *args)
+        ref_outs, ref_vjp = jax.vjp(_taylor(opts, "scan"), *args)
+        chex.assert_trees_all_close(outs, ref_outs, **F64)
+        ct = _cotangent(outs)
+        chex.assert_trees_all_close(vjp(ct), ref_vjp(ct), **F64)
+
+
+def test_taylor_kernel_saves_work():
+    """The chunked Taylor form takes its scores from q.k, not from the 1 + d + d^2
+    features: fewer FLOPs than the same map without its ``kernel_from_dots``."""
+    q, k, v = helpers.qkv(0, 1, 256, 2, 16, 16)
+    no_kernel = lambda x: la.feature_maps.taylor(x)  # same map, no kernel_from_dots
+
+    def flops(feature_map):
+        fn = functools.partial(la.causal_linear_attention, feature_map=feature_map, chunk_size=64)
+        return jax.jit(fn).lower(q, k, v).compile().cost_analysis()["flops"]
+
+    assert flops("taylor") < 0.8 * flops(no_kernel)
