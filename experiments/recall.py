@@ -14,6 +14,7 @@ layer's S and, when normalised, Z; the delta rule's S; softmax's KV cache).
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -111,6 +112,12 @@ def finished(config: ConfigDict, workdir: Path) -> dict | None:
 
 def state_floats(config: ConfigDict) -> int:
     """Floats of attention state per layer for one sequence at the longest test length."""
+    return _state_floats(config.to_json(sort_keys=True))
+
+
+@functools.cache
+def _state_floats(config_json: str) -> int:
+    config = ConfigDict(json.loads(config_json))
     length = max(t for t, _ in trainer.mqar_shapes(config, "eval"))
     model = trainer.build_model(config)
     attention = model.blocks[0].attention
@@ -228,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         took = sweep.elapsed(time.perf_counter() - start)
         print(f"[{i}/{len(runs)}] {name}: {sweep.summary(final)} ({took})", flush=True)
         write_results(config, workdir, finals)  # so far: a stopped sweep keeps its table
+        jax.clear_caches()  # each run's compiled steps: dozens of runs exhaust LLVM's memory maps
     workdir.mkdir(parents=True, exist_ok=True)
     write_results(config, workdir, finals)
     print((workdir / "recall.md").read_text(), end="")
