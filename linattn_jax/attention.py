@@ -27,9 +27,9 @@ Mixed precision: for bfloat16 (or float16) inputs the chunked form's matmuls (th
 ``[c, c]`` scores, scores times values, queries times the state, and their
 transposes in the gradient) read operands in that dtype and accumulate in float32;
 the features, decays, sums, denominators and states stay float32, and so does the
-product that writes the state (``phi(k)^T v``; likewise ``phi(q)^T dOut`` into its
-cotangent), so the chunked, scan and step forms carry the same float32 state. float32
-and float64 inputs run every product in their own dtype, as before.
+product that writes the state (``phi(k)^T v``), so the chunked, scan and step forms
+carry the same state to float32 accuracy. float32 and float64 inputs run every
+product in their own dtype, as before.
 
 Padding: a token masked by ``key_mask`` adds nothing to S or Z and its own
 output is 0, whatever its q, k and v hold (NaN and inf included): masked
@@ -534,13 +534,15 @@ def _chunk_body_bwd(diagonal: bool, kernel, d_state, inputs, *, dtype=None):
         functools.partial(_chunk_parts, diagonal, kernel, dtype=dtype), _without_values(x)
     )
     scores, q_in, k_out, across = parts
-    d_scores = mixed("bhiv,bhjv->bhij", d_num, v)
+    # With a denominator, dScores and d(phi(q)) are sums (d_num v^T + d_den) that cancel
+    # where an output is its values' average: rounded operands would show: float32 ones.
+    cancels = mixed if z is None else jnp.einsum
+    d_scores = cancels("bhiv,bhjv->bhij", d_num, v)
     d_v = mixed("bhij,bhiv->bhjv", scores, d_num) + mixed("bhjf,bhfv->bhjv", k_out, d_s)
-    d_q_in = mixed("bhiv,bhfv->bhif", d_num, s)
+    d_q_in = cancels("bhiv,bhfv->bhif", d_num, s)
     d_k_out = mixed("bhjv,bhfv->bhjf", v, d_s)
     d_across = None if across is None else _reduce_to(d_s * s, across.shape)
-    # The state's cotangent is written in float32, as the state is (``_chunk_body``).
-    d_s_prev = _decay(across, d_s) + jnp.einsum("bhif,bhiv->bhfv", q_in, d_num)
+    d_s_prev = _decay(across, d_s) + mixed("bhif,bhiv->bhfv", q_in, d_num)
     d_z_prev = None
     if z is not None:
         d_scores = d_scores + d_den[..., None]
