@@ -241,18 +241,9 @@ def causal_linear_attention(
         if method == "scan"
         else (None, chunk_kernel(q, k, feature_map, key_mask, g))
     )
+    options = dict(body=body, kernel=kernel, dtype=chunking.operand_dtype(q.dtype))
     (num, den), state = chunked(
-        phi_q,
-        phi_k,
-        v32,
-        g,
-        resets,
-        state,
-        chunk_size,
-        diagonal=True,
-        body=body,
-        kernel=kernel,
-        dtype=chunking.operand_dtype(q.dtype),
+        phi_q, phi_k, v32, g, resets, state, chunk_size, diagonal=True, **options
     )
     out = finish(num, den, normalize, eps, v.dtype)
     if return_state:
@@ -534,8 +525,9 @@ def _chunk_body_bwd(diagonal: bool, kernel, d_state, inputs, *, dtype=None):
         functools.partial(_chunk_parts, diagonal, kernel, dtype=dtype), _without_values(x)
     )
     scores, q_in, k_out, across = parts
-    # With a denominator, dScores and d(phi(q)) are sums (d_num v^T + d_den) that cancel
-    # where an output is its values' average: rounded operands would show: float32 ones.
+    # With a denominator, dScores (d_num v^T + d_den) and d(phi(q)) (d_num S^T + d_den Z)
+    # are sums that cancel where an output is near its values' mean: float32 operands
+    # (bfloat16 ones doubled the error of q's gradient).
     cancels = mixed if z is None else jnp.einsum
     d_scores = cancels("bhiv,bhjv->bhij", d_num, v)
     d_v = mixed("bhij,bhiv->bhjv", scores, d_num) + mixed("bhjf,bhfv->bhjv", k_out, d_s)

@@ -94,7 +94,10 @@ def _check_against_float64(ours, ref, args, dtype):
     w = jax.random.normal(jax.random.PRNGKey(9), (B, T, H, DV))
 
     def grads_and_out(fn, w, x):
-        loss = lambda *x: (jnp.sum(fn(*x).astype(w.dtype) * w), fn(*x))
+        def loss(*x):
+            out = fn(*x)
+            return jnp.sum(out.astype(w.dtype) * w), out
+
         return jax.grad(loss, argnums=tuple(range(len(x))), has_aux=True)(*x)
 
     got_grads, got = jax.jit(functools.partial(grads_and_out, ours))(w, args)
