@@ -23,6 +23,13 @@ S and Z are kept apart, so every matmul has the widths the caller chose (no
 ones column that would make a value width of 65 or 129); Z is a cheap
 reduction, skipped when ``normalize=False`` and no state is returned.
 States and sums are float32 whatever the input dtype (float64 for float64 inputs).
+Mixed precision: for bfloat16 (or float16) inputs the chunked form's matmuls (the
+``[c, c]`` scores, scores times values, queries times the state, and their
+transposes in the gradient) read operands in that dtype and accumulate in float32;
+the features, decays, sums, denominators and states stay float32, and so does the
+product that writes the state (``phi(k)^T v``), so the chunked, scan and step forms
+carry the same state to float32 accuracy. float32 and float64 inputs run every
+product in their own dtype, as before.
 
 Padding: a token masked by ``key_mask`` adds nothing to S or Z and its own
 output is 0, whatever its q, k and v hold (NaN and inf included): masked
@@ -203,7 +210,9 @@ def causal_linear_attention(
 
     Returns:
       ``out [b, t, h, v]`` in the dtype of ``v``, or ``(out, state)`` when
-      ``return_state``; ``state`` is a float32 ``LinearAttentionState``.
+      ``return_state``; ``state`` is a float32 ``LinearAttentionState``. For bfloat16
+      (float16) ``q`` the chunked form's matmuls read their operands in that dtype,
+      with float32 accumulation (see the module's docstring); the state stays float32.
 
     Raises:
       ValueError: on mismatched or wrong-rank shapes, non-float inputs, an unknown
@@ -232,8 +241,9 @@ def causal_linear_attention(
         if method == "scan"
         else (None, chunk_kernel(q, k, feature_map, key_mask, g))
     )
+    options = dict(body=body, kernel=kernel, dtype=chunking.operand_dtype(q.dtype))
     (num, den), state = chunked(
-        phi_q, phi_k, v32, g, resets, state, chunk_size, diagonal=True, body=body, kernel=kernel
+        phi_q, phi_k, v32, g, resets, state, chunk_size, diagonal=True, **options
     )
     out = finish(num, den, normalize, eps, v.dtype)
     if return_state:
@@ -396,7 +406,9 @@ def _token_scan_bwd(residuals, cotangents):
 _token_scan.defvjp(_token_scan_fwd, _token_scan_bwd)
 
 
-def chunked(phi_q, phi_k, v, g, resets, state, chunk_size, *, diagonal, body=None, kernel=None):
+def chunked(
+    phi_q, phi_k, v, g, resets, state, chunk_size, *, diagonal, body=None, kernel=None, dtype=None
+):
     """The additive recurrence over chunks, internal layout in and out.
 
     With ``body=None`` each chunk runs ``_chunk_body`` and its gradient is the
@@ -408,6 +420,9 @@ def chunked(phi_q, phi_k, v, g, resets, state, chunk_size, *, diagonal, body=Non
     inside a chunk then come from the d-wide dot products, and the features only carry
     the state (per-head decays only).
 
+    ``dtype``: the operand dtype of ``_chunk_body``'s matmuls (``chunking.operand_dtype``
+    of the caller's inputs; None: the features' own dtype, no cast).
+
     Returns ``((numerator [b,h,t,v], denominator [b,h,t] | None), final (S, Z | None))``.
     """
     t = phi_q.shape[2]
@@ -418,8 +433,8 @@ def chunked(phi_q, phi_k, v, g, resets, state, chunk_size, *, diagonal, body=Non
     if kernel is not None:
         fn, q, k, live = kernel
         xs = xs + (q, k, live)
-    body = functools.partial(_chunk_body, diagonal, fn)
-    body_bwd = functools.partial(_chunk_body_bwd, diagonal, fn)
+    body = functools.partial(_chunk_body, diagonal, fn, dtype=dtype)
+    body_bwd = functools.partial(_chunk_body_bwd, diagonal, fn, dtype=dtype)
     return chunking.scan(body, state, xs, chunk_size, t, body_bwd=body_bwd)
 
 
@@ -431,7 +446,7 @@ def chunked(phi_q, phi_k, v, g, resets, state, chunk_size, *, diagonal, body=Non
 # ----------------------------------------------------------------------------
 
 
-def _chunk_parts(diagonal: bool, kernel, x):
+def _chunk_parts(diagonal: bool, kernel, x, *, dtype=None):
     """The decayed pieces of one chunk, all that its gradient needs to recompute.
 
     Args:
@@ -440,6 +455,7 @@ def _chunk_parts(diagonal: bool, kernel, x):
       x: ``(phi_q [b,h,c,f], phi_k [b,h,c,f], log-decay [b,h,c,g] | None, segment
         resets [b,1,c,1] | None[, q [b,h,c,d], k [b,h,c,d], live [b,1,c,1] | None])``
         (no values).
+      dtype: the operand dtype of the scores' matmul (None: no cast).
 
     Returns:
       ``(scores [b,h,c,c], phi_q decayed from the chunk's start [b,h,c,f], phi_k decayed
@@ -448,10 +464,11 @@ def _chunk_parts(diagonal: bool, kernel, x):
     q, k, g, r = x[:4]
     dec = chunking.decays(g, r, q.shape[:3], q.dtype)
     if kernel is None:
-        scores = chunking.decayed_scores(q, k, dec, diagonal=diagonal)
+        scores = chunking.decayed_scores(q, k, dec, diagonal=diagonal, dtype=dtype)
     else:
         q_raw, k_raw, live = x[4:]
-        scores = kernel(jnp.einsum("bhid,bhjd->bhij", q_raw, k_raw), q_raw.shape[-1])
+        dots = chunking.einsum("bhid,bhjd->bhij", q_raw, k_raw, dtype=dtype)
+        scores = kernel(dots, q_raw.shape[-1])
         if live is not None:  # a masked token's features are zeros, not phi(0)
             scores = jnp.where(live & jnp.swapaxes(live, 2, 3), scores, 0.0)
         scores = chunking.decay_scores(scores, dec, diagonal=diagonal)
@@ -460,11 +477,12 @@ def _chunk_parts(diagonal: bool, kernel, x):
     return scores, q * dec.into, k * dec.out_of, dec.across
 
 
-def _chunk_body(diagonal: bool, kernel, state, x):
+def _chunk_body(diagonal: bool, kernel, state, x, *, dtype=None):
     """One chunk of c tokens: a masked matmul inside, plus the incoming state.
 
     Args:
-      diagonal, kernel: as in ``_chunk_parts``.
+      diagonal, kernel, dtype: as in ``_chunk_parts``; ``dtype`` also for the products
+        that read the values and the state (not the one that writes the state).
       state: ``(S [b, h, f, v], Z [b, h, f] | None)`` before the chunk.
       x: ``(phi_q [b,h,c,f], phi_k [b,h,c,f], v [b,h,c,v], log-decay [b,h,c,g] | None,
         segment resets [b,1,c,1] | None[, q, k, live])``.
@@ -474,8 +492,10 @@ def _chunk_body(diagonal: bool, kernel, state, x):
     """
     v = x[2]
     s, z = state
-    scores, q_in, k_out, across = _chunk_parts(diagonal, kernel, _without_values(x))
-    num = jnp.einsum("bhij,bhjv->bhiv", scores, v) + jnp.einsum("bhif,bhfv->bhiv", q_in, s)
+    mixed = functools.partial(chunking.einsum, dtype=dtype)
+    scores, q_in, k_out, across = _chunk_parts(diagonal, kernel, _without_values(x), dtype=dtype)
+    num = mixed("bhij,bhjv->bhiv", scores, v) + mixed("bhif,bhfv->bhiv", q_in, s)
+    # The state's update keeps float32 operands: it is what the scan and step forms write.
     s = _decay(across, s) + jnp.einsum("bhjf,bhjv->bhfv", k_out, v)
     if z is None:
         return (s, None), (num, None)
@@ -484,11 +504,11 @@ def _chunk_body(diagonal: bool, kernel, state, x):
     return (s, z), (num, den)
 
 
-def _chunk_body_bwd(diagonal: bool, kernel, d_state, inputs):
+def _chunk_body_bwd(diagonal: bool, kernel, d_state, inputs, *, dtype=None):
     """The transpose of ``_chunk_body`` (``chunking.scan``'s ``body_bwd``).
 
     Args:
-      diagonal, kernel: as in ``_chunk_body``.
+      diagonal, kernel, dtype: as in ``_chunk_body``.
       d_state: ``(dS [b,h,f,v], dZ [b,h,f] | None)``, the cotangent of the state after
         the chunk.
       inputs: ``((S, Z | None) entering the chunk, x, (d numerator [b,h,c,v],
@@ -500,14 +520,21 @@ def _chunk_body_bwd(diagonal: bool, kernel, d_state, inputs):
     (s, z), x, (d_num, d_den) = inputs
     d_s, d_z = d_state
     v = x[2]
-    parts, vjp = jax.vjp(functools.partial(_chunk_parts, diagonal, kernel), _without_values(x))
+    mixed = functools.partial(chunking.einsum, dtype=dtype)
+    parts, vjp = jax.vjp(
+        functools.partial(_chunk_parts, diagonal, kernel, dtype=dtype), _without_values(x)
+    )
     scores, q_in, k_out, across = parts
-    d_scores = jnp.einsum("bhiv,bhjv->bhij", d_num, v)
-    d_v = jnp.einsum("bhij,bhiv->bhjv", scores, d_num) + jnp.einsum("bhjf,bhfv->bhjv", k_out, d_s)
-    d_q_in = jnp.einsum("bhiv,bhfv->bhif", d_num, s)
-    d_k_out = jnp.einsum("bhjv,bhfv->bhjf", v, d_s)
+    # With a denominator, dScores (d_num v^T + d_den) and d(phi(q)) (d_num S^T + d_den Z)
+    # are sums that cancel where an output is near its values' mean: float32 operands
+    # (bfloat16 ones doubled the error of q's gradient).
+    cancels = mixed if z is None else jnp.einsum
+    d_scores = cancels("bhiv,bhjv->bhij", d_num, v)
+    d_v = mixed("bhij,bhiv->bhjv", scores, d_num) + mixed("bhjf,bhfv->bhjv", k_out, d_s)
+    d_q_in = cancels("bhiv,bhfv->bhif", d_num, s)
+    d_k_out = mixed("bhjv,bhfv->bhjf", v, d_s)
     d_across = None if across is None else _reduce_to(d_s * s, across.shape)
-    d_s_prev = _decay(across, d_s) + jnp.einsum("bhif,bhiv->bhfv", q_in, d_num)
+    d_s_prev = _decay(across, d_s) + mixed("bhif,bhiv->bhfv", q_in, d_num)
     d_z_prev = None
     if z is not None:
         d_scores = d_scores + d_den[..., None]

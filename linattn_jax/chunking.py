@@ -14,6 +14,10 @@ cumulative log-decays, the decay from key j to query i formed as a difference of
 cumulative sums masked BEFORE ``exp`` (never ``exp(G_i) * exp(-G_j)``, which
 overflows for strong decays), and the factors that carry the state across.
 
+Mixed precision: for bfloat16 (or float16) inputs the chunks' matmuls take their
+operands in that dtype and accumulate in float32 (``einsum``, ``operand_dtype``);
+everything elementwise (decays, their ``exp``, cumulative sums, states) stays float32.
+
 Internal layout: heads first, ``[b, h, t, .]``; log-decays ``[b, h, t, g]`` with
 ``g`` 1 (per head) or the key width (per channel); resets ``[b, 1|h, t, 1|g]``.
 """
@@ -144,6 +148,49 @@ def _scan_chunks_bwd(body, body_bwd, c, residuals, cotangents):
 _scan_chunks.defvjp(_scan_chunks_fwd, _scan_chunks_bwd)
 
 
+def operand_dtype(dtype) -> jnp.dtype | None:
+    """The dtype a chunk's matmuls read their operands in, for inputs of ``dtype``:
+    bfloat16 and float16 stay themselves (float32 accumulation), None for the others
+    (float32 and float64 inputs: no cast, the matmuls run as before)."""
+    dtype = jnp.dtype(dtype)
+    return dtype if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else None
+
+
+def einsum(subscripts: str, a: Array, b: Array, *, dtype=None) -> Array:
+    """``jnp.einsum(subscripts, a, b)`` with both operands cast to ``dtype`` (None: no
+    cast) and accumulated in their own (float32) dtype, via ``preferred_element_type``.
+
+    The gradient's two products are mixed in the same way (autodiff would run them
+    with float32 operands), and the cotangents come back in the operands' dtypes.
+    Every index of ``a`` and ``b`` must appear in the other operand or the output.
+    """
+    if dtype is None:
+        return jnp.einsum(subscripts, a, b)
+    return _mixed_einsum(subscripts, jnp.dtype(dtype), a, b)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _mixed_einsum(subscripts, dtype, a, b):
+    acc = jnp.result_type(a, b)
+    return jnp.einsum(subscripts, a.astype(dtype), b.astype(dtype), preferred_element_type=acc)
+
+
+def _mixed_einsum_fwd(subscripts, dtype, a, b):
+    return _mixed_einsum(subscripts, dtype, a, b), (a, b)
+
+
+def _mixed_einsum_bwd(subscripts, dtype, residuals, d_out):
+    a, b = residuals
+    ins, out = subscripts.split("->")
+    sa, sb = ins.split(",")
+    d_a = _mixed_einsum(f"{out},{sb}->{sa}", dtype, d_out, b).astype(a.dtype)
+    d_b = _mixed_einsum(f"{sa},{out}->{sb}", dtype, a, d_out).astype(b.dtype)
+    return d_a, d_b
+
+
+_mixed_einsum.defvjp(_mixed_einsum_fwd, _mixed_einsum_bwd)
+
+
 class Decays(NamedTuple):
     """The decay factors of one chunk, for log-decays ``g [b, h, c, g]`` and resets ``r``.
 
@@ -200,7 +247,7 @@ def decays(g: Array | None, r: Array | None, shape: tuple[int, ...], dtype) -> D
     return Decays(log_cum, run, into, out_of, into[:, :, -1])
 
 
-def decayed_scores(a: Array, b: Array, dec: Decays | None, *, diagonal: bool) -> Array:
+def decayed_scores(a: Array, b: Array, dec: Decays | None, *, diagonal: bool, dtype=None) -> Array:
     """``P[i, j] = sum_f a_if b_jf exp(G_if - G_jf)`` for ``j <= i`` (``j < i`` without
     ``diagonal``) in the same run between resets; 0 elsewhere.
 
@@ -209,17 +256,21 @@ def decayed_scores(a: Array, b: Array, dec: Decays | None, *, diagonal: bool) ->
       b: ``[b, h, c, f]`` (e.g. keys).
       dec: the chunk's decays (per head: ``g = 1``; per channel: ``g = f``), or None.
       diagonal: whether ``P[i, i]`` is kept.
+      dtype: the matmuls' operand dtype (``operand_dtype``; None: as given). The
+        per-channel ``[c, c, f]`` relative decays are never cast: only the products of
+        features (already decayed, between sub-chunks) are.
 
     Returns:
       ``[b, h, c, c]``.
     """
     c = a.shape[2]
     if dec is None or dec.log_cum.shape[-1] == 1:
-        return decay_scores(jnp.einsum("bhif,bhjf->bhij", a, b), dec, diagonal=diagonal)
+        scores = einsum("bhif,bhjf->bhij", a, b, dtype=dtype)
+        return decay_scores(scores, dec, diagonal=diagonal)
     g = dec.log_cum
     mask = jnp.tril(jnp.ones((1, 1, c, c), bool), 0 if diagonal else -1)
     if c > SUB_CHUNK and c % SUB_CHUNK == 0:
-        return _per_channel_scores_in_sub_chunks(a, b, dec, diagonal)
+        return _per_channel_scores_in_sub_chunks(a, b, dec, diagonal, dtype)
     # Per-channel decays: the [c, c, f] relative decay is formed explicitly; no
     # factorisation exp(G_i) * exp(-G_j) is safe for strong gates.
     return jnp.einsum("bhif,bhjf,bhijf->bhij", a, b, jnp.exp(_masked_diff(g, dec.run, mask)))
@@ -249,7 +300,9 @@ def _masked_diff(g: Array, run: Array | None, mask: Array) -> Array:
     return jnp.where(mask, g[:, :, :, None] - g[:, :, None, :], -jnp.inf)
 
 
-def _per_channel_scores_in_sub_chunks(a: Array, b: Array, dec: Decays, diagonal: bool) -> Array:
+def _per_channel_scores_in_sub_chunks(
+    a: Array, b: Array, dec: Decays, diagonal: bool, dtype=None
+) -> Array:
     """``decayed_scores`` for per-channel decays, in sub-chunks of ``SUB_CHUNK`` tokens.
 
     Between sub-chunks the decay factors through the last token before query i's
@@ -272,12 +325,14 @@ def _per_channel_scores_in_sub_chunks(a: Array, b: Array, dec: Decays, diagonal:
         log_k = jnp.where(run[:, :, None] == run_ref[:, :, :, None], log_k, -jnp.inf)
     q_t = blocks(a) * jnp.exp(log_q)
     k_t = b[:, :, None] * jnp.exp(log_k)  # [b, h, n, c, f]
-    off = jnp.einsum("bhnif,bhnjf->bhnij", q_t, k_t)  # [b, h, n, s, c]
+    off = einsum("bhnif,bhnjf->bhnij", q_t, k_t, dtype=dtype)  # [b, h, n, s, c]
     # The diagonal blocks, [s, s, f] relative decays with sub-chunks folded into heads.
     fold = lambda x: blocks(x).reshape(bsz, h * n, s, f)
     run = None if run is None else fold(jnp.broadcast_to(run, g.shape))
     mask = jnp.tril(jnp.ones((1, 1, s, s), bool), 0 if diagonal else -1)
     decay = jnp.exp(_masked_diff(fold(g), run, mask))
+    # float32 whatever the inputs: a three-operand product, not a matmul, and the decays
+    # stay exact.
     inside = jnp.einsum("bmif,bmjf,bmijf->bmij", fold(a), fold(b), decay)
     eye = jnp.eye(n, dtype=a.dtype)[None, None, :, None, :, None]
     inside = inside.reshape(bsz, h, n, s, 1, s) * eye  # placed on the block diagonal

@@ -31,6 +31,13 @@ Forms, all with the same inputs and state:
 Decays inside a chunk are differences of cumulative log-gates, masked before
 ``exp`` (``linattn_jax.chunking``), so gates of -30 per token and ``-inf`` (a full
 reset) stay finite. Gradients store only the state at chunk boundaries.
+
+Mixed precision: for bfloat16 (or float16) inputs the chunked form's products that
+only read (``Q K^T``, ``Q S`` and ``(Q K^T * D) (U - W S)``, and their transposes in
+the gradient) take operands in that dtype with float32 accumulation; everything that
+reaches the state stays float32: ``K K^T``, the triangular solve, ``W S`` and the
+update ``K^T (U - W S)``, so the state is the scan and step forms' to float32 accuracy.
+float32 and float64 inputs run every product in their own dtype, as before.
 """
 
 from __future__ import annotations
@@ -103,7 +110,9 @@ def delta_rule(
 
     Returns:
       ``out [b, t, h, dv]`` in the dtype of ``v``, or ``(out, state)`` when
-      ``return_state``; ``state`` is a float32 ``DeltaRuleState``.
+      ``return_state``; ``state`` is a float32 ``DeltaRuleState``. For bfloat16
+      (float16) ``q`` the chunked form's output products read their operands in that
+      dtype, with float32 accumulation (see the module's docstring).
 
     Raises:
       ValueError: on mismatched or wrong-rank shapes, non-float inputs, an unknown
@@ -118,13 +127,14 @@ def delta_rule(
     key_mask = checks.token_mask("key_mask", key_mask, b, t)
     _check_beta(beta, (b, t, h), "[batch, length, heads]", key_mask)
     dtype, out_dtype = feature_maps.accumulation_dtype(q.dtype), v.dtype
+    operands = chunking.operand_dtype(q.dtype)
     g = checks.log_decay(None, gate, b, t, h, dtype, channels=dk, key_mask=key_mask)
     resets = None if segment_ids is None else checks.segment_resets(segment_ids, b, t, dtype)
     q, k, v, beta = (checks.where_token(key_mask, x) for x in (q, k, v, beta))
     heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
     q, k, v, beta = (heads_first(x.astype(dtype)) for x in (q * scale, k, v, beta))
     state = _state_in(initial_state, b, h, dk, v.shape[-1], dtype)
-    body = _scan_body if method == "scan" else _chunk_body
+    body = _scan_body if method == "scan" else functools.partial(_chunk_body, dtype=operands)
     chunk_size = checks.default_chunk_size(chunk_size, g)
     out, state = chunking.scan(body, state, (q, k, v, beta, g, resets), chunk_size, t)
     out = jnp.swapaxes(out, 1, 2).astype(out_dtype)
@@ -205,13 +215,15 @@ def _scan_body(s: Array, x) -> tuple[Array, Array]:
     return s, jnp.moveaxis(out, 0, 2)
 
 
-def _chunk_body(s: Array, x) -> tuple[Array, Array]:
+def _chunk_body(s: Array, x, *, dtype=None) -> tuple[Array, Array]:
     """One chunk of c tokens through the (gated) UT transform.
 
     Args:
       s: ``[b, h, dk, dv]`` before the chunk.
       x: ``(q [b,h,c,dk], k [b,h,c,dk], v [b,h,c,dv], beta [b,h,c],
         log-decay [b,h,c,1|dk] | None, segment resets | None)``.
+      dtype: the operand dtype of the products that make the output only
+        (``chunking.operand_dtype``; None: no cast).
 
     Returns:
       ``(state after the chunk, out [b, h, c, dv])``.
@@ -219,8 +231,8 @@ def _chunk_body(s: Array, x) -> tuple[Array, Array]:
     q, k, v, beta, g, r = x
     dv = v.shape[-1]
     dec = chunking.decays(g, r, q.shape[:3], q.dtype)
-    qk = chunking.decayed_scores(q, k, dec, diagonal=True)
-    kk = chunking.decayed_scores(k, k, dec, diagonal=False)
+    qk = chunking.decayed_scores(q, k, dec, diagonal=True, dtype=dtype)
+    kk = chunking.decayed_scores(k, k, dec, diagonal=False)  # float32: it feeds the solve
     if dec is None:
         q_in, k_in, k_out, s_carried = q, k, k, s
     else:
@@ -231,8 +243,10 @@ def _chunk_body(s: Array, x) -> tuple[Array, Array]:
     rhs = beta[..., None] * jnp.concatenate([v, k_in], axis=-1)
     uw = unit_lower_solve(beta[..., None] * kk, rhs)
     u, w = uw[..., :dv], uw[..., dv:]
-    u = u - jnp.einsum("bhck,bhkv->bhcv", w, s)  # each token's write, given the state
-    out = jnp.einsum("bhck,bhkv->bhcv", q_in, s) + jnp.einsum("bhij,bhjv->bhiv", qk, u)
+    # Each token's write, given the state: float32 operands (it reaches the next state).
+    u = u - jnp.einsum("bhck,bhkv->bhcv", w, s)
+    mixed = functools.partial(chunking.einsum, dtype=dtype)
+    out = mixed("bhck,bhkv->bhcv", q_in, s) + mixed("bhij,bhjv->bhiv", qk, u)
     return s_carried + jnp.einsum("bhck,bhcv->bhkv", k_out, u), out
 
 
