@@ -703,6 +703,48 @@ def communication(lengths=(65536, 262144, 1048576), shards: int = 8) -> list[dic
     return rows
 
 
+# A training step of the MQAR model per feature map (the speed issue's Taylor target).
+TRAIN_STEP_VARIANTS = {
+    "elu": ["model.feature_map=elu"],
+    "taylor": ["model.feature_map=taylor"],
+    "taylor, feature_dim 16": ["model.feature_map=taylor", "model.feature_dim=16"],
+}
+
+
+def train_steps(spec: str, repeats: int, rounds: int = 5) -> list[dict]:
+    """Median ms of one training step (forward, backward, AdamW) of ``spec``'s model
+    for each of ``TRAIN_STEP_VARIANTS``, timed in turn over ``rounds`` rounds."""
+    from flax import nnx
+
+    from experiments import trainer
+
+    steps = {}
+    for name, overrides in TRAIN_STEP_VARIANTS.items():
+        config = trainer.load_config(spec)
+        for assignment in overrides:
+            trainer.override(config, assignment)
+        sharder = trainer.Sharder(1)
+        model = trainer.build_model(config, sharder.mesh)
+        optimizer = nnx.Optimizer(model, trainer.build_optimizer(config), wrt=nnx.Param)
+        batch = sharder.put_batch(trainer.build_task(config).batch(0, "train"))
+        step = functools.partial(trainer.train_step, model, optimizer, *batch, "lm")
+        jax.block_until_ready(step())  # compile
+        steps[name] = step
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(repeats):
+                out = step()
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - start) / repeats * 1e3)
+    base = statistics.median(times["elu"])
+    return [
+        {"variant": n, "ms": statistics.median(t), "vs_elu": statistics.median(t) / base}
+        for n, t in times.items()
+    ]
+
+
 def main(argv=None) -> None:
     env = dict(MALLOC_ENV)
     if "--comm" in sys.argv[1:]:  # 8 CPU devices, which XLA reads at start-up too
@@ -744,6 +786,14 @@ def main(argv=None) -> None:
         action="store_true",
         help="the additive, GLA and delta-rule recurrences (chunked and scan) at --lengths",
     )
+    parser.add_argument(
+        "--train-steps",
+        metavar="CONFIG",
+        nargs="?",
+        const="configs/mqar.py:small",
+        help="a training step of CONFIG's model (default configs/mqar.py:small) for elu and "
+        "Taylor features (with and without feature_dim 16)",
+    )
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
     if args.comm:
@@ -762,6 +812,15 @@ def main(argv=None) -> None:
         ]
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "communication.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
+    if args.train_steps:
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes int and float scalars
+            rows = train_steps(args.train_steps, args.repeats)
+        lines = [f"| {args.train_steps} train step | ms | / elu |", "|---|---|---|"]
+        lines += [f"| {r['variant']} | {r['ms']:.1f} | {r['vs_elu']:.2f}x |" for r in rows]
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "train_steps.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         return
     if args.recurrences:
