@@ -97,6 +97,7 @@ def test_two_tiny_points_train_and_make_the_table_and_plot(tmp_path, capsys, mon
         f"--workdir={tmp_path}",
         "--config.recall.kinds=elu,deltanet",
         "--config.recall.widths=16",
+        "--config.recall.lrs=3e-3",
         "--config.steps=4",
         "--config.batch_size=2",
         "--config.eval_batches=1",
