@@ -221,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
 
     workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
     finals, failed, begin = {}, 0, time.perf_counter()
     for i, (kind, width, lr, run) in enumerate(runs, 1):
         name, start = run_name(kind, width, lr), time.perf_counter()
@@ -229,15 +230,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, OSError, FloatingPointError) as e:
             failed += 1
             took = sweep.elapsed(time.perf_counter() - start)
-            print(f"[{i}/{len(runs)}] {name}: failed after {took}: {' '.join(str(e).split())}")
-            continue
-        finals[name] = final
-        took = sweep.elapsed(time.perf_counter() - start)
-        print(f"[{i}/{len(runs)}] {name}: {sweep.summary(final)} ({took})", flush=True)
-        write_results(config, workdir, finals)  # so far: a stopped sweep keeps its table
+            result = f"failed after {took}: {' '.join(str(e).split())}"
+        else:
+            finals[name] = final
+            result = f"{sweep.summary(final)} ({sweep.elapsed(time.perf_counter() - start)})"
+        print(f"[{i}/{len(runs)}] {name}: {result}", flush=True)
+        write_results(config, workdir, finals)  # after every run: a stopped grid keeps its table
         jax.clear_caches()  # each run's compiled steps: dozens of runs exhaust LLVM's memory maps
-    workdir.mkdir(parents=True, exist_ok=True)
-    write_results(config, workdir, finals)
     print((workdir / "recall.md").read_text(), end="")
     print(
         f"{len(runs)} runs in {sweep.elapsed(time.perf_counter() - begin)}; plot: "
