@@ -105,7 +105,10 @@ def format_config(config: ConfigDict) -> str:
 def report(prog: str, error: BaseException) -> int:
     """Prints ``error`` as one line; returns the exit status."""
     message = " ".join(str(error).split()) or type(error).__name__
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    # One write, line and newline together: a failed orbax save's threads may print
+    # to stderr at the same time, and print() writes the newline separately.
+    sys.stderr.write(f"{prog}: error: {message}\n")
+    sys.stderr.flush()
     return 2 if isinstance(error, ValueError) else 1
 
 
