@@ -230,7 +230,10 @@ def causal_linear_attention(
         checks.check_shape("positions", positions, (b, t), "[batch, length]")
         positions = (positions, positions)
     key_mask = checks.token_mask("key_mask", key_mask, b, t)
-    phi_q, phi_k, v32 = features(q, k, v, feature_map, key_mask, key_mask, positions)
+    # Time-major throughout ([b, t, h, .]): chunking.scan moves each chunk heads first.
+    phi_q, phi_k, v32 = features(
+        q, k, v, feature_map, key_mask, key_mask, positions, heads_first=False
+    )
     f, dv, dtype = phi_q.shape[-1], v.shape[-1], phi_q.dtype
     g = checks.log_decay(decay, gate, b, t, h, dtype, channels=f, key_mask=key_mask)
     resets = None if segment_ids is None else checks.segment_resets(segment_ids, b, t, dtype)
@@ -239,13 +242,26 @@ def causal_linear_attention(
     body, kernel = (
         (_scan_body, None)
         if method == "scan"
-        else (None, chunk_kernel(q, k, feature_map, key_mask, g))
+        else (None, chunk_kernel(q, k, feature_map, key_mask, g, heads_first=False))
     )
-    options = dict(body=body, kernel=kernel, dtype=chunking.operand_dtype(q.dtype))
+    # The chunked bodies divide by the denominator themselves (in cache, and their
+    # backward needs no pass over the whole numerator); the scan body does not.
+    inside = normalize and body is None
+    options = dict(body=body, kernel=kernel, dtype=chunking.operand_dtype(q.dtype), time_axis=1)
+    g, resets = (None if x is None else jnp.swapaxes(x, 1, 2) for x in (g, resets))
     (num, den), state = chunked(
-        phi_q, phi_k, v32, g, resets, state, chunk_size, diagonal=True, **options
+        phi_q,
+        phi_k,
+        v32,
+        g,
+        resets,
+        state,
+        chunk_size,
+        diagonal=True,
+        eps=eps if inside else None,
+        **options,
     )
-    out = finish(num, den, normalize, eps, v.dtype)
+    out = finish(num, den, normalize and not inside, eps, v.dtype, time_axis=1)
     if return_state:
         return out, LinearAttentionState(*state)
     return out
@@ -407,9 +423,26 @@ _token_scan.defvjp(_token_scan_fwd, _token_scan_bwd)
 
 
 def chunked(
-    phi_q, phi_k, v, g, resets, state, chunk_size, *, diagonal, body=None, kernel=None, dtype=None
+    phi_q,
+    phi_k,
+    v,
+    g,
+    resets,
+    state,
+    chunk_size,
+    *,
+    diagonal,
+    body=None,
+    kernel=None,
+    dtype=None,
+    time_axis=2,
+    eps=None,
 ):
     """The additive recurrence over chunks, internal layout in and out.
+
+    ``time_axis``: 2 for the internal heads-first layout; 1 for time-major inputs and
+    outputs (every ``[b, h, t, .]`` below is then ``[b, t, h, .]``, resets and ``live``
+    ``[b, t, 1, 1]``), which ``chunking.scan`` moves heads first one chunk at a time.
 
     With ``body=None`` each chunk runs ``_chunk_body`` and its gradient is the
     hand-written ``_chunk_body_bwd``; another body (``_scan_body``) is differentiated
@@ -423,19 +456,26 @@ def chunked(
     ``dtype``: the operand dtype of ``_chunk_body``'s matmuls (``chunking.operand_dtype``
     of the caller's inputs; None: the features' own dtype, no cast).
 
+    ``eps``: None, or (with ``Z`` in the state and ``body=None``) the chunks return the
+    normalised output ``numerator / (denominator + eps)`` in place of the numerator,
+    and None for the denominator.
+
     Returns ``((numerator [b,h,t,v], denominator [b,h,t] | None), final (S, Z | None))``.
     """
-    t = phi_q.shape[2]
+    if eps is not None and (body is not None or state[1] is None):
+        raise ValueError("chunked: eps needs the chunk body (body=None) and Z in the state")
     xs = (phi_q, phi_k, v, g, resets)
+    t = phi_q.shape[time_axis]
+    scan = functools.partial(chunking.scan, length=t, time_axis=time_axis)
     if body is not None:
-        return chunking.scan(functools.partial(body, diagonal), state, xs, chunk_size, t)
+        return scan(functools.partial(body, diagonal), state, xs, chunk_size)
     fn = None
     if kernel is not None:
         fn, q, k, live = kernel
         xs = xs + (q, k, live)
-    body = functools.partial(_chunk_body, diagonal, fn, dtype=dtype)
-    body_bwd = functools.partial(_chunk_body_bwd, diagonal, fn, dtype=dtype)
-    return chunking.scan(body, state, xs, chunk_size, t, body_bwd=body_bwd)
+    body = functools.partial(_chunk_body, diagonal, fn, dtype=dtype, eps=eps)
+    body_bwd = functools.partial(_chunk_body_bwd, diagonal, fn, dtype=dtype, eps=eps)
+    return scan(body, state, xs, chunk_size, body_bwd=body_bwd)
 
 
 # ----------------------------------------------------------------------------
@@ -477,12 +517,13 @@ def _chunk_parts(diagonal: bool, kernel, x, *, dtype=None):
     return scores, q * dec.into, k * dec.out_of, dec.across
 
 
-def _chunk_body(diagonal: bool, kernel, state, x, *, dtype=None):
+def _chunk_body(diagonal: bool, kernel, state, x, *, dtype=None, eps=None):
     """One chunk of c tokens: a masked matmul inside, plus the incoming state.
 
     Args:
       diagonal, kernel, dtype: as in ``_chunk_parts``; ``dtype`` also for the products
         that read the values and the state (not the one that writes the state).
+      eps: None, or return ``(numerator / (denominator + eps), None)`` (needs Z).
       state: ``(S [b, h, f, v], Z [b, h, f] | None)`` before the chunk.
       x: ``(phi_q [b,h,c,f], phi_k [b,h,c,f], v [b,h,c,v], log-decay [b,h,c,g] | None,
         segment resets [b,1,c,1] | None[, q, k, live])``.
@@ -499,25 +540,40 @@ def _chunk_body(diagonal: bool, kernel, state, x, *, dtype=None):
     s = _decay(across, s) + jnp.einsum("bhjf,bhjv->bhfv", k_out, v)
     if z is None:
         return (s, None), (num, None)
-    den = jnp.sum(scores, axis=-1) + jnp.einsum("bhif,bhf->bhi", q_in, z)
+    den = _denominator(scores, q_in, z)
     z = _decay(across, z) + jnp.sum(k_out, axis=2)
+    if eps is not None:
+        return (s, z), (num / _divisor(den, eps)[..., None], None)
     return (s, z), (num, den)
 
 
-def _chunk_body_bwd(diagonal: bool, kernel, d_state, inputs, *, dtype=None):
+def _divisor(den: Array, eps: float) -> Array:
+    """``den + eps``, with 1 where that is 0: an all-zero query (masked, or the padding
+    of the last chunk with ``eps=0``) then gives 0, not 0/0, and so does its gradient."""
+    den = den + eps
+    return jnp.where(den == 0, 1.0, den)
+
+
+def _denominator(scores, q_in, z):
+    """``phi(q_i)^T Z_i`` of a chunk's queries, ``[b, h, c]``."""
+    return jnp.sum(scores, axis=-1) + jnp.einsum("bhif,bhf->bhi", q_in, z)
+
+
+def _chunk_body_bwd(diagonal: bool, kernel, d_state, inputs, *, dtype=None, eps=None):
     """The transpose of ``_chunk_body`` (``chunking.scan``'s ``body_bwd``).
 
     Args:
-      diagonal, kernel, dtype: as in ``_chunk_body``.
+      diagonal, kernel, dtype, eps: as in ``_chunk_body``.
       d_state: ``(dS [b,h,f,v], dZ [b,h,f] | None)``, the cotangent of the state after
         the chunk.
-      inputs: ``((S, Z | None) entering the chunk, x, (d numerator [b,h,c,v],
-        d denominator [b,h,c] | None))``.
+      inputs: ``((S, Z | None) entering the chunk, x, the chunk's outputs, their
+        cotangents (d numerator [b,h,c,v], d denominator [b,h,c] | None))``; with
+        ``eps`` the output and its cotangent are the normalised output's.
 
     Returns:
       ``((dS, dZ | None) before the chunk, d x)``.
     """
-    (s, z), x, (d_num, d_den) = inputs
+    (s, z), x, (out, _), (d_num, d_den) = inputs
     d_s, d_z = d_state
     v = x[2]
     mixed = functools.partial(chunking.einsum, dtype=dtype)
@@ -525,6 +581,10 @@ def _chunk_body_bwd(diagonal: bool, kernel, d_state, inputs, *, dtype=None):
         functools.partial(_chunk_parts, diagonal, kernel, dtype=dtype), _without_values(x)
     )
     scores, q_in, k_out, across = parts
+    if eps is not None:  # out = num / (den + eps): the denominator's share of d out
+        den = _divisor(_denominator(scores, q_in, z), eps)
+        d_den = -jnp.sum(d_num * out, axis=-1) / den
+        d_num = d_num / den[..., None]
     # With a denominator, dScores (d_num v^T + d_den) and d(phi(q)) (d_num S^T + d_den Z)
     # are sums that cancel where an output is near its values' mean: float32 operands
     # (bfloat16 ones doubled the error of q's gradient).
@@ -570,8 +630,11 @@ def _reduce_to(x: Array, shape: tuple[int, ...]) -> Array:
 # ----------------------------------------------------------------------------
 
 
-def features(q, k, v, feature_map, key_mask=None, query_mask=None, positions=None):
-    """phi(q), phi(k) as ``[b, h, t, f]`` and v as ``[b, h, s, v]``, all float32 (or float64).
+def features(
+    q, k, v, feature_map, key_mask=None, query_mask=None, positions=None, *, heads_first=True
+):
+    """phi(q), phi(k) as ``[b, h, t, f]`` and v as ``[b, h, s, v]``, all float32 (or float64);
+    with ``heads_first=False`` as given, ``[b, t, h, f]`` and ``[b, s, h, v]``.
 
     Masked tokens (bool ``[b, t]`` / ``[b, s]`` masks) are replaced by zeros before the
     feature map and their features zeroed after it, so nothing non-finite in them
@@ -579,8 +642,18 @@ def features(q, k, v, feature_map, key_mask=None, query_mask=None, positions=Non
 
     ``positions``: ``(query positions [b, t], key positions [b, s])`` for maps with
     ``needs_positions``; by default each sequence counts from 0.
+
+    A registered (parameter-free) map is rematerialised in the gradient
+    (``jax.checkpoint``): its backward recomputes what it needs from q and k in the
+    pass that writes their cotangents, rather than storing (and later reading) a
+    second array per input. Maps with a projection keep autodiff's residuals (their
+    recomputation would repeat a matmul).
     """
     phi = feature_maps.get(feature_map)
+    if feature_maps.is_registered(phi):
+        remat = lambda fn: jax.checkpoint(fn)
+    else:
+        remat = lambda fn: fn
     q, k, v = (
         checks.where_token(query_mask, q),
         checks.where_token(key_mask, k),
@@ -601,11 +674,12 @@ def features(q, k, v, feature_map, key_mask=None, query_mask=None, positions=Non
                 f"max_length={max_length}, got positions spanning {span}: build it with a "
                 f"larger max_length"
             )
-        phi_q, phi_k = phi(q, positions[0]), phi(k, positions[1])
+        phi_q, phi_k = remat(phi)(q, positions[0]), remat(phi)(k, positions[1])
     elif getattr(phi, "role_aware", False):
-        phi_q, phi_k = phi(q, is_query=True), phi(k, is_query=False)
+        phi_q = remat(functools.partial(phi, is_query=True))(q)
+        phi_k = remat(functools.partial(phi, is_query=False))(k)
     else:
-        phi_q, phi_k = phi(q), phi(k)
+        phi_q, phi_k = remat(phi)(q), remat(phi)(k)
     for name, x, y in [("phi(q)", phi_q, q), ("phi(k)", phi_k, k)]:
         if x.shape[:-1] != y.shape[:-1]:
             raise ValueError(
@@ -619,21 +693,26 @@ def features(q, k, v, feature_map, key_mask=None, query_mask=None, positions=Non
     dtype = feature_maps.accumulation_dtype(q.dtype)
     phi_q = checks.where_token(query_mask, phi_q.astype(dtype))
     phi_k = checks.where_token(key_mask, phi_k.astype(dtype))
-    heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
-    return heads_first(phi_q), heads_first(phi_k), heads_first(v.astype(dtype))
+    v = v.astype(dtype)
+    if not heads_first:
+        return phi_q, phi_k, v
+    return tuple(jnp.swapaxes(x, 1, 2) for x in (phi_q, phi_k, v))
 
 
-def chunk_kernel(q, k, feature_map, key_mask, g):
+def chunk_kernel(q, k, feature_map, key_mask, g, *, heads_first=True):
     """``chunked``'s ``kernel`` argument: ``(phi.kernel_from_dots, q, k, live)``, q and k
-    heads first, masked and upcast as ``features`` does, for a map that has
-    ``kernel_from_dots`` (``feature_maps.taylor``); None for the others, and with
-    per-channel decays (which do not factor out of the kernel)."""
+    masked and upcast as ``features`` does (and laid out as it does for ``heads_first``),
+    for a map that has ``kernel_from_dots`` (``feature_maps.taylor``); None for the
+    others, and with per-channel decays (which do not factor out of the kernel)."""
     fn = getattr(feature_maps.get(feature_map), "kernel_from_dots", None)
     if fn is None or (g is not None and g.shape[-1] != 1):
         return None
     dtype = feature_maps.accumulation_dtype(q.dtype)
-    q, k = (jnp.swapaxes(checks.where_token(key_mask, x).astype(dtype), 1, 2) for x in (q, k))
-    live = None if key_mask is None else key_mask[:, None, :, None]
+    q, k = (checks.where_token(key_mask, x).astype(dtype) for x in (q, k))
+    live = None if key_mask is None else key_mask[:, :, None, None]
+    if heads_first:
+        q, k = jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2)
+        live = None if live is None else jnp.swapaxes(live, 1, 2)
     return fn, q, k, live
 
 
@@ -661,11 +740,14 @@ def check_normalize(feature_map, normalize: bool, *, name: str | None = None) ->
         )
 
 
-def finish(num: Array, den: Array | None, normalize: bool, eps: float, dtype) -> Array:
-    """Numerator ``[b, h, t, v]`` (over denominator ``[b, h, t]``) -> ``[b, t, h, v]``."""
+def finish(
+    num: Array, den: Array | None, normalize: bool, eps: float, dtype, *, time_axis: int = 2
+) -> Array:
+    """Numerator ``[b, h, t, v]`` (over denominator ``[b, h, t]``) -> ``[b, t, h, v]``;
+    with ``time_axis=1`` they are ``[b, t, h, v]`` and ``[b, t, h]`` already."""
     if normalize:
-        num = num / (den[..., None] + eps)
-    return jnp.swapaxes(num, 1, 2).astype(dtype)
+        num = num / _divisor(den, eps)[..., None]
+    return (num if time_axis == 1 else jnp.swapaxes(num, 1, 2)).astype(dtype)
 
 
 def _zero_state(b: int, h: int, f: int, dv: int, dtype, with_z: bool):

@@ -20,6 +20,9 @@ everything elementwise (decays, their ``exp``, cumulative sums, states) stays fl
 
 Internal layout: heads first, ``[b, h, t, .]``; log-decays ``[b, h, t, g]`` with
 ``g`` 1 (per head) or the key width (per channel); resets ``[b, 1|h, t, 1|g]``.
+``scan`` also reads and writes time-major arrays, ``[b, t, h, .]`` (``time_axis=1``),
+moving only each chunk heads first: on CPU a whole-array transpose before and after
+the scan costs more than the chunks' own small ones, which stay in cache.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import jax.numpy as jnp
 from linattn_jax.typing import Array
 
 Body = Callable[[Any, Any], tuple[Any, Any]]
-BodyBwd = Callable[[Any, tuple[Any, Any, Any]], tuple[Any, Any]]
+BodyBwd = Callable[[Any, tuple[Any, Any, Any, Any]], tuple[Any, Any]]
 
 
 def scan(
@@ -44,6 +47,7 @@ def scan(
     chunk_size: int,
     length: int,
     body_bwd: BodyBwd | None = None,
+    time_axis: int = 2,
 ) -> tuple[Any, Any]:
     """Runs ``body`` over chunks of ``xs`` with a memory-lean gradient.
 
@@ -51,27 +55,34 @@ def scan(
       body: ``(state, chunk) -> (state, y)``; ``chunk`` has the leaves of ``xs``
         cut to ``[b, h, c, ...]``, ``y`` is a pytree of ``[b, h, c, ...]`` arrays.
       state: the state before the first token (any pytree).
-      xs: a pytree of ``[b, h, length, ...]`` arrays (None leaves allowed). The
-        last chunk is padded with zeros: the bodies treat a zero token as inert
-        (zero key, zero log-decay, no reset).
+      xs: a pytree of ``[b, h, length, ...]`` arrays (None leaves allowed), or
+        ``[b, length, h, ...]`` with ``time_axis=1``. The last chunk is padded with
+        zeros: the bodies treat a zero token as inert (zero key, zero log-decay, no
+        reset).
       chunk_size: tokens per chunk.
       length: the sequence length (the size of axis 2 of every leaf).
       body_bwd: optional hand-written transpose of ``body``, ``(d_state, (state, chunk,
-        d_y)) -> (d_state before the chunk, d_chunk)``, given the state entering the
-        chunk and the cotangents of the state after it and of ``y``; None: ``jax.vjp``
-        of ``body`` (which re-runs the chunk's forward in the reverse scan).
+        y, d_y)) -> (d_state before the chunk, d_chunk)``, given the state entering the
+        chunk, the chunk's outputs ``y`` (kept from the forward pass) and the cotangents
+        of the state after it and of ``y``; None: ``jax.vjp`` of ``body`` (which re-runs
+        the chunk's forward in the reverse scan).
+      time_axis: 2 (heads first) or 1 (time-major: ``xs`` and ``ys`` are
+        ``[b, t, h, ...]``; ``body`` and ``body_bwd`` still see ``[b, h, c, ...]``).
 
     Returns:
-      ``(ys with leaves [b, h, length, ...], final state)``.
+      ``(ys with leaves [b, h, length, ...] (time_axis 2) or [b, length, h, ...]
+      (time_axis 1), final state)``.
     """
+    if time_axis not in (1, 2):
+        raise ValueError(f"time_axis must be 1 or 2, got {time_axis}")
     # An empty sequence runs one inert padding token: the state passes through unchanged.
     c = max(1, min(chunk_size, length))
     n = max(1, -(-length // c))
-    pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, n * c - length)] + [(0, 0)] * (x.ndim - 3))
+    widths = lambda x: [(0, n * c - length) if a == time_axis else (0, 0) for a in range(x.ndim)]
     if n * c != length:
-        xs = jax.tree.map(pad, xs)
-    ys, state = _scan_chunks(body, body_bwd, c, state, xs)
-    return jax.tree.map(lambda y: y[:, :, :length], ys), state
+        xs = jax.tree.map(lambda x: jnp.pad(x, widths(x)), xs)
+    ys, state = _scan_chunks(body, body_bwd, c, time_axis, state, xs)
+    return jax.tree.map(lambda y: jax.lax.slice_in_dim(y, 0, length, axis=time_axis), ys), state
 
 
 # The chunks are read and written in place along the token axis (dynamic slices in
@@ -79,48 +90,64 @@ def scan(
 # transposes of every input and output cost as much as the chunks' matmuls.
 
 
-def _chunk(tree: Any, i: Array, c: int) -> Any:
-    """Chunk ``i`` (tokens ``i*c .. i*c + c - 1``) of every ``[b, h, t, ...]`` leaf."""
-    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=2), tree)
+def _chunk(tree: Any, i: Array, c: int, axis: int) -> Any:
+    """Chunk ``i`` (tokens ``i*c .. i*c + c - 1``) of every leaf, ``[b, h, c, ...]``."""
+
+    def cut(x):
+        x = jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=axis)
+        return x if axis == 2 else jnp.swapaxes(x, 1, 2)
+
+    return jax.tree.map(cut, tree)
 
 
-def _put(tree: Any, chunk: Any, i: Array, c: int) -> Any:
-    """``tree`` with chunk ``i`` of every leaf replaced by ``chunk``'s."""
-    put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), i * c, axis=2)
+def _put(tree: Any, chunk: Any, i: Array, c: int, axis: int) -> Any:
+    """``tree`` with chunk ``i`` of every leaf replaced by ``chunk``'s ``[b, h, c, ...]``."""
+
+    def put(x, y):
+        y = y.astype(x.dtype) if axis == 2 else jnp.swapaxes(y, 1, 2).astype(x.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(x, y, i * c, axis=axis)
+
     return jax.tree.map(put, tree, chunk)
 
 
-def _full(chunk: Any, n: int) -> Any:
-    """Zeros shaped like ``n`` chunks of ``chunk``'s ``[b, h, c, ...]`` leaves."""
-    full = lambda y: jnp.zeros(y.shape[:2] + (n * y.shape[2],) + y.shape[3:], y.dtype)
+def _full(chunk: Any, n: int, axis: int) -> Any:
+    """Zeros shaped like ``n`` chunks of ``chunk``'s ``[b, h, c, ...]`` leaves, laid out
+    with the tokens on ``axis``."""
+
+    def full(y):
+        b, h, c = y.shape[:3]
+        lead = (b, h, n * c) if axis == 2 else (b, n * c, h)
+        return jnp.zeros(lead + y.shape[3:], y.dtype)
+
     return jax.tree.map(full, chunk)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _scan_chunks(body, body_bwd, c, state, xs):
-    """``body`` over the chunks of ``c`` tokens of ``xs`` ``[b, h, n*c, ...]``; its
-    gradient is a reverse scan over the chunks from the states entering them
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _scan_chunks(body, body_bwd, c, axis, state, xs):
+    """``body`` over the chunks of ``c`` tokens of ``xs`` (``n*c`` tokens on ``axis``);
+    its gradient is a reverse scan over the chunks from the states entering them
     (``body_bwd``, or ``jax.vjp`` of ``body``). Returns ``(ys, final state)``."""
-    return _scan_chunks_fwd(body, body_bwd, c, state, xs)[0]
+    return _scan_chunks_fwd(body, body_bwd, c, axis, state, xs)[0]
 
 
-def _scan_chunks_fwd(body, body_bwd, c, state, xs):
-    n = jax.tree.leaves(xs)[0].shape[2] // c
-    y_shape = jax.eval_shape(lambda s, x: body(s, x)[1], state, _chunk(xs, 0, c))
+def _scan_chunks_fwd(body, body_bwd, c, axis, state, xs):
+    n = jax.tree.leaves(xs)[0].shape[axis] // c
+    y_shape = jax.eval_shape(lambda s, x: body(s, x)[1], state, _chunk(xs, 0, c, axis))
 
     def step(carry, i):
         s, ys = carry
-        s_next, y = body(s, _chunk(xs, i, c))
-        return (s_next, _put(ys, y, i, c)), s
+        s_next, y = body(s, _chunk(xs, i, c, axis))
+        return (s_next, _put(ys, y, i, c, axis)), s
 
-    (final, ys), states = jax.lax.scan(step, (state, _full(y_shape, n)), jnp.arange(n))
-    return (ys, final), (states, xs)
+    (final, ys), states = jax.lax.scan(step, (state, _full(y_shape, n, axis)), jnp.arange(n))
+    # The outputs are the forward's own result: keeping them for body_bwd costs no pass.
+    return (ys, final), (states, xs, None if body_bwd is None else ys)
 
 
-def _scan_chunks_bwd(body, body_bwd, c, residuals, cotangents):
-    states, xs = residuals
+def _scan_chunks_bwd(body, body_bwd, c, axis, residuals, cotangents):
+    states, xs, ys = residuals
     d_ys, d_final = cotangents
-    n = jax.tree.leaves(xs)[0].shape[2] // c
+    n = jax.tree.leaves(xs)[0].shape[axis] // c
     leaves, treedef = jax.tree.flatten(xs)
     # Only float inputs get a cotangent (a bool mask's is None: zero).
     floats = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
@@ -129,13 +156,13 @@ def _scan_chunks_bwd(body, body_bwd, c, residuals, cotangents):
     def step(carry, inputs):
         d_s, d_xs = carry
         i, s = inputs
-        x, d_y = _chunk(xs, i, c), _chunk(d_ys, i, c)
+        x, d_y = _chunk(xs, i, c, axis), _chunk(d_ys, i, c, axis)
         if body_bwd is not None:
-            d_s, d_x = body_bwd(d_s, (s, x, d_y))
+            d_s, d_x = body_bwd(d_s, (s, x, _chunk(ys, i, c, axis), d_y))
         else:
             d_s, d_x = jax.vjp(body, s, x)[1]((d_s, d_y))
         d_x = [d for d, f in zip(jax.tree.leaves(d_x), floats, strict=True) if f]
-        return (d_s, _put(d_xs, d_x, i, c)), None
+        return (d_s, _put(d_xs, d_x, i, c, axis)), None
 
     (d_state, d_leaves), _ = jax.lax.scan(
         step, (d_final, d_leaves), (jnp.arange(n), states), reverse=True

@@ -73,6 +73,13 @@ def register(name: str, *, signed: bool = False) -> Callable[[FeatureMap], Featu
     return wrap
 
 
+def is_registered(feature_map: str | FeatureMap) -> bool:
+    """Whether ``feature_map`` is (the name of) a registered parameter-free map."""
+    if isinstance(feature_map, str):
+        return feature_map in _REGISTRY
+    return any(feature_map is fn for fn in _REGISTRY.values())
+
+
 def names() -> tuple[str, ...]:
     """The registered (parameter-free) feature-map names, sorted."""
     return tuple(sorted(_REGISTRY))
