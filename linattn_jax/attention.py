@@ -230,24 +230,33 @@ def causal_linear_attention(
         checks.check_shape("positions", positions, (b, t), "[batch, length]")
         positions = (positions, positions)
     key_mask = checks.token_mask("key_mask", key_mask, b, t)
+    phi = feature_maps.get(feature_map)
+    dtype = feature_maps.accumulation_dtype(q.dtype)
     # Time-major throughout ([b, t, h, .]): chunking.scan moves each chunk heads first.
-    phi_q, phi_k, v32 = features(
-        q, k, v, feature_map, key_mask, key_mask, positions, heads_first=False
-    )
-    f, dv, dtype = phi_q.shape[-1], v.shape[-1], phi_q.dtype
+    # A registered (parameter-free, per-token) map runs inside the chunks, on raw q and
+    # k: no whole-sequence feature arrays, forward or backward.
+    maps_inside = method != "scan" and feature_maps.is_registered(phi)
+    if maps_inside:
+        f = feature_maps.feature_dim(phi, q.shape[-1], h)
+        phi_q, phi_k, v32 = q, k, v
+    else:
+        phi_q, phi_k, v32 = features(q, k, v, phi, key_mask, key_mask, positions, heads_first=False)
+        f = phi_q.shape[-1]
+    dv = v.shape[-1]
     g = checks.log_decay(decay, gate, b, t, h, dtype, channels=f, key_mask=key_mask)
     resets = None if segment_ids is None else checks.segment_resets(segment_ids, b, t, dtype)
     state = state_in(initial_state, b, h, f, dv, dtype, with_z=normalize or return_state)
     chunk_size = t if method == "quadratic" else checks.default_chunk_size(chunk_size, g)
-    body, kernel = (
-        (_scan_body, None)
-        if method == "scan"
-        else (None, chunk_kernel(q, k, feature_map, key_mask, g, heads_first=False))
-    )
+    options = dict(dtype=chunking.operand_dtype(q.dtype), time_axis=1)
+    if method == "scan":
+        options.update(body=_scan_body)
+    elif maps_inside:
+        options.update(phi=phi, live=None if key_mask is None else key_mask[:, :, None, None])
+    else:
+        options.update(kernel=chunk_kernel(q, k, phi, key_mask, g, heads_first=False))
     # The chunked bodies divide by the denominator themselves (in cache, and their
     # backward needs no pass over the whole numerator); the scan body does not.
-    inside = normalize and body is None
-    options = dict(body=body, kernel=kernel, dtype=chunking.operand_dtype(q.dtype), time_axis=1)
+    inside = normalize and method != "scan"
     g, resets = (None if x is None else jnp.swapaxes(x, 1, 2) for x in (g, resets))
     (num, den), state = chunked(
         phi_q,
@@ -437,6 +446,8 @@ def chunked(
     dtype=None,
     time_axis=2,
     eps=None,
+    phi=None,
+    live=None,
 ):
     """The additive recurrence over chunks, internal layout in and out.
 
@@ -460,6 +471,13 @@ def chunked(
     normalised output ``numerator / (denominator + eps)`` in place of the numerator,
     and None for the denominator.
 
+    ``phi``: None, or a registered (per-token, parameter-free) feature map that each
+    chunk applies itself: ``phi_q``, ``phi_k`` and ``v`` are then the raw q, k and v
+    (any float dtype), and ``live`` (bool ``[b, 1, t, 1]``, None: all live) marks the
+    tokens that count; the others are replaced by zeros before the map and their
+    features zeroed after it, as ``features`` does. Its ``kernel_from_dots`` (Taylor)
+    then gives the scores inside a chunk wherever ``kernel`` would.
+
     Returns ``((numerator [b,h,t,v], denominator [b,h,t] | None), final (S, Z | None))``.
     """
     if eps is not None and (body is not None or state[1] is None):
@@ -470,11 +488,22 @@ def chunked(
     if body is not None:
         return scan(functools.partial(body, diagonal), state, xs, chunk_size)
     fn = None
-    if kernel is not None:
+    if phi is not None:
+        c = max(1, min(chunk_size, t))
+        if live is None and max(1, -(-t // c)) * c != t:
+            # The padding of the last chunk must be dead: phi(0) need not be 0 (elu + 1).
+            shape = [phi_q.shape[0], 1, 1, 1]
+            shape[time_axis] = t
+            live = jnp.ones(shape, bool)
+        xs = xs + (live,)
+        if g is None or g.shape[-1] == 1:
+            fn = getattr(phi, "kernel_from_dots", None)
+    elif kernel is not None:
         fn, q, k, live = kernel
         xs = xs + (q, k, live)
-    body = functools.partial(_chunk_body, diagonal, fn, dtype=dtype, eps=eps)
-    body_bwd = functools.partial(_chunk_body_bwd, diagonal, fn, dtype=dtype, eps=eps)
+    options = dict(dtype=dtype, eps=eps, phi=phi)
+    body = functools.partial(_chunk_body, diagonal, fn, **options)
+    body_bwd = functools.partial(_chunk_body_bwd, diagonal, fn, **options)
     return scan(body, state, xs, chunk_size, body_bwd=body_bwd)
 
 
@@ -486,7 +515,7 @@ def chunked(
 # ----------------------------------------------------------------------------
 
 
-def _chunk_parts(diagonal: bool, kernel, x, *, dtype=None):
+def _chunk_parts(diagonal: bool, kernel, x, *, dtype=None, phi=None):
     """The decayed pieces of one chunk, all that its gradient needs to recompute.
 
     Args:
@@ -494,14 +523,21 @@ def _chunk_parts(diagonal: bool, kernel, x, *, dtype=None):
       kernel: None, or ``fn(q . k, d)`` giving the scores from ``x``'s last entries.
       x: ``(phi_q [b,h,c,f], phi_k [b,h,c,f], log-decay [b,h,c,g] | None, segment
         resets [b,1,c,1] | None[, q [b,h,c,d], k [b,h,c,d], live [b,1,c,1] | None])``
-        (no values).
+        (no values); with ``phi``, ``(q, k, log-decay, resets, live)``.
       dtype: the operand dtype of the scores' matmul (None: no cast).
+      phi: None, or the feature map this chunk applies to its raw q and k.
 
     Returns:
       ``(scores [b,h,c,c], phi_q decayed from the chunk's start [b,h,c,f], phi_k decayed
       to the chunk's end [b,h,c,f], the decay across the chunk [b,h,g] | None)``.
     """
-    q, k, g, r = x[:4]
+    if phi is None:
+        q, k, g, r = x[:4]
+    else:
+        q_raw, k_raw, g, r, live = x
+        q_raw, k_raw = _live(live, q_raw), _live(live, k_raw)
+        q, k = _live(live, phi(q_raw)), _live(live, phi(k_raw))
+        x = (q, k, g, r, q_raw, k_raw, live)
     dec = chunking.decays(g, r, q.shape[:3], q.dtype)
     if kernel is None:
         scores = chunking.decayed_scores(q, k, dec, diagonal=diagonal, dtype=dtype)
@@ -517,13 +553,21 @@ def _chunk_parts(diagonal: bool, kernel, x, *, dtype=None):
     return scores, q * dec.into, k * dec.out_of, dec.across
 
 
-def _chunk_body(diagonal: bool, kernel, state, x, *, dtype=None, eps=None):
+def _live(live: Array | None, x: Array) -> Array:
+    """``x [b, h, c, .]`` in its accumulation dtype, zeros where ``live [b, 1, c, 1]`` is
+    False (a replacement, so a NaN there reaches nothing)."""
+    x = feature_maps.upcast(x)
+    return x if live is None else jnp.where(live, x, jnp.zeros((), x.dtype))
+
+
+def _chunk_body(diagonal: bool, kernel, state, x, *, dtype=None, eps=None, phi=None):
     """One chunk of c tokens: a masked matmul inside, plus the incoming state.
 
     Args:
       diagonal, kernel, dtype: as in ``_chunk_parts``; ``dtype`` also for the products
         that read the values and the state (not the one that writes the state).
       eps: None, or return ``(numerator / (denominator + eps), None)`` (needs Z).
+      phi: None, or the feature map applied here to x's raw q and k (``chunked``).
       state: ``(S [b, h, f, v], Z [b, h, f] | None)`` before the chunk.
       x: ``(phi_q [b,h,c,f], phi_k [b,h,c,f], v [b,h,c,v], log-decay [b,h,c,g] | None,
         segment resets [b,1,c,1] | None[, q, k, live])``.
@@ -531,10 +575,11 @@ def _chunk_body(diagonal: bool, kernel, state, x, *, dtype=None, eps=None):
     Returns:
       ``(state after the chunk, (numerator [b, h, c, v], denominator [b, h, c] | None))``.
     """
-    v = x[2]
+    v = x[2] if phi is None else _live(x[-1], x[2])
     s, z = state
     mixed = functools.partial(chunking.einsum, dtype=dtype)
-    scores, q_in, k_out, across = _chunk_parts(diagonal, kernel, _without_values(x), dtype=dtype)
+    parts = _chunk_parts(diagonal, kernel, _without_values(x), dtype=dtype, phi=phi)
+    scores, q_in, k_out, across = parts
     num = mixed("bhij,bhjv->bhiv", scores, v) + mixed("bhif,bhfv->bhiv", q_in, s)
     # The state's update keeps float32 operands: it is what the scan and step forms write.
     s = _decay(across, s) + jnp.einsum("bhjf,bhjv->bhfv", k_out, v)
@@ -559,11 +604,11 @@ def _denominator(scores, q_in, z):
     return jnp.sum(scores, axis=-1) + jnp.einsum("bhif,bhf->bhi", q_in, z)
 
 
-def _chunk_body_bwd(diagonal: bool, kernel, d_state, inputs, *, dtype=None, eps=None):
+def _chunk_body_bwd(diagonal: bool, kernel, d_state, inputs, *, dtype=None, eps=None, phi=None):
     """The transpose of ``_chunk_body`` (``chunking.scan``'s ``body_bwd``).
 
     Args:
-      diagonal, kernel, dtype, eps: as in ``_chunk_body``.
+      diagonal, kernel, dtype, eps, phi: as in ``_chunk_body``.
       d_state: ``(dS [b,h,f,v], dZ [b,h,f] | None)``, the cotangent of the state after
         the chunk.
       inputs: ``((S, Z | None) entering the chunk, x, the chunk's outputs, their
@@ -575,10 +620,11 @@ def _chunk_body_bwd(diagonal: bool, kernel, d_state, inputs, *, dtype=None, eps=
     """
     (s, z), x, (out, _), (d_num, d_den) = inputs
     d_s, d_z = d_state
-    v = x[2]
+    v = x[2] if phi is None else _live(x[-1], x[2])
     mixed = functools.partial(chunking.einsum, dtype=dtype)
     parts, vjp = jax.vjp(
-        functools.partial(_chunk_parts, diagonal, kernel, dtype=dtype), _without_values(x)
+        functools.partial(_chunk_parts, diagonal, kernel, dtype=dtype, phi=phi),
+        _without_values(x),
     )
     scores, q_in, k_out, across = parts
     if eps is not None:  # out = num / (den + eps): the denominator's share of d out
@@ -604,6 +650,8 @@ def _chunk_body_bwd(diagonal: bool, kernel, d_state, inputs, *, dtype=None, eps=
             d_across = d_across + _reduce_to(d_z * z, across.shape)
         d_z_prev = _decay(across, d_z) + jnp.einsum("bhif,bhi->bhf", q_in, d_den)
     (d_x,) = vjp((d_scores, d_q_in, d_k_out, d_across))
+    if phi is not None:  # the raw values' cotangent: none at a dead token
+        d_v = _live(x[-1], d_v)
     return (d_s_prev, d_z_prev), d_x[:2] + (d_v,) + d_x[2:]
 
 

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from linattn_jax.typing import Array
 
@@ -139,13 +140,33 @@ def _scan_chunks_fwd(body, body_bwd, c, axis, state, xs):
         s_next, y = body(s, _chunk(xs, i, c, axis))
         return (s_next, _put(ys, y, i, c, axis)), s
 
-    (final, ys), states = jax.lax.scan(step, (state, _full(y_shape, n, axis)), jnp.arange(n))
+    carry = (state, _full(y_shape, n, axis))
+    first = _peeled(n)
+    if first:
+        carry, _ = jax.lax.scan(step, carry, _FIRST)
+    (final, ys), states = jax.lax.scan(step, carry, jnp.arange(first, n))
     # The outputs are the forward's own result: keeping them for body_bwd costs no pass.
-    return (ys, final), (states, xs, None if body_bwd is None else ys)
+    return (ys, final), (state, states, xs, None if body_bwd is None else ys)
+
+
+def _peeled(n: int) -> int:
+    """How many chunks (0 or 1) run before the loop, from the input state.
+
+    A sequence of one or two chunks runs its first chunk apart, as a scan of one step
+    (the loop's own program, which XLA runs without a loop): the state entering it is
+    the input, not stored, and a zero initial state is a constant there that XLA folds
+    away; a second chunk then makes a loop of one step, also dropped. That halves the
+    state work of a two-chunk training sequence; for longer ones it would save a
+    1/n share while compiling the chunk twice, so they keep one loop.
+    """
+    return 1 if n <= 2 else 0
+
+
+_FIRST = np.zeros(1, np.int32)  # the chunk index of a one-step scan over the first chunk
 
 
 def _scan_chunks_bwd(body, body_bwd, c, axis, residuals, cotangents):
-    states, xs, ys = residuals
+    state, states, xs, ys = residuals
     d_ys, d_final = cotangents
     n = jax.tree.leaves(xs)[0].shape[axis] // c
     leaves, treedef = jax.tree.flatten(xs)
@@ -164,9 +185,12 @@ def _scan_chunks_bwd(body, body_bwd, c, axis, residuals, cotangents):
         d_x = [d for d, f in zip(jax.tree.leaves(d_x), floats, strict=True) if f]
         return (d_s, _put(d_xs, d_x, i, c, axis)), None
 
-    (d_state, d_leaves), _ = jax.lax.scan(
-        step, (d_final, d_leaves), (jnp.arange(n), states), reverse=True
-    )
+    first = _peeled(n)
+    carry = (d_final, d_leaves)
+    carry, _ = jax.lax.scan(step, carry, (jnp.arange(first, n), states), reverse=True)
+    if first:  # the first chunk, from the input state
+        carry, _ = jax.lax.scan(step, carry, (_FIRST, jax.tree.map(lambda x: x[None], state)))
+    d_state, d_leaves = carry
     d_leaves = iter(d_leaves)
     d_xs = [next(d_leaves) if f else None for f in floats]
     return d_state, jax.tree.unflatten(treedef, d_xs)

@@ -79,7 +79,9 @@ def _inputs(case, feature_map, poison=False):
     return (q, k, v), dict(decay=opts.get("decay"), gate=gate), segment_ids, key_mask
 
 
-def _run(chunked, case, feature_map, *, normalize, with_state, diagonal, poison=False):
+def _run(
+    chunked, case, feature_map, *, normalize, with_state, diagonal, poison=False, chunk_size=C
+):
     """(outputs, vjp) of the chunked form on raw inputs, through ``features``."""
     (q, k, v), decay_gate, segment_ids, key_mask = _inputs(case, feature_map, poison)
     f = la.feature_maps.feature_dim(feature_map, D, H)
@@ -101,7 +103,7 @@ def _run(chunked, case, feature_map, *, normalize, with_state, diagonal, poison=
         kernel = attention.chunk_kernel(q, k, feature_map, key_mask, g) if diagonal else None
         z = z if normalize else None
         (num, den), (s, z) = chunked(
-            phi_q, phi_k, v64, g, r, (s, z), C, diagonal=diagonal, kernel=kernel
+            phi_q, phi_k, v64, g, r, (s, z), chunk_size, diagonal=diagonal, kernel=kernel
         )
         return num, den, s, z
 
@@ -134,6 +136,21 @@ def test_backward_matches_plain_autodiff(case, normalize, with_state, diagonal):
         assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.parametrize("chunk_size", [7, 13, 16])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_one_or_two_chunks_match_plain_autodiff(chunk_size, with_state):
+    """Two chunks (C=7) and one (C=13, and C=16 with padding) run the first chunk apart
+    from the loop (``chunking._peeled``), from the input state: same outputs and
+    gradients as autodiff of the plain scan."""
+    with jax.enable_x64(True):
+        kw = dict(normalize=True, with_state=with_state, diagonal=True, chunk_size=chunk_size)
+        outs, vjp = _run(attention.chunked, "everything", "elu", **kw)
+        ref_outs, ref_vjp = _run(_plain_chunked, "everything", "elu", **kw)
+        chex.assert_trees_all_close(outs, ref_outs, **F64)
+        ct = _cotangent(outs)
+        chex.assert_trees_all_close(vjp(ct), ref_vjp(ct), **F64)
+
+
 @pytest.mark.parametrize("feature_map", ["elu", "taylor"])
 @pytest.mark.parametrize("case", ["plain", "everything"])
 def test_backward_with_nan_padding(feature_map, case):
@@ -142,6 +159,64 @@ def test_backward_with_nan_padding(feature_map, case):
         kw = dict(normalize=True, with_state=True, diagonal=True, poison=True)
         outs, vjp = _run(attention.chunked, case, feature_map, **kw)
         ref_outs, ref_vjp = _run(_plain_chunked, case, feature_map, **kw)
+        chex.assert_trees_all_close(outs, ref_outs, **F64)
+        ct = _cotangent(outs)
+        grads = vjp(ct)
+        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+        chex.assert_trees_all_close(grads, ref_vjp(ct), **F64)
+
+
+def _inside_and_outside(case, feature_map, eps, poison):
+    """(outputs, vjp) pairs of ``chunked`` with the map inside the chunks (raw
+    time-major q, k, v) and outside them (``features``, heads first); outputs heads
+    first. With ``eps`` the first normalises in its chunks, the second afterwards."""
+    (q, k, v), decay_gate, segment_ids, key_mask = _inputs(case, feature_map, poison)
+    f = la.feature_maps.feature_dim(feature_map, D, H)
+    state = helpers.random_state(7, B, H, f, DV)
+    heads_first = lambda x: None if x is None else jnp.swapaxes(x, 1, 2)
+
+    def decays(gate):
+        g = checks.log_decay(
+            decay_gate["decay"], gate, B, T, H, jnp.float64, channels=f, key_mask=key_mask
+        )
+        r = None if segment_ids is None else checks.segment_resets(segment_ids, B, T, jnp.float64)
+        return g, r
+
+    def inside(q, k, v, s, z, gate):
+        g, r = (heads_first(x) for x in decays(gate))  # time-major, as the scan reads them
+        live = None if key_mask is None else key_mask[:, :, None, None]
+        phi = la.feature_maps.get(feature_map)
+        (num, den), (s, z) = attention.chunked(
+            q, k, v, g, r, (s, z), C, diagonal=True, time_axis=1, eps=eps, phi=phi, live=live
+        )
+        return heads_first(num), heads_first(den), s, z
+
+    def outside(q, k, v, s, z, gate):
+        g, r = decays(gate)
+        phi_q, phi_k, v64 = attention.features(q, k, v, feature_map, key_mask, key_mask)
+        kernel = attention.chunk_kernel(q, k, feature_map, key_mask, g)
+        (num, den), (s, z) = attention.chunked(
+            phi_q, phi_k, v64, g, r, (s, z), C, diagonal=True, kernel=kernel
+        )
+        if eps is not None:
+            num, den = num / (den[..., None] + eps), None
+        return num, den, s, z
+
+    args = (q, k, v, state.s.astype(jnp.float64), state.z.astype(jnp.float64))
+    args = args + (decay_gate["gate"],)
+    return jax.vjp(inside, *args), jax.vjp(outside, *args)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("feature_map", ["elu", "taylor"])
+@pytest.mark.parametrize("eps, poison", [(None, True), (1e-3, False)])
+def test_features_inside_chunks_match_features_outside(case, feature_map, eps, poison):
+    """A registered map applied by each chunk to raw, time-major q, k, v (NaN and inf at
+    masked tokens with ``poison``; without a mask the last chunk's padding, where
+    elu(0) + 1 = 1, must still count for nothing) equals the features computed
+    outside: outputs, final state and every input's gradient, in float64."""
+    with jax.enable_x64(True):
+        (outs, vjp), (ref_outs, ref_vjp) = _inside_and_outside(case, feature_map, eps, poison)
         chex.assert_trees_all_close(outs, ref_outs, **F64)
         ct = _cotangent(outs)
         grads = vjp(ct)
