@@ -36,6 +36,13 @@ output is 0, whatever its q, k and v hold (NaN and inf included): masked
 inputs are replaced, not multiplied, by zeros, in the forward pass and the
 gradient.
 
+Layout (the chunked form): q, k, v stay time-major, ``[b, t, h, .]``, as the caller
+gave them; ``linattn_jax.chunking`` moves one chunk at a time heads first, and writes
+the output time-major. A registered (parameter-free, per-token) feature map is applied
+inside each chunk to its raw q and k, and each chunk divides by its own denominator,
+so neither the features nor the numerator is ever a whole-sequence array, forward or
+backward; other maps (random features, Hedgehog, cosFormer) are computed once outside.
+
 Memory: the scan and chunked forms are differentiated through
 ``linattn_jax.chunking``, which stores only the state at each chunk boundary and
 runs the chunks' backward in a reverse scan (for the chunked form a hand-written
@@ -698,10 +705,6 @@ def features(
     recomputation would repeat a matmul).
     """
     phi = feature_maps.get(feature_map)
-    if feature_maps.is_registered(phi):
-        remat = lambda fn: jax.checkpoint(fn)
-    else:
-        remat = lambda fn: fn
     q, k, v = (
         checks.where_token(query_mask, q),
         checks.where_token(key_mask, k),
@@ -722,12 +725,12 @@ def features(
                 f"max_length={max_length}, got positions spanning {span}: build it with a "
                 f"larger max_length"
             )
-        phi_q, phi_k = remat(phi)(q, positions[0]), remat(phi)(k, positions[1])
+        phi_q, phi_k = phi(q, positions[0]), phi(k, positions[1])
     elif getattr(phi, "role_aware", False):
-        phi_q = remat(functools.partial(phi, is_query=True))(q)
-        phi_k = remat(functools.partial(phi, is_query=False))(k)
+        phi_q, phi_k = phi(q, is_query=True), phi(k, is_query=False)
     else:
-        phi_q, phi_k = remat(phi)(q), remat(phi)(k)
+        remat = jax.checkpoint(phi) if feature_maps.is_registered(phi) else phi
+        phi_q, phi_k = remat(q), remat(k)
     for name, x, y in [("phi(q)", phi_q, q), ("phi(k)", phi_k, k)]:
         if x.shape[:-1] != y.shape[:-1]:
             raise ValueError(

@@ -61,7 +61,7 @@ def scan(
         zeros: the bodies treat a zero token as inert (zero key, zero log-decay, no
         reset).
       chunk_size: tokens per chunk.
-      length: the sequence length (the size of axis 2 of every leaf).
+      length: the sequence length (the size of every leaf's token axis, ``time_axis``).
       body_bwd: optional hand-written transpose of ``body``, ``(d_state, (state, chunk,
         y, d_y)) -> (d_state before the chunk, d_chunk)``, given the state entering the
         chunk, the chunk's outputs ``y`` (kept from the forward pass) and the cotangents

@@ -53,6 +53,20 @@ class PaddingTest(parameterized.TestCase):
         )
         self._check(fn, mask, q, k, v)
 
+    @parameterized.parameters(*la.METHODS)
+    def test_zero_eps(self, method):
+        """With ``eps=0`` a padded query's denominator is exactly 0: its output is 0, not
+        0/0, in every form (the chunked forms divide inside their chunks, where the last
+        chunk's own padding meets the same 0), and no NaN reaches a gradient."""
+        q, k, v = helpers.qkv(13, B, T, H, D, DV)
+        mask = helpers.key_mask(14, B, T)
+        fn = lambda q, k, v: la.causal_linear_attention(
+            q, k, v, method=method, chunk_size=4, key_mask=mask, eps=0.0
+        )
+        self._check(fn, mask, q, k, v)
+        fn = lambda q, k, v: la.linear_attention(q, k, v, key_mask=mask, eps=0.0)
+        self._check(fn, mask, q, k, v)
+
     def test_non_causal(self):
         q, k, v = helpers.qkv(3, B, T, H, D, DV)
         mask = helpers.key_mask(4, B, T)
