@@ -243,7 +243,7 @@ def causal_linear_attention(
     # A registered (parameter-free, per-token) map runs inside the chunks, on raw q and
     # k: no whole-sequence feature arrays, forward or backward.
     maps_inside = method != "scan" and feature_maps.is_registered(phi)
-    if maps_inside:
+    if maps_inside:  # chunked's phi_q, phi_k, v are then the raw q, k, v
         f = feature_maps.feature_dim(phi, q.shape[-1], h)
         phi_q, phi_k, v32 = q, k, v
     else:
@@ -263,7 +263,7 @@ def causal_linear_attention(
         options.update(kernel=chunk_kernel(q, k, phi, key_mask, g, heads_first=False))
     # The chunked bodies divide by the denominator themselves (in cache, and their
     # backward needs no pass over the whole numerator); the scan body does not.
-    inside = normalize and method != "scan"
+    divide_in_chunks = normalize and method != "scan"
     g, resets = (None if x is None else jnp.swapaxes(x, 1, 2) for x in (g, resets))
     (num, den), state = chunked(
         phi_q,
@@ -274,10 +274,10 @@ def causal_linear_attention(
         state,
         chunk_size,
         diagonal=True,
-        eps=eps if inside else None,
+        eps=eps if divide_in_chunks else None,
         **options,
     )
-    out = finish(num, den, normalize and not inside, eps, v.dtype, time_axis=1)
+    out = finish(num, den, normalize and not divide_in_chunks, eps, v.dtype, time_axis=1)
     if return_state:
         return out, LinearAttentionState(*state)
     return out
