@@ -496,15 +496,14 @@ def chunked(
         return scan(functools.partial(body, diagonal), state, xs, chunk_size)
     fn = None
     if phi is not None:
-        c = max(1, min(chunk_size, t))
-        if live is None and max(1, -(-t // c)) * c != t:
+        c, n = chunking.chunk_count(chunk_size, t)
+        if live is None and n * c != t:
             # The padding of the last chunk must be dead: phi(0) need not be 0 (elu + 1).
             shape = [phi_q.shape[0], 1, 1, 1]
             shape[time_axis] = t
             live = jnp.ones(shape, bool)
         xs = xs + (live,)
-        if g is None or g.shape[-1] == 1:
-            fn = getattr(phi, "kernel_from_dots", None)
+        fn = _kernel_from_dots(phi, g)
     elif kernel is not None:
         fn, q, k, live = kernel
         xs = xs + (q, k, live)
@@ -582,7 +581,7 @@ def _chunk_body(diagonal: bool, kernel, state, x, *, dtype=None, eps=None, phi=N
     Returns:
       ``(state after the chunk, (numerator [b, h, c, v], denominator [b, h, c] | None))``.
     """
-    v = x[2] if phi is None else _live(x[-1], x[2])
+    v = _values(x, phi)
     s, z = state
     mixed = functools.partial(chunking.einsum, dtype=dtype)
     parts = _chunk_parts(diagonal, kernel, _without_values(x), dtype=dtype, phi=phi)
@@ -627,7 +626,7 @@ def _chunk_body_bwd(diagonal: bool, kernel, d_state, inputs, *, dtype=None, eps=
     """
     (s, z), x, (out, _), (d_num, d_den) = inputs
     d_s, d_z = d_state
-    v = x[2] if phi is None else _live(x[-1], x[2])
+    v = _values(x, phi)
     mixed = functools.partial(chunking.einsum, dtype=dtype)
     parts, vjp = jax.vjp(
         functools.partial(_chunk_parts, diagonal, kernel, dtype=dtype, phi=phi),
@@ -660,6 +659,12 @@ def _chunk_body_bwd(diagonal: bool, kernel, d_state, inputs, *, dtype=None, eps=
     if phi is not None:  # the raw values' cotangent: none at a dead token
         d_v = _live(x[-1], d_v)
     return (d_s_prev, d_z_prev), d_x[:2] + (d_v,) + d_x[2:]
+
+
+def _values(x, phi):
+    """A chunk's values: as given, or (with ``phi``: raw inputs) upcast and zeroed at
+    the dead tokens of ``live``, x's last entry."""
+    return x[2] if phi is None else _live(x[-1], x[2])
 
 
 def _without_values(x):
@@ -755,8 +760,8 @@ def chunk_kernel(q, k, feature_map, key_mask, g, *, heads_first=True):
     masked and upcast as ``features`` does (and laid out as it does for ``heads_first``),
     for a map that has ``kernel_from_dots`` (``feature_maps.taylor``); None for the
     others, and with per-channel decays (which do not factor out of the kernel)."""
-    fn = getattr(feature_maps.get(feature_map), "kernel_from_dots", None)
-    if fn is None or (g is not None and g.shape[-1] != 1):
+    fn = _kernel_from_dots(feature_maps.get(feature_map), g)
+    if fn is None:
         return None
     dtype = feature_maps.accumulation_dtype(q.dtype)
     q, k = (checks.where_token(key_mask, x).astype(dtype) for x in (q, k))
@@ -765,6 +770,14 @@ def chunk_kernel(q, k, feature_map, key_mask, g, *, heads_first=True):
         q, k = jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2)
         live = None if live is None else jnp.swapaxes(live, 1, 2)
     return fn, q, k, live
+
+
+def _kernel_from_dots(phi, g):
+    """``phi.kernel_from_dots``, or None: for a map without one, and with per-channel
+    decays ``g [.., f]`` (which do not factor out of the kernel)."""
+    if g is not None and g.shape[-1] != 1:
+        return None
+    return getattr(phi, "kernel_from_dots", None)
 
 
 def check_normalize(feature_map, normalize: bool, *, name: str | None = None) -> None:

@@ -76,14 +76,20 @@ def scan(
     """
     if time_axis not in (1, 2):
         raise ValueError(f"time_axis must be 1 or 2, got {time_axis}")
-    # An empty sequence runs one inert padding token: the state passes through unchanged.
-    c = max(1, min(chunk_size, length))
-    n = max(1, -(-length // c))
+    c, n = chunk_count(chunk_size, length)
     widths = lambda x: [(0, n * c - length) if a == time_axis else (0, 0) for a in range(x.ndim)]
     if n * c != length:
         xs = jax.tree.map(lambda x: jnp.pad(x, widths(x)), xs)
     ys, state = _scan_chunks(body, body_bwd, c, time_axis, state, xs)
     return jax.tree.map(lambda y: jax.lax.slice_in_dim(y, 0, length, axis=time_axis), ys), state
+
+
+def chunk_count(chunk_size: int, length: int) -> tuple[int, int]:
+    """``(c, n)``: the tokens per chunk and the number of chunks ``scan`` runs over
+    ``length`` tokens; ``n * c > length`` means the last chunk is padded. An empty
+    sequence runs one inert padding token: the state passes through unchanged."""
+    c = max(1, min(chunk_size, length))
+    return c, max(1, -(-length // c))
 
 
 # The chunks are read and written in place along the token axis (dynamic slices in
