@@ -12,6 +12,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.extend import core as jex_core
 
 import linattn_jax as la
 from linattn_jax import attention, checks
@@ -149,6 +150,45 @@ def test_one_or_two_chunks_match_plain_autodiff(chunk_size, with_state):
         chex.assert_trees_all_close(outs, ref_outs, **F64)
         ct = _cotangent(outs)
         chex.assert_trees_all_close(vjp(ct), ref_vjp(ct), **F64)
+
+
+def _zero_fills(jaxpr, shape) -> int:
+    """How many arrays of ``shape`` ``jaxpr`` (and the programs inside it) fills with 0."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        operand = eqn.invars[0] if eqn.invars else None
+        if (
+            eqn.primitive.name == "broadcast_in_dim"
+            and eqn.outvars[0].aval.shape == shape
+            and isinstance(operand, jex_core.Literal)
+            and operand.val == 0
+        ):
+            count += 1
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                if isinstance(sub, jex_core.ClosedJaxpr):
+                    count += _zero_fills(sub.jaxpr, shape)
+                elif isinstance(sub, jex_core.Jaxpr):
+                    count += _zero_fills(sub, shape)
+    return count
+
+
+def test_cotangents_are_written_into_the_kept_buffers():
+    """With d == dv the reverse scan writes d v into d out's buffer and d q into the kept
+    output's, chunk by chunk after reading them: only k's cotangent (and the forward's
+    output) starts from zeros, and the gradient still equals the quadratic form's."""
+    with jax.enable_x64(True):
+        q, k, v = (x.astype(jnp.float64) for x in helpers.qkv(0, B, T, H, D, D))
+
+        def fn(method):
+            return functools.partial(la.causal_linear_attention, method=method, chunk_size=C)
+
+        out, vjp = jax.vjp(fn("chunked"), q, k, v)
+        ct = _cotangent((out,))[0]
+        chex.assert_trees_all_close(vjp(ct), jax.vjp(fn("quadratic"), q, k, v)[1](ct), **F64)
+        grad = lambda q, k, v, ct: jax.vjp(fn("chunked"), q, k, v)[1](ct)
+        padded = (B, -(-T // C) * C, H, D)
+        assert _zero_fills(jax.make_jaxpr(grad)(q, k, v, ct).jaxpr, padded) == 2
 
 
 @pytest.mark.parametrize("feature_map", ["elu", "taylor"])

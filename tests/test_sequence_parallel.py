@@ -34,8 +34,10 @@ def test_in_a_process_with_eight_devices():
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
         "JAX_PLATFORMS": "cpu",
     }
+    # One process (-n 0): two xdist workers there would each start JAX and compile the
+    # shared programs again, on the two cores this run's other worker also uses.
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__],
         env=env,
         capture_output=True,
         text=True,
