@@ -215,13 +215,13 @@ def _cotangent_buffers(inputs: list, kept: Any) -> tuple[list, Callable]:
     Every chunk of a cotangent is written, so what its buffer holds before is never
     read. Where a kept array has an input's shape and dtype (the additive form's d out
     and output lend theirs to q and v when d == dv, d out to v otherwise), its buffer
-    serves: the scan reads chunk i of it before writing chunk
-    i of the cotangent there, and XLA updates it in place when nothing else reads it
-    (else it copies it). The other inputs start from zeros: a fill on every call, or a
-    copy where XLA merged two zero arrays into one. At t=16384 (b=1, h=8, d=64) this took
-    the chunked gradient's scratch from 98 to 34 MiB and its time down by a sixth. The
-    price: when only some inputs' cotangents are used, XLA can no longer drop the
-    others' products, which write into a buffer the loop reads.
+    serves: the scan reads chunk i of it before writing chunk i of the cotangent there,
+    and XLA updates it in place when nothing else reads it (else it copies it). The
+    other inputs start from zeros: a fill on every call, or a copy where XLA merged two
+    zero arrays into one. At t=16384 (b=1, h=8, d=64) this took the chunked gradient's
+    scratch from 98 to 34 MiB and its time down by a sixth. The price: when only some
+    inputs' cotangents are used, XLA can no longer drop the others' products, which
+    write into a buffer the loop reads.
     """
     kept_leaves, kept_def = jax.tree.flatten(kept)
     reuse = {}  # input index -> kept leaf index

@@ -174,9 +174,10 @@ def _zero_fills(jaxpr, shape) -> int:
 
 
 def test_cotangents_are_written_into_the_kept_buffers():
-    """With d == dv the reverse scan writes d v into d out's buffer and d q into the kept
-    output's, chunk by chunk after reading them: only k's cotangent (and the forward's
-    output) starts from zeros, and the gradient still equals the quadratic form's."""
+    """With d == dv the reverse scan writes q's cotangent into d out's buffer and v's into
+    the kept output's, each chunk after reading it there: only k's cotangent (and the
+    forward's output) starts from zeros, and the gradient still equals the quadratic
+    form's."""
     with jax.enable_x64(True):
         q, k, v = (x.astype(jnp.float64) for x in helpers.qkv(0, B, T, H, D, D))
 
