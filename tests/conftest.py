@@ -4,10 +4,11 @@ The tests are dominated by XLA compiling many small programs, so LLVM's backend
 optimisation is turned down for them (XLA's own graph optimisations still run:
 fusion, buffer assignment and so the compiled memory the tests read are the
 same); a flag the caller already set wins. And every compiled program goes to a
-compilation cache on disk that lives for one pytest run: the two xdist workers (and
-the 8-device subprocess, which inherits the environment) then compile a program
-the other already compiled only once, which took about a fifth off the suite's CPU
-time; a cache the caller set (``JAX_COMPILATION_CACHE_DIR``) is used instead.
+compilation cache on disk that lives for one pytest run: the two xdist workers, the
+subprocesses (which inherit the environment) and test files after
+``jax.clear_caches()`` then load a program compiled before instead of compiling it
+again, which took about a quarter off the suite's CPU time; a cache the caller set
+(``JAX_COMPILATION_CACHE_DIR``) is used instead.
 """
 
 import os
