@@ -178,16 +178,16 @@ def _scan_chunks_bwd(body, body_bwd, c, axis, residuals, cotangents):
     leaves, treedef = jax.tree.flatten(xs)
     # Only float inputs get a cotangent (a bool mask's is None: zero).
     floats = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
-    d_leaves = [x for x, f in zip(leaves, floats, strict=True) if f]
-    d_leaves, reads = _cotangent_buffers(d_leaves, (d_ys, ys))
+    float_inputs = [x for x, f in zip(leaves, floats, strict=True) if f]
+    d_leaves, reads = _cotangent_buffers(float_inputs, (d_ys, ys))
 
     def step(carry, inputs):
         d_s, d_xs = carry
         i, s = inputs
-        d_y, y = reads(d_xs)
-        x, d_y = _chunk(xs, i, c, axis), _chunk(d_y, i, c, axis)
+        all_d_ys, all_ys = reads(d_xs)  # some read from the cotangents' buffers
+        x, d_y = _chunk(xs, i, c, axis), _chunk(all_d_ys, i, c, axis)
         if body_bwd is not None:
-            d_s, d_x = body_bwd(d_s, (s, x, _chunk(y, i, c, axis), d_y))
+            d_s, d_x = body_bwd(d_s, (s, x, _chunk(all_ys, i, c, axis), d_y))
         else:
             d_s, d_x = jax.vjp(body, s, x)[1]((d_s, d_y))
         d_x = [d for d, f in zip(jax.tree.leaves(d_x), floats, strict=True) if f]
