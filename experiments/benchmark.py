@@ -404,7 +404,7 @@ def _decode_steps(graphdef, variables, logits, state, steps: int):
 
     greedy = lambda logits, i: jnp.argmax(logits, axis=-1).astype(jnp.int32)
     model = nnx.merge(graphdef, variables)
-    return models._decode_loop(model, logits, state, steps=steps, sample=greedy)
+    return models.decode_loop(model, logits, state, steps=steps, sample=greedy)
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")

@@ -304,7 +304,7 @@ def _generate(
         key = jax.random.fold_in(rng, i)
         return _sample(logits, key, temperature, top_p, top_k=top_k, use_top_p=use_top_p)
 
-    out = _decode_loop(
+    out = decode_loop(
         model,
         logits[:, -1],
         state,
@@ -316,7 +316,7 @@ def _generate(
     return jnp.concatenate([prompt, out], axis=1)
 
 
-def _decode_loop(
+def decode_loop(
     model: LanguageModel,
     logits: jax.Array,
     state: list,
