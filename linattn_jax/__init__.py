@@ -1,29 +1,31 @@
 """linattn_jax: linear (kernelized) attention for JAX and Flax.
 
-The maths (``linear_attention``, ``causal_linear_attention``,
-``causal_linear_attention_step``; the delta rule's ``delta_rule``,
-``delta_rule_step``) are pure functions, arrays in and arrays out,
-jit-, vmap- and grad-compatible; ``feature_maps`` names the kernels.
+``linattn_jax.ops`` holds the maths: pure functions, arrays in and arrays out, jit-,
+vmap- and grad-compatible, one package per family of recurrences with one interface
+(``ops.additive``, ``ops.delta``); its public functions are re-exported here under their
+descriptive names (``linear_attention``, ``causal_linear_attention``,
+``causal_linear_attention_step``, ``delta_rule``, ``delta_rule_step``, ...).
+``feature_maps`` names the kernels. ``linattn_jax.layers`` and ``linattn_jax.models`` hold
+the Flax NNX modules over them.
 """
 
-from linattn_jax import feature_maps
-from linattn_jax.attention import (
+from linattn_jax import ops
+from linattn_jax.ops import feature_maps
+from linattn_jax.ops.additive import (
     METHODS,
     LinearAttentionState,
     causal_linear_attention,
     causal_linear_attention_step,
     init_state,
     linear_attention,
+    sequence_parallel_causal_linear_attention,
 )
-from linattn_jax.delta_rule import (
+from linattn_jax.ops.delta import (
     DELTA_METHODS,
     DeltaRuleState,
     delta_rule,
     delta_rule_step,
     init_delta_state,
-)
-from linattn_jax.sequence_parallel import (
-    sequence_parallel_causal_linear_attention,
     sequence_parallel_delta_rule,
 )
 
@@ -42,6 +44,7 @@ __all__ = [
     "init_delta_state",
     "init_state",
     "linear_attention",
+    "ops",
     "sequence_parallel_causal_linear_attention",
     "sequence_parallel_delta_rule",
 ]

@@ -15,7 +15,8 @@ import pytest
 from jax.extend import core as jex_core
 
 import linattn_jax as la
-from linattn_jax import attention, checks
+from linattn_jax.ops import checks
+from linattn_jax.ops.additive import chunked, inputs
 from tests import helpers
 
 B, T, H, D, DV, C = 2, 13, 3, 4, 5, 4
@@ -24,7 +25,7 @@ F64 = dict(atol=1e-12, rtol=1e-12)
 
 
 def _plain_chunked(phi_q, phi_k, v, g, resets, state, chunk_size, *, diagonal, kernel=None):
-    """``attention.chunked`` as a plain ``lax.scan`` of ``_chunk_body``: autodiff only."""
+    """``chunked.run_chunks`` as a plain ``lax.scan`` of ``chunk_body``: autodiff only."""
     t = phi_q.shape[2]
     n = -(-t // chunk_size)
     xs = (phi_q, phi_k, v, g, resets)
@@ -41,7 +42,7 @@ def _plain_chunked(phi_q, phi_k, v, g, resets, state, chunk_size, *, diagonal, k
         y = jnp.moveaxis(y, 0, 2)
         return y.reshape(y.shape[:2] + (n * chunk_size,) + y.shape[4:])[:, :, :t]
 
-    body = functools.partial(attention._chunk_body, diagonal, fn)
+    body = functools.partial(chunked.chunk_body, diagonal, fn)
     state, ys = jax.lax.scan(body, state, jax.tree.map(chunks, xs))
     return jax.tree.map(unchunk, ys), state
 
@@ -81,7 +82,7 @@ def _inputs(case, feature_map, poison=False):
 
 
 def _run(
-    chunked, case, feature_map, *, normalize, with_state, diagonal, poison=False, chunk_size=C
+    form, case, feature_map, *, normalize, with_state, diagonal, poison=False, chunk_size=C
 ):
     """(outputs, vjp) of the chunked form on raw inputs, through ``features``."""
     (q, k, v), decay_gate, segment_ids, key_mask = _inputs(case, feature_map, poison)
@@ -89,7 +90,7 @@ def _run(
     state = helpers.random_state(7, B, H, f, DV) if with_state else None
 
     def fn(q, k, v, s, z, gate):
-        phi_q, phi_k, v64 = attention.features(q, k, v, feature_map, key_mask, key_mask)
+        phi_q, phi_k, v64 = inputs.features(q, k, v, feature_map, key_mask, key_mask)
         g = checks.log_decay(
             decay_gate["decay"],
             gate,
@@ -101,9 +102,9 @@ def _run(
             key_mask=key_mask,
         )
         r = None if segment_ids is None else checks.segment_resets(segment_ids, B, T, jnp.float64)
-        kernel = attention.chunk_kernel(q, k, feature_map, key_mask, g) if diagonal else None
+        kernel = inputs.chunk_kernel(q, k, feature_map, key_mask, g) if diagonal else None
         z = z if normalize else None
-        (num, den), (s, z) = chunked(
+        (num, den), (s, z) = form(
             phi_q, phi_k, v64, g, r, (s, z), chunk_size, diagonal=diagonal, kernel=kernel
         )
         return num, den, s, z
@@ -128,7 +129,7 @@ def _cotangent(outs):
 def test_backward_matches_plain_autodiff(case, normalize, with_state, diagonal):
     with jax.enable_x64(True):
         kw = dict(normalize=normalize, with_state=with_state, diagonal=diagonal)
-        outs, vjp = _run(attention.chunked, case, "elu", **kw)
+        outs, vjp = _run(chunked.run_chunks, case, "elu", **kw)
         ref_outs, ref_vjp = _run(_plain_chunked, case, "elu", **kw)
         chex.assert_trees_all_close(outs, ref_outs, **F64)
         ct = _cotangent(outs)
@@ -145,7 +146,7 @@ def test_one_or_two_chunks_match_plain_autodiff(chunk_size, with_state):
     gradients as autodiff of the plain scan."""
     with jax.enable_x64(True):
         kw = dict(normalize=True, with_state=with_state, diagonal=True, chunk_size=chunk_size)
-        outs, vjp = _run(attention.chunked, "everything", "elu", **kw)
+        outs, vjp = _run(chunked.run_chunks, "everything", "elu", **kw)
         ref_outs, ref_vjp = _run(_plain_chunked, "everything", "elu", **kw)
         chex.assert_trees_all_close(outs, ref_outs, **F64)
         ct = _cotangent(outs)
@@ -198,7 +199,7 @@ def test_backward_with_nan_padding(feature_map, case):
     """NaN/inf in padded q, k, v under key_mask reach no output and no gradient."""
     with jax.enable_x64(True):
         kw = dict(normalize=True, with_state=True, diagonal=True, poison=True)
-        outs, vjp = _run(attention.chunked, case, feature_map, **kw)
+        outs, vjp = _run(chunked.run_chunks, case, feature_map, **kw)
         ref_outs, ref_vjp = _run(_plain_chunked, case, feature_map, **kw)
         chex.assert_trees_all_close(outs, ref_outs, **F64)
         ct = _cotangent(outs)
@@ -227,16 +228,16 @@ def _inside_and_outside(case, feature_map, eps, poison):
         g, r = (heads_first(x) for x in decays(gate))  # time-major, as the scan reads them
         live = None if key_mask is None else key_mask[:, :, None, None]
         phi = la.feature_maps.get(feature_map)
-        (num, den), (s, z) = attention.chunked(
+        (num, den), (s, z) = chunked.run_chunks(
             q, k, v, g, r, (s, z), C, diagonal=True, time_axis=1, eps=eps, phi=phi, live=live
         )
         return heads_first(num), heads_first(den), s, z
 
     def outside(q, k, v, s, z, gate):
         g, r = decays(gate)
-        phi_q, phi_k, v64 = attention.features(q, k, v, feature_map, key_mask, key_mask)
-        kernel = attention.chunk_kernel(q, k, feature_map, key_mask, g)
-        (num, den), (s, z) = attention.chunked(
+        phi_q, phi_k, v64 = inputs.features(q, k, v, feature_map, key_mask, key_mask)
+        kernel = inputs.chunk_kernel(q, k, feature_map, key_mask, g)
+        (num, den), (s, z) = chunked.run_chunks(
             phi_q, phi_k, v64, g, r, (s, z), C, diagonal=True, kernel=kernel
         )
         if eps is not None:

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import linattn_jax as la
 from experiments import sweep, trainer
-from linattn_jax import delta_layers, layers, models
+from linattn_jax import layers, models
 from tests.helpers import tol
 
 B, T, W, H = 2, 13, 16, 2  # T = 13 and the prompt of 6 are not multiples of the chunk size 4
@@ -41,7 +42,7 @@ def _softplus(x):
     return np.log1p(np.exp(x))
 
 
-def _reference(layer: delta_layers.DeltaRuleAttention, x: np.ndarray) -> np.ndarray:
+def _reference(layer: layers.DeltaRuleAttention, x: np.ndarray) -> np.ndarray:
     """The published recipe, written out per token from the layer's parameters."""
     x = np.asarray(x, np.float64)
     b, t, _ = x.shape
@@ -60,14 +61,14 @@ def _reference(layer: delta_layers.DeltaRuleAttention, x: np.ndarray) -> np.ndar
     beta = layer.beta_max / (1.0 + np.exp(-(x @ _np(layer.beta_proj.kernel))))  # [b, t, h]
     alpha = np.ones((b, t, h, d))
     if layer.variant == "gated_deltanet":
-        a = x @ _np(layer.a_proj.kernel) + _np(layer.dt_bias)
+        a = x @ _np(layer.gate.proj.kernel) + _np(layer.gate.dt_bias)
         alpha = np.broadcast_to(
-            np.exp(-np.exp(_np(layer.A_log)) * _softplus(a))[..., None], alpha.shape
+            np.exp(-np.exp(_np(layer.gate.A_log)) * _softplus(a))[..., None], alpha.shape
         )
     elif layer.variant == "kda":
-        first, second = layer.a_proj.layers
-        a = (x @ _np(first.kernel) @ _np(second.kernel) + _np(layer.dt_bias)).reshape(b, t, h, d)
-        alpha = np.exp(-np.exp(_np(layer.A_log))[:, None] * _softplus(a))
+        first, second = layer.gate.proj.layers
+        a = (x @ _np(first.kernel) @ _np(second.kernel) + _np(layer.gate.dt_bias)).reshape(b, t, h, d)
+        alpha = np.exp(-np.exp(_np(layer.gate.A_log))[:, None] * _softplus(a))
     out = np.zeros((b, t, h, d))
     s = np.zeros((b, h, d, d))
     for i in range(t):
@@ -103,11 +104,11 @@ def test_layer_matches_the_recipe_written_out(kind, kw):
 def test_gla_gate_is_the_low_rank_log_sigmoid_per_channel():
     layer = _layer("gla")
     x = _x(3)
-    first, second = layer.channel_gate.layers
+    first, second = layer.gate.proj.layers
     logits = x @ first.kernel[...] @ second.kernel[...] + second.bias[...][None, None]
     gate = jax.nn.log_sigmoid(logits).reshape(B, T, H, W // H) / 16.0
     q, k, v = (p(x).reshape(B, T, H, W // H) for p in (layer.q_proj, layer.k_proj, layer.v_proj))
-    out = layers.attn.causal_linear_attention(
+    out = la.causal_linear_attention(
         q, k, v, feature_map=layer.phi, method="scan", gate=gate, normalize=False
     )
     expected = layer.out_proj(layer.output_norm(out).reshape(B, T, W))
@@ -287,7 +288,7 @@ def test_sweep_shorthand_maps_kinds_and_feature_maps():
 )
 def test_bad_delta_arguments_raise(kw, message):
     with pytest.raises(ValueError, match=message):
-        delta_layers.DeltaRuleAttention(W, H, rngs=nnx.Rngs(0), **kw)
+        layers.DeltaRuleAttention(W, H, rngs=nnx.Rngs(0), **kw)
 
 
 def test_bad_gate_and_kind_raise():

@@ -126,13 +126,13 @@ class GenerateTest(parameterized.TestCase):
         logits = jnp.log(jnp.asarray([[0.05, 0.4, 0.3, 0.25]]))
         keys = jax.random.split(jax.random.PRNGKey(0), 400)
         draw = jax.vmap(
-            lambda key: models._sample(
+            lambda key: models.sample_logits(
                 logits, key, jnp.float32(1.0), jnp.float32(1.0), top_k=2, use_top_p=False
             )
         )
         assert set(np.unique(draw(keys)).tolist()) == {1, 2}
         draw = jax.vmap(
-            lambda key: models._sample(
+            lambda key: models.sample_logits(
                 logits, key, jnp.float32(1.0), jnp.float32(0.6), top_k=None, use_top_p=True
             )
         )
@@ -141,15 +141,15 @@ class GenerateTest(parameterized.TestCase):
     def test_second_call_does_not_recompile(self):
         model, prompt = _model("elu"), _prompt()
         model.generate(prompt, 4, temperature=0.0)
-        before = models._GENERATE_TRACES
+        before = models.sampling.trace_count()
         # A new model of the same structure, other prompt values: no new trace.
         out = _model("elu", seed=1).generate(_prompt(seed=2), 4, temperature=0.0)
-        assert models._GENERATE_TRACES == before
+        assert models.sampling.trace_count() == before
         chex.assert_shape(out, (B, 10))
         model.generate(prompt, 4, jax.random.PRNGKey(0), temperature=0.5, top_k=3)
-        traced = models._GENERATE_TRACES
+        traced = models.sampling.trace_count()
         model.generate(prompt, 4, jax.random.PRNGKey(1), temperature=0.9, top_k=3)
-        assert models._GENERATE_TRACES == traced
+        assert models.sampling.trace_count() == traced
 
     def test_no_new_tokens_returns_the_prompt(self):
         prompt = _prompt()

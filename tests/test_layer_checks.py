@@ -180,7 +180,7 @@ BAD_CONSTRUCTIONS = {
     ),
     "chunk_size_0": (lambda: _linear(chunk_size=0), r"chunk_size must be an int >= 1, got 0"),
     "feature_dim_0": (lambda: _linear(feature_dim=0), r"feature_dim must be an int >= 1, got 0"),
-    "batch_0": (lambda: _linear().init_state(0), r"batch must be a positive int, got 0"),
+    "batch_0": (lambda: _linear().init_state(0), r"batch must be an int >= 1, got 0"),
     "identity_normalized": (
         lambda: _linear(feature_map="identity"),
         r"feature_map='identity' has a signed kernel.*use normalize=False",
@@ -229,8 +229,8 @@ BAD_CONSTRUCTIONS = {
         r"attention must be one of \('linear', 'softmax', 'gla', 'deltanet', 'gated_deltanet', 'kda'\), got 'sparse'",
     ),
     "short_conv_size_0": (
-        lambda: layers.ShortConv(W, 0, rngs=nnx.Rngs(0)),
-        r"size must be an int >= 1, got 0",
+        lambda: layers.CausalConv1D(W, 0, rngs=nnx.Rngs(0)),
+        r"conv_size must be an int >= 1, got 0",
     ),
 }
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import linattn_jax as la
-from linattn_jax import chunking
+from linattn_jax.ops import chunking
 from tests import helpers
 from tests.reference_recurrent import delta_rule_reference, gla_reference
 
@@ -52,7 +52,7 @@ def _delta(q, k, v, beta):
 
 # The dots with bfloat16 operands and float32 results. Additive form: forward 3 (q k^T,
 # scores v, phi(q) S; the state's update phi(k)^T v stays float32); backward 7 (the scores
-# recomputed, 4 of _chunk_body_bwd's 6 products, the scores' 2 transposes; with a
+# recomputed, 4 of chunk_body_bwd's 6 products, the scores' 2 transposes; with a
 # denominator dScores and d(phi(q)) keep float32 operands). Delta rule:
 # forward 3 (Q K^T, Q S, (Q K^T * D) U); backward 7 (Q K^T recomputed, 2 transposes each).
 @pytest.mark.parametrize(

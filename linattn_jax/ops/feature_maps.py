@@ -50,6 +50,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from linattn_jax.ops import checks
 from linattn_jax.typing import FeatureMap
 
 _REGISTRY: dict[str, FeatureMap] = {}
@@ -252,9 +253,7 @@ def orthogonal_gaussian(key: jax.Array, num_features: int, dim: int) -> jax.Arra
 
 
 def _check_random_args(key, dim, num_features):
-    for name, n in [("dim", dim), ("num_features", num_features)]:
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+    checks.check_sizes(dim=dim, num_features=num_features)
     if not isinstance(key, jax.Array):
         raise ValueError(f"key must be a jax PRNG key, got {type(key).__name__}")
 

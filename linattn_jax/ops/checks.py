@@ -69,20 +69,21 @@ def check_step_qkv(q, k, v) -> tuple[int, int, int]:
     return q.shape
 
 
+def check_int(name: str, value, minimum: int) -> None:
+    """An int (not a bool) of at least ``minimum``, or a ValueError naming ``name``: the one
+    integer validator of the library (sizes, chunk sizes, layer options)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
 def check_sizes(**sizes) -> None:
-    """Each named size a positive int, or a ValueError naming it."""
+    """Each named size an int >= 1 (``check_int``)."""
     for name, n in sizes.items():
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"{name} must be a positive int, got {n!r}")
+        check_int(name, n, 1)
 
 
 def check_chunk_size(chunk_size) -> None:
-    if (
-        not isinstance(chunk_size, (int, np.integer))
-        or isinstance(chunk_size, bool)
-        or chunk_size < 1
-    ):
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    check_int("chunk_size", chunk_size, 1)
 
 
 def default_chunk_size(chunk_size: int | None, g: Array | None) -> int:
@@ -184,6 +185,19 @@ def log_decay(
     return where_heads_first(key_mask, total)
 
 
+def step_log_decay(decay, gate, b: int, h: int, dtype, *, channels: int, channel_name: str):
+    """One decoding step's ``log(decay) + gate`` as ``[b, h, 1, g]`` (``log_decay``'s layout
+    for a one-token sequence), or None; ``gate`` is ``[b, h]`` or ``[b, h, channels]``."""
+    if gate is not None:
+        if not hasattr(gate, "shape") or tuple(gate.shape) not in ((b, h), (b, h, channels)):
+            raise ValueError(
+                f"gate must have shape [batch, heads]={(b, h)} or [batch, heads, {channel_name}]="
+                f"{(b, h, channels)}, got {getattr(gate, 'shape', type(gate).__name__)}"
+            )
+        gate = gate[:, None]
+    return log_decay(decay, gate, b, 1, h, dtype, channels=channels)
+
+
 def where_heads_first(mask: Array | None, x: Array) -> Array:
     """``x [b, h, t, ...]`` with masked tokens (bool ``[b, t]``) replaced by zeros."""
     if mask is None:
@@ -200,3 +214,43 @@ def segment_resets(segment_ids, b: int, t: int, dtype) -> Array:
     change = segment_ids[:, 1:] != segment_ids[:, :-1]
     change = jnp.concatenate([jnp.zeros((b, 1), bool), change], axis=1)
     return change.astype(dtype)[:, None, :, None]
+
+
+def check_mesh(mesh, axis_name: str, batch_axis: str | None, t: int):
+    """The mesh (the current one when None), checked against the axes and the length."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    for name, axis in [("axis_name", axis_name), ("batch_axis", batch_axis)]:
+        if axis is not None and axis not in mesh.axis_names:
+            raise ValueError(f"{name}={axis!r} is not an axis of the mesh {mesh.axis_names}")
+    shards = mesh.shape[axis_name]
+    if t % shards:
+        raise ValueError(
+            f"length t={t} must be divisible by the {shards} devices of axis {axis_name!r}"
+        )
+    return mesh
+
+
+def parse_decay(decay, heads: int) -> Array | None:
+    """A layer's ``decay=`` option as ``[heads]`` float32 decays in (0, 1], or None.
+
+    ``decay``: None, ``"retnet"`` (``gamma_h = 1 - 2^(-5-h)``, Sun et al. 2023), a float,
+    or one float per head.
+    """
+    if decay is None:
+        return None
+    if isinstance(decay, str):
+        if decay != "retnet":
+            raise ValueError(f"decay must be None, 'retnet', a float or [heads], got {decay!r}")
+        return 1.0 - 2.0 ** (-5.0 - jnp.arange(heads, dtype=jnp.float32))
+    try:
+        gamma = np.asarray(decay, np.float32)
+    except (TypeError, ValueError):
+        gamma = None
+    if gamma is None or gamma.shape not in ((), (heads,)):
+        raise ValueError(
+            f"decay must be None, 'retnet', a float or one per head [num_heads={heads}], "
+            f"got {decay!r}"
+        )
+    if not np.all((gamma > 0) & (gamma <= 1)):
+        raise ValueError(f"decay must lie in (0, 1], got {decay!r}")
+    return jnp.broadcast_to(jnp.asarray(gamma), (heads,))

@@ -1,0 +1,57 @@
+"""The layers floor: Flax NNX modules that own parameters and call ``linattn_jax.ops``.
+
+One file per layer kind (``linear``, ``delta``, ``softmax``), the pieces they share
+(``conv``, ``gates``, ``feature_maps``, ``common``), the dispatch between a decoding step,
+the sequence-parallel form and the full-sequence form written once (``recurrent``), the
+blocks (``blocks``), and ONE registry of attention kinds (``registry``).
+
+Every layer takes ``*, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32`` like Flax's
+own: parameters live in ``param_dtype``, computation runs in ``dtype`` (the input's when
+None), and the recurrent states stay float32 whatever ``dtype`` is. Decoding states are
+passed in and returned explicitly (``layer.init_state(batch)``, ``state=``,
+``return_state=True``).
+"""
+
+from linattn_jax.layers.blocks import MLP, BlockState, TransformerBlock
+from linattn_jax.layers.conv import CausalConv1D
+from linattn_jax.layers.delta import VARIANTS, DeltaRuleAttention, DeltaRuleCache
+from linattn_jax.layers.feature_maps import (
+    HEDGEHOG_FORMS,
+    RANDOM_FEATURES,
+    HedgehogFeatureMap,
+    RandomProjection,
+)
+from linattn_jax.layers.gates import ChannelGate, HeadGate, MambaGate
+from linattn_jax.layers.linear import GATES, LinearAttention, LinearAttentionCache
+from linattn_jax.layers.recurrent import SequenceSharding, run_causal
+from linattn_jax.layers.registry import ATTENTION_KINDS, KINDS, AttentionKind, make_attention
+from linattn_jax.layers.softmax import LINEAR_ONLY_OPTIONS, KVCache, SoftmaxAttention
+
+__all__ = [
+    "ATTENTION_KINDS",
+    "GATES",
+    "HEDGEHOG_FORMS",
+    "KINDS",
+    "LINEAR_ONLY_OPTIONS",
+    "MLP",
+    "RANDOM_FEATURES",
+    "VARIANTS",
+    "AttentionKind",
+    "BlockState",
+    "CausalConv1D",
+    "ChannelGate",
+    "DeltaRuleAttention",
+    "DeltaRuleCache",
+    "HeadGate",
+    "HedgehogFeatureMap",
+    "KVCache",
+    "LinearAttention",
+    "LinearAttentionCache",
+    "MambaGate",
+    "RandomProjection",
+    "SequenceSharding",
+    "SoftmaxAttention",
+    "TransformerBlock",
+    "make_attention",
+    "run_causal",
+]

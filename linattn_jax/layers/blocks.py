@@ -1,0 +1,114 @@
+"""The blocks models stack: a pre-norm transformer block and its MLP."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from linattn_jax.layers import registry
+from linattn_jax.layers.common import check_width
+from linattn_jax.layers.conv import CausalConv1D
+from linattn_jax.ops import checks
+
+
+class MLP(nnx.Module):
+    """``Linear -> gelu -> Linear`` with hidden width ``hidden``."""
+
+    def __init__(
+        self, width: int, hidden: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32
+    ):
+        self.up = nnx.Linear(width, hidden, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.down = nnx.Linear(hidden, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+class BlockState(NamedTuple):
+    """A ``TransformerBlock``'s decoding state: its attention's and its convolution's."""
+
+    attention: Any
+    conv: jax.Array | None
+
+
+class TransformerBlock(nnx.Module):
+    """Pre-norm block: ``x + attn(conv(norm(x)))``, then ``x + mlp(norm(x))``.
+
+    Args:
+      width, num_heads: as in the attention layers.
+      attention: one of ``registry.ATTENTION_KINDS`` (``registry.make_attention``):
+        ``"linear"``, ``"softmax"``, ``"gla"``, ``"deltanet"``, ``"gated_deltanet"`` or
+        ``"kda"``.
+      mlp_ratio: the MLP's hidden width over ``width``.
+      short_conv: kernel size of a causal depthwise convolution before attention
+        (``CausalConv1D``, which does not reach across ``segment_ids``; 0: none);
+        causal blocks only.
+      **attention_kwargs: passed to the attention layer (``feature_map``, ``causal``, ...).
+    """
+
+    def __init__(
+        self,
+        width: int,
+        num_heads: int,
+        *,
+        attention: str = "linear",
+        mlp_ratio: int = 4,
+        short_conv: int = 0,
+        rngs: nnx.Rngs,
+        dtype=None,
+        param_dtype=jnp.float32,
+        **attention_kwargs,
+    ):
+        check_width(width, num_heads)
+        checks.check_int("mlp_ratio", mlp_ratio, 1)
+        checks.check_int("short_conv", short_conv, 0)
+        registry.get(attention)
+        if short_conv and not attention_kwargs.get("causal", True):
+            raise ValueError("short_conv is causal: use it in causal blocks only")
+        norm = lambda: nnx.RMSNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.attention_norm, self.mlp_norm = norm(), norm()
+        self.conv = nnx.data(
+            CausalConv1D(width, short_conv, rngs=rngs, param_dtype=param_dtype)
+            if short_conv
+            else None
+        )
+        self.attention = registry.make_attention(
+            attention,
+            width,
+            num_heads,
+            rngs=rngs,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            **attention_kwargs,
+        )
+        self.mlp = MLP(width, mlp_ratio * width, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.width = width
+
+    def init_state(self, batch: int, max_length: int | None = None) -> BlockState:
+        conv = None if self.conv is None else self.conv.init_state(batch)
+        return BlockState(self.attention.init_state(batch, max_length), conv)
+
+    def __call__(self, x, *, key_mask=None, segment_ids=None, state=None, return_state=False):
+        h = self.attention_norm(x)
+        conv_state = None
+        if self.conv is not None:
+            # Padding must not reach the next tokens' window (a replacement, not a product).
+            h = checks.where_token(key_mask, h)
+            past = None if state is None else state.conv
+            h, conv_state = self.conv(h, past, segment_ids, key_mask)
+        h = self.attention(
+            h,
+            key_mask=key_mask,
+            segment_ids=segment_ids,
+            state=None if state is None else state.attention,
+            return_state=return_state,
+        )
+        if return_state:
+            h, attention_state = h
+            state = BlockState(attention_state, conv_state)
+        x = x + h
+        x = x + self.mlp(self.mlp_norm(x))
+        return (x, state) if return_state else x

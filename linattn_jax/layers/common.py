@@ -1,0 +1,84 @@
+"""Small pieces shared by the attention layers: heads, projections, positions, checks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from linattn_jax.ops import checks
+
+
+def split_heads(x: jax.Array, heads: int) -> jax.Array:
+    """``[b, t, h * d] -> [b, t, h, d]``."""
+    return x.reshape(x.shape[:-1] + (heads, x.shape[-1] // heads))
+
+
+def check_width(width: int, num_heads: int) -> None:
+    checks.check_int("width", width, 1)
+    checks.check_int("num_heads", num_heads, 1)
+    if width % num_heads:
+        raise ValueError(f"num_heads={num_heads} must divide the width {width}")
+
+
+def check_tokens(x: jax.Array, width: int) -> None:
+    if x.ndim != 3 or x.shape[-1] != width:
+        raise ValueError(f"x must have shape [batch, length, {width}], got {x.shape}")
+
+
+def check_dropout_rate(rate) -> None:
+    """A rate in [0, 1). The layers' ``nnx.Dropout`` holds an RNG stream only when the
+    rate is above 0, so a layer without dropout has no RNG state."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+        raise ValueError(f"dropout_rate must be a number in [0, 1), got {rate!r}")
+
+
+def check_decoding(layer, state, return_state: bool) -> None:
+    """Decoding (``state=`` or ``return_state=``) needs a causal layer."""
+    if (state is not None or return_state) and not layer.causal:
+        raise ValueError("decoding (state=, return_state=) needs a causal layer (causal=True)")
+
+
+def positions(
+    position: jax.Array | None, b: int, t: int, key_mask: jax.Array | None = None
+) -> jax.Array:
+    """``[b, t]`` positions from ``position [b]`` on; with a ``key_mask``, only real
+    tokens count (a left-padded prompt's first real token sits where it would alone)."""
+    start = jnp.zeros((b,), jnp.int32) if position is None else position
+    if key_mask is None or key_mask.shape != (b, t):  # a bad mask: the maths reports it
+        return start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    return start[:, None] + jnp.cumsum(key_mask, axis=1, dtype=jnp.int32) - 1
+
+
+def project_qkv(layer, x, inputs_k, inputs_v, key_mask, query_mask):
+    """``(x, (q, k, v), key_mask, query_mask)`` of a layer with q/k/v projections.
+
+    Self-attention unless ``inputs_k`` / ``inputs_v`` are given (cross-attention,
+    non-causal layers only; ``inputs_v`` defaults to ``inputs_k``). In
+    self-attention ``key_mask`` masks the queries too. Padding is replaced by zeros
+    before the projections, so a NaN there reaches no output or gradient.
+    """
+    check_tokens(x, layer.width)
+    b, t, _ = x.shape
+    cross = inputs_k is not None or inputs_v is not None
+    if cross:
+        if layer.causal:
+            raise ValueError("inputs_k / inputs_v (cross-attention) need causal=False")
+        inputs_k = x if inputs_k is None else inputs_k
+        inputs_v = inputs_k if inputs_v is None else inputs_v
+        for name, y in [("inputs_k", inputs_k), ("inputs_v", inputs_v)]:
+            if y.ndim != 3 or y.shape[0] != b or y.shape[-1] != layer.width:
+                raise ValueError(
+                    f"{name} must have shape [batch={b}, key_length, {layer.width}], got {y.shape}"
+                )
+        if inputs_k.shape != inputs_v.shape:
+            raise ValueError(f"inputs_k {inputs_k.shape} and inputs_v {inputs_v.shape} differ")
+    else:
+        inputs_k = inputs_v = x
+    key_mask = checks.token_mask("key_mask", key_mask, b, inputs_k.shape[1])
+    query_mask = checks.token_mask("query_mask", query_mask, b, t)
+    if query_mask is None:
+        query_mask = jnp.ones((b, t), bool) if cross and key_mask is not None else key_mask
+    x = checks.where_token(query_mask, x)
+    heads = lambda proj, y, mask: split_heads(proj(checks.where_token(mask, y)), layer.num_heads)
+    qkv = (heads(layer.q_proj, x, None), heads(layer.k_proj, inputs_k, key_mask))
+    return x, (*qkv, heads(layer.v_proj, inputs_v, key_mask)), key_mask, query_mask

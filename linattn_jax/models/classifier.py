@@ -1,0 +1,69 @@
+"""A sequence classifier: a non-causal encoder, masked mean pooling and a linear head."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from linattn_jax.models.common import check_tokens, make_blocks
+from linattn_jax.ops import checks
+
+
+class SequenceClassifier(nnx.Module):
+    """A non-causal encoder, masked mean pooling and a linear classifier.
+
+    Args:
+      vocab_size, width, depth, num_heads: as in ``LanguageModel``.
+      num_classes: output classes.
+      attention: a kind of ``layers.ATTENTION_KINDS`` (``layers.registry``).
+      **block_kwargs: passed to every ``TransformerBlock``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_classes: int,
+        width: int,
+        depth: int,
+        num_heads: int,
+        *,
+        attention: str = "linear",
+        mlp_ratio: int = 4,
+        rngs: nnx.Rngs,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        **block_kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.embed = nnx.Embed(vocab_size, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.blocks = make_blocks(
+            depth,
+            width,
+            num_heads,
+            attention=attention,
+            causal=False,
+            mlp_ratio=mlp_ratio,
+            rngs=rngs,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            **block_kwargs,
+        )
+        self.norm = nnx.RMSNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.head = nnx.Linear(width, num_classes, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, *, key_mask: jax.Array | None = None) -> jax.Array:
+        """``tokens [b, t] int`` (``key_mask [b, t]``, True = real) ``-> logits [b, classes]``."""
+        check_tokens(tokens, self.vocab_size)
+        key_mask = checks.token_mask("key_mask", key_mask, *tokens.shape)
+        mask = jnp.ones(tokens.shape, bool) if key_mask is None else key_mask
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, key_mask=mask)
+        x = self.norm(x)
+        # A select, not a product: whatever a padded row holds (NaN too) reaches nothing.
+        total = jnp.sum(checks.where_token(mask, x), axis=1)
+        pooled = total / jnp.maximum(jnp.sum(mask, axis=1, keepdims=True), 1).astype(x.dtype)
+        return self.head(pooled).astype(jnp.float32)

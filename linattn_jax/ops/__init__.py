@@ -1,0 +1,14 @@
+"""The maths floor: pure functions, arrays in and arrays out; no parameters, no Flax.
+
+``chunking`` (the chunk engine) and ``checks`` (input checks) at the bottom;
+``feature_maps`` (the kernels phi); one package per family of recurrences, each split by
+form with the same file names (``api``, ``chunked``, ``recurrent``, ``step``,
+``sequence_parallel``, ``state``) and exposing one interface: ``additive`` and ``delta``.
+``FAMILIES`` names them.
+"""
+
+from linattn_jax.ops import additive, checks, chunking, delta, feature_maps
+
+FAMILIES = {"additive": additive, "delta": delta}
+
+__all__ = ["FAMILIES", "additive", "checks", "chunking", "delta", "feature_maps"]

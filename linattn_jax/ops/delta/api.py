@@ -1,0 +1,132 @@
+"""The delta rule, plain and gated, in every form: arrays in, arrays out.
+
+For each token t, with state S ``[dk, dv]`` per batch and head and ``o_t = S_t^T q_t``::
+
+    DeltaNet          S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
+    Gated DeltaNet    S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
+    KDA               S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T
+
+with ``alpha_t = exp(gate_t)``: one gate per head (Gated DeltaNet; Yang, Kautz and
+Hatamizadeh, ICLR 2025) or one per key channel (Kimi Delta Attention, Kimi
+Linear 2025); no gate is DeltaNet (Yang et al. 2024, "Parallelizing Linear
+Transformers with the Delta Rule over Sequence Length"). Each token writes
+``beta_t (v_t - S^T k_t)``, the error of the state's prediction for its key.
+``beta`` in [0, 1] is the usual range; up to 2 gives the transition negative
+eigenvalues (Grazzi et al. 2025). With ``||k_t|| <= 1`` and ``0 <= beta_t <= 1``
+every ``I - beta_t k_t k_t^T`` is a contraction, so the state stays bounded
+(models L2-normalise k); there is no denominator: models normalise q, k and
+the output instead. q is used as given, times ``scale`` (default 1).
+
+Forms, all with the same inputs and state:
+
+* ``"scan"`` (``recurrent.py``): one ``lax.scan`` step per token (the reference
+  recurrence);
+* ``"chunked"`` (default, ``chunked.py``): inside a chunk of C tokens the UT transform, with
+  ``A = I + tril(diag(beta) (K K^T * D), -1)`` (D the decay from key j to key i),
+  ``[U | W] = A^{-1} diag(beta) [V | exp(G) * K]`` by a float32 triangular solve,
+  then ``O = exp(G) * Q S + (Q K^T * D) (U - W S)`` and
+  ``S_next = exp(G_C) * S + (exp(G_C - G) * K)^T (U - W S)``; a ``lax.scan``
+  carries S across chunks;
+* ``step``: one token, O(1) in t, for decoding.
+
+Decays inside a chunk are differences of cumulative log-gates, masked before
+``exp`` (``linattn_jax.chunking``), so gates of -30 per token and ``-inf`` (a full
+reset) stay finite. Gradients store only the state at chunk boundaries.
+
+Mixed precision: for bfloat16 (or float16) inputs the chunked form's products that
+only read (``Q K^T``, ``Q S`` and ``(Q K^T * D) (U - W S)``, and their transposes in
+the gradient) take operands in that dtype with float32 accumulation; everything that
+reaches the state stays float32: ``K K^T``, the triangular solve, ``W S`` and the
+update ``K^T (U - W S)``, so the state is the scan and step forms' to float32 accuracy.
+float32 and float64 inputs run every product in their own dtype, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax.numpy as jnp
+
+from linattn_jax.ops import checks, chunking, feature_maps
+from linattn_jax.ops.delta import chunked, recurrent
+from linattn_jax.ops.delta.state import State, as_internal, check_beta
+from linattn_jax.typing import Array, Float
+
+METHODS = ("chunked", "scan")
+
+
+def causal(
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b t h d"],
+    v: Float[Array, "b t h v"],
+    beta: Float[Array, "b t h"],
+    *,
+    method: str = "chunked",
+    chunk_size: int | None = None,
+    initial_state: State | None = None,
+    return_state: bool = False,
+    key_mask: Array | None = None,
+    segment_ids: Array | None = None,
+    decay: Any = None,
+    gate: Array | None = None,
+    scale: float = 1.0,
+) -> Float[Array, "b t h v"] | tuple[Float[Array, "b t h v"], State]:
+    """The causal delta rule (DeltaNet; Gated DeltaNet or KDA with a ``gate``).
+
+    Args:
+      q: queries ``[b, t, h, dk]``.
+      k: keys ``[b, t, h, dk]`` (L2-normalised in the usual recipe).
+      v: values ``[b, t, h, dv]``.
+      beta: writing strengths ``[b, t, h]``, in [0, 2] (usually [0, 1]).
+      method: ``"chunked"`` (default, fast) or ``"scan"`` (one step per token).
+      chunk_size: tokens per chunk (``"chunked"``) or per recomputed block of the
+        backward pass (``"scan"``); any length works. None: 64, or 16 with a
+        per-channel gate (whose ``[c, c, f]`` relative decays grow with the chunk).
+      initial_state: the state before token 0; zeros when None.
+      return_state: also return the state after the last token.
+      key_mask: optional bool ``[b, t]``, True for real tokens. A masked token leaves
+        the state untouched (beta 0, no decay) and its own output is 0, whatever
+        its q, k, v, beta and gate hold.
+      segment_ids: optional int ``[b, t]``; the state resets wherever the id changes.
+      decay: optional fixed decay ``gamma`` in (0, 1], a scalar or one per head ``[h]``,
+        multiplying the state before each token's update (combines with ``gate``).
+      gate: optional log-decays, values <= 0: ``[b, t, h]`` (one per head, Gated
+        DeltaNet) or ``[b, t, h, dk]`` (one per key channel, KDA). ``-inf`` zeroes
+        the state (a full reset).
+      scale: multiplies q (the layers pass their recipe's scale).
+
+    Returns:
+      ``out [b, t, h, dv]`` in the dtype of ``v``, or ``(out, state)`` when
+      ``return_state``; ``state`` is a float32 ``State`` (``DeltaRuleState``). For bfloat16
+      (float16) ``q`` the chunked form's output products read their operands in that
+      dtype, with float32 accumulation (see the module's docstring).
+
+    Raises:
+      ValueError: on mismatched or wrong-rank shapes, non-float inputs, an unknown
+        method, ``chunk_size < 1``, a bad beta (shape, or values outside [0, 2] when
+        concrete), decay, gate, mask, segment ids or state.
+    """
+    b, t, h, dk = checks.check_qkv(q, k, v, causal=True)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if chunk_size is not None:
+        checks.check_chunk_size(chunk_size)
+    key_mask = checks.token_mask("key_mask", key_mask, b, t)
+    check_beta(beta, (b, t, h), "[batch, length, heads]", key_mask)
+    dtype, out_dtype = feature_maps.accumulation_dtype(q.dtype), v.dtype
+    operands = chunking.operand_dtype(q.dtype)
+    g = checks.log_decay(decay, gate, b, t, h, dtype, channels=dk, key_mask=key_mask)
+    resets = None if segment_ids is None else checks.segment_resets(segment_ids, b, t, dtype)
+    q, k, v, beta = (checks.where_token(key_mask, x) for x in (q, k, v, beta))
+    heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
+    q, k, v, beta = (heads_first(x.astype(dtype)) for x in (q * scale, k, v, beta))
+    state = as_internal(initial_state, b, h, dk, v.shape[-1], dtype)
+    if method == "scan":
+        body = recurrent.scan_body
+    else:
+        body = functools.partial(chunked.chunk_body, dtype=operands)
+    chunk_size = checks.default_chunk_size(chunk_size, g)
+    out, state = chunking.scan(body, state, (q, k, v, beta, g, resets), chunk_size, t)
+    out = jnp.swapaxes(out, 1, 2).astype(out_dtype)
+    return (out, State(state)) if return_state else out

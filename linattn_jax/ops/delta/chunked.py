@@ -1,0 +1,97 @@
+"""The delta rule's chunked form: the (gated) UT transform inside a chunk.
+
+Inside a chunk of C tokens, with ``A = I + tril(diag(beta) (K K^T * D), -1)`` (D the decay
+from key j to key i), ``[U | W] = A^{-1} diag(beta) [V | exp(G) * K]`` by a float32
+triangular solve; then ``O = exp(G) * Q S + (Q K^T * D) (U - W S)`` and ``S_next =
+exp(G_C) * S + (exp(G_C - G) * K)^T (U - W S)``. ``linattn_jax.ops.chunking`` scans the
+chunks and differentiates them by ``jax.vjp`` of ``chunk_body``, from the state stored at
+each chunk's start.
+
+References:
+  Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule over Sequence
+  Length" (https://arxiv.org/abs/2406.06484).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+
+from linattn_jax.ops import chunking
+from linattn_jax.typing import Array
+
+
+def chunk_body(s: Array, x, *, dtype=None) -> tuple[Array, Array]:
+    """One chunk of c tokens through the (gated) UT transform.
+
+    Args:
+      s: ``[b, h, dk, dv]`` before the chunk.
+      x: ``(q [b,h,c,dk], k [b,h,c,dk], v [b,h,c,dv], beta [b,h,c],
+        log-decay [b,h,c,1|dk] | None, segment resets | None)``.
+      dtype: the operand dtype of the products that make the output only
+        (``chunking.operand_dtype``; None: no cast).
+
+    Returns:
+      ``(state after the chunk, out [b, h, c, dv])``.
+    """
+    q, k, v, beta, g, r = x
+    dv = v.shape[-1]
+    dec = chunking.decays(g, r, q.shape[:3], q.dtype)
+    qk = chunking.decayed_scores(q, k, dec, diagonal=True, dtype=dtype)
+    kk = chunking.decayed_scores(k, k, dec, diagonal=False)  # float32: it feeds the solve
+    if dec is None:
+        q_in, k_in, k_out, s_carried = q, k, k, s
+    else:
+        q_in, k_in, k_out = q * dec.into, k * dec.into, k * dec.out_of
+        s_carried = dec.across[..., None] * s
+    # (I + diag(beta) KK) [U | W] = diag(beta) [V | K_in], in float32 (the inputs are
+    # float32 here whatever the caller's dtype).
+    rhs = beta[..., None] * jnp.concatenate([v, k_in], axis=-1)
+    uw = unit_lower_solve(beta[..., None] * kk, rhs)
+    u, w = uw[..., :dv], uw[..., dv:]
+    # Each token's write, given the state: float32 operands (it reaches the next state).
+    u = u - jnp.einsum("bhck,bhkv->bhcv", w, s)
+    mixed = functools.partial(chunking.einsum, dtype=dtype)
+    out = mixed("bhck,bhkv->bhcv", q_in, s) + mixed("bhij,bhjv->bhiv", qk, u)
+    return s_carried + jnp.einsum("bhck,bhcv->bhkv", k_out, u), out
+
+
+def unit_lower_solve(lower: Array, rhs: Array, block: int = 16) -> Array:
+    """``(I + lower)^{-1} rhs`` for strictly lower-triangular ``lower [..., c, c]``.
+
+    Forward substitution over blocks of ``block`` rows; inside a block, ``N = -L``
+    is nilpotent (``N^block = 0``), so its inverse is the finite series
+    ``I + N + ... = (I + N)(I + N^2)(I + N^4)...``: batched matmuls only, no
+    sequential loop over rows. (XLA's CPU triangular solve was two orders of
+    magnitude slower on these small batched systems; GPUs and TPUs prefer
+    matmuls too.)
+    """
+    c = lower.shape[-1]
+    n = -(-c // block)
+    if n > 1 and n * block != c:
+        pad = n * block - c
+        lower = jnp.pad(lower, [(0, 0)] * (lower.ndim - 2) + [(0, pad), (0, pad)])
+        rhs = jnp.pad(rhs, [(0, 0)] * (rhs.ndim - 2) + [(0, pad), (0, 0)])
+        return unit_lower_solve(lower, rhs, block)[..., :c, :]
+    size = min(block, c)
+    solved = []
+    for i in range(n):
+        rows = slice(i * size, (i + 1) * size)
+        r = rhs[..., rows, :]
+        if i:
+            r = r - lower[..., rows, : i * size] @ jnp.concatenate(solved, axis=-2)
+        solved.append(_series_solve(lower[..., rows, rows], r))
+    return jnp.concatenate(solved, axis=-2)
+
+
+def _series_solve(lower: Array, rhs: Array) -> Array:
+    """``(I + lower)^{-1} rhs`` by the product series of the nilpotent ``-lower``."""
+    c = lower.shape[-1]
+    power, out = -lower, rhs
+    while True:
+        out = out + power @ out  # the factors commute: apply each to rhs in turn
+        c = (c + 1) // 2
+        if c <= 1:
+            return out
+        power = power @ power

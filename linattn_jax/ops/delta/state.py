@@ -1,0 +1,55 @@
+"""The delta rule's recurrent state: its type, constructor and input checks."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from linattn_jax.ops import checks
+from linattn_jax.typing import Array, Float
+
+
+class State(NamedTuple):
+    """The recurrent state of the delta rule, float32 (float64 for float64 inputs).
+
+    Attributes:
+      s: ``[b, h, dk, dv]``.
+    """
+
+    s: Float[Array, "b h d v"]
+
+
+DeltaRuleState = State
+
+
+def init_state(batch: int, heads: int, key_dim: int, value_dim: int) -> State:
+    """The empty state: ``s`` zeros ``[batch, heads, key_dim, value_dim]``, float32."""
+    checks.check_sizes(batch=batch, heads=heads, key_dim=key_dim, value_dim=value_dim)
+    return State(s=jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32))
+
+
+def check_beta(beta, shape: tuple[int, ...], layout: str, key_mask=None) -> None:
+    """Shape and dtype always; the range [0, 2] of real tokens' values when concrete."""
+    checks.check_shape("beta", beta, shape, layout)
+    checks.check_float(("beta", beta))
+    if checks.is_concrete(beta) and checks.is_concrete(key_mask) and beta.size:
+        beta = np.asarray(beta)
+        if key_mask is not None:
+            beta = np.where(np.asarray(key_mask)[..., None], beta, 0.0)
+        lo, hi = float(np.min(beta)), float(np.max(beta))
+        if not (lo >= 0.0 and hi <= 2.0):
+            raise ValueError(f"beta must lie in [0, 2], got values in [{lo}, {hi}]")
+
+
+def as_internal(state: State | None, b: int, h: int, dk: int, dv: int, dtype) -> Array:
+    if state is None:
+        return jnp.zeros((b, h, dk, dv), dtype)
+    if not isinstance(state, State):
+        raise ValueError(
+            f"state must be a DeltaRuleState (linattn_jax.ops.delta.State), got "
+            f"{type(state).__name__}"
+        )
+    checks.check_shape("state.s", state.s, (b, h, dk, dv), "[batch, heads, key_dim, value_dim]")
+    return state.s.astype(dtype)
