@@ -25,7 +25,10 @@ import jax
 from absl import logging
 from ml_collections import ConfigDict
 
-from experiments import sweep, train, trainer
+from experiments import cli, reporting, trainer
+from experiments.configuration import flatten
+from experiments.tasks import mqar_shapes
+from experiments.validation import validate
 from linattn_jax import layers
 
 # What each kind sets, over the config's model fields.
@@ -88,12 +91,13 @@ def grid(config: ConfigDict) -> list[tuple[str, int, float, ConfigDict]]:
                 for field, value in (KINDS[kind] | {"width": width}).items():
                     run.model[field] = value
                 run.optim.lr = lr
-                trainer.validate(run)
+                validate(run)
                 runs.append((kind, width, lr, run))
     return runs
 
 
 def run_name(kind: str, width: int, lr: float) -> str:
+    """``("elu", 16, 0.003)`` -> ``"elu_w16_lr0.003"``: the run's workdir."""
     return f"{kind}_w{width}_lr{lr:g}"
 
 
@@ -106,7 +110,7 @@ def finished(config: ConfigDict, workdir: Path) -> dict | None:
     except (OSError, json.JSONDecodeError):
         return None
     ignored = lambda name: name.startswith("recall.") or name in ("progress", "resume")
-    same = lambda c: {k: v for k, v in trainer.flatten(c).items() if not ignored(k)}
+    same = lambda c: {k: v for k, v in flatten(c).items() if not ignored(k)}
     return final if same(stored) == same(config) and final.get("step") == config.steps else None
 
 
@@ -118,7 +122,7 @@ def state_floats(config: ConfigDict) -> int:
 @functools.cache
 def _state_floats(config_json: str) -> int:
     config = ConfigDict(json.loads(config_json))
-    length = max(t for t, _ in trainer.mqar_shapes(config, "eval"))
+    length = max(t for t, _ in mqar_shapes(config, "eval"))
     model = trainer.build_model(config)
     attention = model.blocks[0].attention
     cache = jax.eval_shape(lambda: attention.init_state(1, length))
@@ -149,6 +153,7 @@ def best_points(config: ConfigDict, finals: dict[str, dict]) -> list[dict]:
 
 
 def table(rows: list[dict], splits: list[str]) -> str:
+    """The markdown table of ``best_points``' rows, one accuracy column per test split."""
     head = " | ".join(f"acc {s}" for s in splits)
     lines = [
         f"| kind | width | state floats / layer | best lr | {head} | mean |",
@@ -165,11 +170,7 @@ def table(rows: list[dict], splits: list[str]) -> str:
 
 def figure(rows: list[dict], splits: list[str]):
     """Mean test accuracy against state floats (log x), one line per kind."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = reporting.pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     markers = "osD^vP*Xhp<>"
     for i, kind in enumerate(dict.fromkeys(r["kind"] for r in rows)):
@@ -192,13 +193,12 @@ def figure(rows: list[dict], splits: list[str]):
 
 def write_results(config: ConfigDict, workdir: Path, finals: dict[str, dict]) -> list[dict]:
     """``recall.md``, ``recall.json`` and ``recall.png`` in ``workdir``; returns the rows."""
-    import matplotlib.pyplot as plt
-
-    splits = [f"{t}x{n}" for t, n in trainer.mqar_shapes(config, "eval")]
+    splits = [f"{t}x{n}" for t, n in mqar_shapes(config, "eval")]
     rows = best_points(config, finals)
     (workdir / "recall.md").write_text(table(rows, splits) + "\n")
     (workdir / "recall.json").write_text(json.dumps(rows, indent=2))
     if rows:
+        plt = reporting.pyplot()
         fig = figure(rows, splits)
         fig.savefig(workdir / "recall.png", dpi=110, bbox_inches="tight")
         plt.close(fig)
@@ -207,16 +207,16 @@ def write_results(config: ConfigDict, workdir: Path, finals: dict[str, dict]) ->
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the grid; returns the exit status (1 when a run failed)."""
-    parser = train.make_parser("python -m experiments.recall", __doc__.split("\n")[0])
+    parser = cli.make_parser("python -m experiments.recall", __doc__.split("\n")[0])
     try:
-        args, config = train.parse(parser, argv)
+        args, config = cli.parse(parser, argv)
         if config.task != "mqar" or "recall" not in config:
             raise ValueError(f"{args.config} is not a recall config (task mqar with recall.*)")
         runs = grid(config)
     except ValueError as e:
-        return train.report(parser.prog, e)
+        return cli.report(parser.prog, e)
     if args.print_config:
-        print(train.format_config(config))
+        print(cli.format_config(config))
         return 0
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
 
@@ -229,17 +229,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             final = finished(run, workdir / name) or trainer.train(run, workdir / name)
         except (ValueError, OSError, FloatingPointError) as e:
             failed += 1
-            took = sweep.elapsed(time.perf_counter() - start)
+            took = reporting.elapsed(time.perf_counter() - start)
             result = f"failed after {took}: {' '.join(str(e).split())}"
         else:
             finals[name] = final
-            result = f"{sweep.summary(final)} ({sweep.elapsed(time.perf_counter() - start)})"
+            took = reporting.elapsed(time.perf_counter() - start)
+            result = f"{reporting.summary(final)} ({took})"
         print(f"[{i}/{len(runs)}] {name}: {result}", flush=True)
         write_results(config, workdir, finals)  # after every run: a stopped grid keeps its table
         jax.clear_caches()  # each run's compiled steps: dozens of runs exhaust LLVM's memory maps
     print((workdir / "recall.md").read_text(), end="")
     print(
-        f"{len(runs)} runs in {sweep.elapsed(time.perf_counter() - begin)}; plot: "
+        f"{len(runs)} runs in {reporting.elapsed(time.perf_counter() - begin)}; plot: "
         f"{workdir / 'recall.png'}"
     )
     return 1 if failed else 0

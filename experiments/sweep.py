@@ -25,13 +25,10 @@ from pathlib import Path
 from absl import logging
 from ml_collections import ConfigDict
 
-from experiments import train, trainer
+from experiments import cli, reporting, trainer
+from experiments.configuration import override
+from experiments.validation import validate
 from linattn_jax import layers
-
-HEADER = (
-    "| task | attention | feature map | width x depth | seq len | steps | eval loss | result |\n"
-    "|---|---|---|---|---|---|---|---|"
-)
 
 
 def expand(assignment: str) -> list[list[str]]:
@@ -54,29 +51,13 @@ def expand(assignment: str) -> list[list[str]]:
 
 
 def run_name(overrides: list[str]) -> str:
+    """``["model.attention=linear", "model.feature_map=elu"]`` -> ``"linear_elu"``."""
     return "_".join(o.split("=", 1)[1] for o in overrides).replace("/", "-") or "base"
-
-
-def summary(final: dict) -> str:
-    """``"100.0% accuracy, eval loss 0.000"`` (bits per byte for text)."""
-    if "stopped_at" in final:
-        return f"stopped at step {final['stopped_at']}"
-    metric = (
-        f"{final['bits_per_byte']:.3f} bits/byte"
-        if "bits_per_byte" in final
-        else f"{100 * final['accuracy']:.1f}% accuracy"
-    )
-    return f"{metric}, eval loss {final['loss']:.3f}"
-
-
-def elapsed(seconds: float) -> str:
-    minutes, seconds = divmod(round(seconds), 60)
-    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the sweep; returns the exit status (1 when a run failed)."""
-    parser = train.make_parser("python -m experiments.sweep", __doc__.split("\n")[0])
+    parser = cli.make_parser("python -m experiments.sweep", __doc__.split("\n")[0])
     parser.add_argument(
         "--sweep",
         action="append",
@@ -87,21 +68,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "linear attention with that feature map",
     )
     try:
-        args, base = train.parse(parser, argv)
+        args, base = cli.parse(parser, argv)
         plans = [sum(c, []) for c in itertools.product(*map(expand, args.sweep))] or [[]]
         configs = []
         for overrides in plans:  # build and validate every run before training any
             config = ConfigDict(base.to_dict())
             config.lock()
             for assignment in overrides:
-                trainer.override(config, assignment)
-            trainer.validate(config)
+                override(config, assignment)
+            validate(config)
             configs.append((run_name(overrides), config))
     except ValueError as e:
-        return train.report(parser.prog, e)
+        return cli.report(parser.prog, e)
     if args.print_config:
         for name, config in configs:
-            print(f"# {name}\n{train.format_config(config)}")
+            print(f"# {name}\n{cli.format_config(config)}")
         return 0
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
 
@@ -113,14 +94,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             final = trainer.train(config, workdir / name)
         except (ValueError, OSError, FloatingPointError) as e:
             failed += 1
-            took = elapsed(time.perf_counter() - start)
+            took = reporting.elapsed(time.perf_counter() - start)
             print(f"{name}: failed after {took}: {' '.join(str(e).split())}", flush=True)
             continue
-        print(f"{name}: {summary(final)} ({elapsed(time.perf_counter() - start)})", flush=True)
+        took = reporting.elapsed(time.perf_counter() - start)
+        print(f"{name}: {reporting.summary(final)} ({took})", flush=True)
         finals[name] = final
         if "stopped_at" not in final:
-            rows.append(trainer.results_row(config, final))
-    table = "\n".join([HEADER, *rows])
+            rows.append(reporting.results_row(config, final))
+    table = "\n".join([reporting.RESULTS_HEADER, *rows])
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "results.md").write_text(table + "\n")
     (workdir / "results.json").write_text(json.dumps(finals, indent=2))
@@ -129,50 +111,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def results_figure(runs: list[tuple[str, ConfigDict, list[dict]]]):
-    """Every run's headline eval metric against step, with the chance level.
-
-    Args:
-      runs: (name, config, metrics rows) per run; all of one task.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    spec = trainer.TASKS[runs[0][1].task] if runs else trainer.TASKS["mqar"]
-    metric = spec.metric
-    markers = "osD^vP*Xhp<>"
-    for i, (name, _, rows) in enumerate(runs):
-        evals = [r for r in rows if r["split"] == "eval" and metric in r]
-        ax.plot(
-            [r["step"] for r in evals],
-            [r[metric] for r in evals],
-            marker=markers[i % len(markers)],
-            markersize=4 + 2.5 * (len(runs) - 1 - i),  # nested rings where runs coincide
-            fillstyle="none",
-            linestyle=("-", "--", "-.", ":")[i % 4],
-            label=name,
-        )
-    if runs:
-        ax.axhline(spec.chance(runs[0][1]), color="gray", linestyle=":", label="chance")
-    label = "eval bits per byte" if metric == "bits_per_byte" else "eval accuracy"
-    ax.set(xlabel="step", ylabel=label)
-    if runs:
-        ax.set_title(f"{runs[0][1].task}: {label} by run")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
-    fig.tight_layout()
-    return fig
-
-
 def plot(workdir: Path, runs: list[tuple[str, ConfigDict]]) -> None:
     """``workdir/results.png`` from each run's ``metrics.jsonl``."""
-    import matplotlib.pyplot as plt
-
-    fig = results_figure(
-        [(name, c, trainer.read_metrics(workdir / name / "metrics.jsonl")) for name, c in runs]
+    plt = reporting.pyplot()
+    fig = reporting.results_figure(
+        [(name, c, reporting.read_metrics(workdir / name / "metrics.jsonl")) for name, c in runs]
     )
     fig.savefig(workdir / "results.png", dpi=100, bbox_inches="tight")
     plt.close(fig)

@@ -12,117 +12,29 @@ Re-running with the same ``--workdir`` resumes from its latest checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from collections.abc import Sequence
 
 from absl import logging
-from ml_collections import ConfigDict
 
-from experiments import trainer
-
-OVERRIDE_HELP = (
-    "--config.<field>=<value> (or --config.<field> <value>) overrides any field of the "
-    "config, e.g. --config.model.width=128 --config.optim.lr=3e-4; --print_config lists "
-    "the fields. Errors (a misspelt field, a bad value, a workdir of another config) are "
-    "one line on stderr and exit status 2; a run that fails (a non-finite loss, a full "
-    "disk) exits with status 1."
-)
-
-
-class UsageError(ValueError):
-    """A command line that cannot run (reported in one line, exit status 2)."""
-
-
-def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """The flags shared by ``train`` and ``sweep``."""
-    parser = argparse.ArgumentParser(
-        prog=prog, description=description, epilog=OVERRIDE_HELP, allow_abbrev=False
-    )
-    parser.add_argument(
-        "--config",
-        required=True,
-        metavar="FILE[:VARIANT]",
-        help="the experiment config: configs/<experiment>.py, optionally with a variant "
-        "(configs/mqar.py:small calls get_config('small'))",
-    )
-    parser.add_argument(
-        "--workdir",
-        metavar="DIR",
-        help="where checkpoints, metrics.jsonl, TensorBoard events and plots go; rerunning "
-        "with the same workdir resumes there (required unless --print_config)",
-    )
-    parser.add_argument(
-        "--print_config",
-        action="store_true",
-        help="print the config's fields and values (after any --config.<field> overrides) and exit",
-    )
-    return parser
-
-
-def parse(
-    parser: argparse.ArgumentParser, argv: Sequence[str] | None
-) -> tuple[argparse.Namespace, ConfigDict]:
-    """Parses ``argv`` and applies its ``--config.<field>`` overrides.
-
-    Raises:
-      UsageError: an unknown flag or field, a bad value, or no ``--workdir``.
-    """
-    args, rest = parser.parse_known_args(argv)
-    overrides, i = [], 0
-    while i < len(rest):
-        token = rest[i]
-        if not token.startswith("--config."):
-            raise UsageError(f"unrecognised argument {token!r} (see --help)")
-        assignment = token.removeprefix("--config.")
-        if "=" not in assignment:
-            if i + 1 == len(rest) or rest[i + 1].startswith("--"):
-                raise UsageError(f"{token} needs a value: {token}=<value>")
-            assignment, i = f"{assignment}={rest[i + 1]}", i + 1
-        overrides.append(assignment)
-        i += 1
-    try:
-        config = trainer.load_config(args.config)
-        for assignment in overrides:
-            trainer.override(config, assignment)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if args.workdir is None and not args.print_config:
-        raise UsageError("--workdir is required (or --print_config)")
-    return args, config
-
-
-def format_config(config: ConfigDict) -> str:
-    """One ``field = value`` line per field, as ``--config.<field>`` takes it."""
-    fields = trainer.flatten(config)
-    width = max(map(len, fields))
-    show = lambda v: str(v).lower() if isinstance(v, bool) else (repr(v) if v == "" else str(v))
-    return "\n".join(f"{name:<{width}} = {show(value)}" for name, value in fields.items())
-
-
-def report(prog: str, error: BaseException) -> int:
-    """Prints ``error`` as one line; returns the exit status."""
-    message = " ".join(str(error).split()) or type(error).__name__
-    # One write, line and newline together: a failed orbax save's threads may print
-    # to stderr at the same time, and print() writes the newline separately.
-    sys.stderr.write(f"{prog}: error: {message}\n")
-    sys.stderr.flush()
-    return 2 if isinstance(error, ValueError) else 1
+from experiments import cli, trainer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = make_parser("python -m experiments.train", __doc__.split("\n")[0])
+    """Trains the command line's config; returns the exit status (2: a bad command
+    line or config, 1: a failed run)."""
+    parser = cli.make_parser("python -m experiments.train", __doc__.split("\n")[0])
     parser.add_argument(
         "--multihost",
         action="store_true",
         help="call jax.distributed.initialize() first (one process per host)",
     )
     try:
-        args, config = parse(parser, argv)
+        args, config = cli.parse(parser, argv)
         if args.print_config:
-            print(format_config(config))
+            print(cli.format_config(config))
             return 0
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
         if args.multihost:
@@ -131,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             jax.distributed.initialize()
         final = trainer.train(config, args.workdir)
     except (ValueError, OSError, FloatingPointError) as e:
-        return report(parser.prog, e)
+        return cli.report(parser.prog, e)
     print(json.dumps(final, indent=2))
     return 0
 

@@ -1,8 +1,12 @@
 """One tiny run of the benchmark code (speed itself is never asserted in tests)."""
 
 import csv
+import re
+
+import pytest
 
 from experiments import benchmark
+from experiments.bench import cli, comm, train_step
 
 
 def test_benchmark_smoke(tmp_path):
@@ -30,5 +34,75 @@ def test_train_steps_time_every_variant(tmp_path):
     table = (tmp_path / "train_steps.md").read_text().splitlines()
     assert table[0] == "| configs/mqar.py:small train step | ms | / elu |"
     names = [line.split(" | ")[0].strip("| ") for line in table[2:]]
-    assert names == list(benchmark.TRAIN_STEP_VARIANTS)
+    assert names == list(train_step.VARIANTS)
     assert table[2].endswith("| 1.00x |")
+
+
+@pytest.mark.parametrize(
+    "flat, subcommand, fields",
+    [
+        (
+            ["--lengths", "64", "--chunk-sizes", "16", "--repeats", "1", "--forward-only"],
+            ["forms", "--lengths", "64", "--chunk-sizes", "16", "--repeats", "1", "--forward-only"],
+            ["lengths", "chunk_sizes", "repeats", "softmax_max", "scan_max", "forward_only", "out"],
+        ),
+        (
+            ["--recurrences", "--lengths", "16384,65536", "--scan-max", "16384", "--repeats", "3"],
+            ["recurrences", "--lengths", "16384,65536", "--scan-max", "16384", "--repeats", "3"],
+            ["lengths", "repeats", "scan_max", "out"],
+        ),
+        (
+            ["--decode", "--decode-batches", "1", "--out", "x"],
+            ["decode", "--decode-batches", "1", "--out", "x"],
+            ["decode_contexts", "decode_batches", "out"],
+        ),
+        (["--comm"], ["comm"], ["out"]),
+        (["--train-steps", "--repeats", "10"], ["train-step", "--repeats", "10"], ["config"]),
+        (["--train-steps", "c.py:v"], ["train-step", "--config", "c.py:v"], ["config", "repeats"]),
+    ],
+)
+def test_a_subcommand_runs_what_the_flat_command_line_runs(flat, subcommand, fields):
+    (suite, flat_args), (name, sub_args) = cli.parse(flat), cli.parse(subcommand)
+    assert suite == name == subcommand[0]
+    assert {f: getattr(flat_args, f) for f in fields} == {f: getattr(sub_args, f) for f in fields}
+
+
+def test_help_lists_the_suites_and_a_suite_its_flags(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        benchmark.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert all(re.search(rf"^    {name}\b", out, flags=re.M) for name in cli.SUITES), out
+    with pytest.raises(SystemExit) as exit_:
+        benchmark.main(["recurrences", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--scan-max" in out and "--chunk-sizes" not in out
+
+
+def test_flags_before_the_subcommand_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse(["--repeats", "3", "forms"])
+    assert exit_.value.code == 2
+    assert "the suite comes first" in capsys.readouterr().err
+
+
+def test_all_gathered_bytes_are_read_from_hlo_text():
+    hlo = "\n".join(
+        [
+            "  %ag = f32[8,2,16,17]{3,2,1,0} all-gather(f32[1,2,16,17]{3,2,1,0} %s), dimensions={0}",
+            "  %ag.1 = bf16[4]{0} all-gather(bf16[1]{0} %y), dimensions={0}",
+            "  %sum = f32[8,2]{1,0} add(f32[8,2]{1,0} %a, f32[8,2]{1,0} %b)",
+        ]
+    )
+    assert comm.allgather_bytes(hlo) == 4 * 8 * 2 * 16 * 17 + 2 * 4
+    expected = comm.communication_bytes(1, 4096, 2, 16, 16, 16, 8)
+    assert expected == {
+        "linear_state_allgather": 7 * 2 * 16 * 17 * 4,
+        "delta_state_allgather": 7 * 2 * 16 * 32 * 4,
+        "kv_allgather": 7 * 512 * 2 * 32 * 4,
+    }
+    assert (
+        comm.communication_bytes(1, 4096, 2, 16, 16, 16, 8, decayed=True)["linear_state_allgather"]
+        == 7 * 2 * (16 * 17 + 1) * 4
+    )

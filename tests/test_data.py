@@ -2,6 +2,7 @@
 
 import hashlib
 import shutil
+import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -89,3 +90,13 @@ def test_the_record_matches_cpython_3_11_7():
         assert (len(text), hashlib.sha256(text).hexdigest()[:16]) == (size, digest), name
     split = data.stdlib_text_split(16)
     assert (split.train_bytes, split.val_bytes, split.differing) == (246_617, 27_402, ())
+
+
+def test_the_data_imports_without_the_trainers_tools():
+    script = (
+        "import sys, experiments, experiments.data\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'optax', 'orbax', 'flax'})\n"
+        "assert not heavy, heavy\n"
+        "assert callable(experiments.load) and 'orbax' in sys.modules  # load on first use\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parents[1])

@@ -15,7 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from experiments import data, sweep, trainer
+from experiments import configuration, data, reporting, sweep, trainer
 
 
 @pytest.fixture(autouse=True)
@@ -40,11 +40,15 @@ TINY = [
     "model.chunk_size=8",
 ]
 
+# A run's time as the run lines print it (reporting.elapsed): "42s", or "1m08s" past a
+# minute, whatever the machine's speed.
+ELAPSED = r"\((?:\d+m\d{2}|\d+)s\)"
+
 
 def tiny_config(spec, *extra):
-    config = trainer.load_config(spec)
+    config = configuration.load_config(spec)
     for assignment in TINY + list(extra):
-        trainer.override(config, assignment)
+        configuration.override(config, assignment)
     return config
 
 
@@ -190,11 +194,17 @@ def test_sweep_writes_a_table_and_a_plot(tmp_path, capsys):
         + [f"--config.{a}" for a in TINY + ["seq_len=32"]]
     )
     lines = capsys.readouterr().out.splitlines()
-    assert re.fullmatch(r"softmax: \d+\.\d% accuracy, eval loss \d\.\d{3} \(\d+s\)", lines[0])
+    assert re.fullmatch(r"softmax: \d+\.\d% accuracy, eval loss \d\.\d{3} " + ELAPSED, lines[0])
     assert lines[1].startswith("linear_taylor: ")  # one line per run, as it finishes
     table = (tmp_path / "results.md").read_text()
     assert "| mqar | softmax |" in table and "| mqar | linear | taylor |" in table
     assert (tmp_path / "results.png").stat().st_size > 0
+
+
+def test_elapsed_matches_the_pattern_of_the_run_lines():
+    for seconds in (0, 0.4, 9.6, 59.4, 59.6, 68, 600, 3600, 7322.5):
+        assert re.fullmatch(ELAPSED, f"({reporting.elapsed(seconds)})"), seconds
+    assert [reporting.elapsed(s) for s in (7, 68)] == ["7s", "1m08s"]
 
 
 def test_bad_configs_fail_before_compute(tmp_path):
@@ -214,13 +224,13 @@ def test_bad_configs_fail_before_compute(tmp_path):
         with pytest.raises(ValueError, match=message):
             trainer.train(tiny_config("configs/mqar.py:small", *overrides), tmp_path)
     assert not (tmp_path / "checkpoints").exists()
-    config = trainer.load_config("configs/mqar.py:small")
+    config = configuration.load_config("configs/mqar.py:small")
     with pytest.raises(
         ValueError, match=r"unknown config field 'model.widht' \(did you mean 'model.width'\?\)"
     ):
-        trainer.override(config, "model.widht=3")
+        configuration.override(config, "model.widht=3")
     with pytest.raises(ValueError, match=r"unknown variant 'big'"):
-        trainer.load_config("configs/mqar.py:big")
+        configuration.load_config("configs/mqar.py:big")
 
 
 def test_non_finite_loss_stops_with_a_message(tmp_path):

@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import data, recall, trainer
-from tests.test_experiments import record_train_batches
+from experiments import configuration, data, recall, tasks
+from tests.test_experiments import ELAPSED, record_train_batches
 
 
 @pytest.fixture(autouse=True)
@@ -41,15 +41,15 @@ def test_spread_layout_scatters_queries_among_noise_that_is_never_a_key():
 
 
 def _config(*overrides):
-    config = trainer.load_config("configs/recall.py:small")
+    config = configuration.load_config("configs/recall.py:small")
     for assignment in overrides:
-        trainer.override(config, assignment)
+        configuration.override(config, assignment)
     return config
 
 
 def test_mixes_cycle_train_splits_at_equal_tokens_and_name_the_eval_sets():
     config = _config("batch_size=2", "mqar.train_mix=16:2,32:4", "mqar.test_mix=32:4,64:8")
-    task = trainer.build_task(config)
+    task = tasks.build_task(config)
     shapes = [task.batch(step, "train").inputs.shape for step in range(4)]
     assert shapes == [(4, 16), (2, 32), (4, 16), (2, 32)]  # the tokens of 2 x 32 each step
     assert [name for name, _ in task.evals] == ["32x4", "64x8"]
@@ -110,7 +110,7 @@ def test_two_tiny_points_train_and_make_the_table_and_plot(tmp_path, capsys, mon
     assert recall.main(args) == 0
     out = capsys.readouterr().out.splitlines()
     assert re.fullmatch(
-        r"\[1/2\] elu_w16_lr0.003: \d+\.\d% accuracy, eval loss \d\.\d{3} \(\d+s\)", out[0]
+        r"\[1/2\] elu_w16_lr0.003: \d+\.\d% accuracy, eval loss \d\.\d{3} " + ELAPSED, out[0]
     )
     assert out[1].startswith("[2/2] deltanet_w16_lr0.003: ")
     rows = json.loads((tmp_path / "recall.json").read_text())

@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 import experiments
-from experiments import sweep, train, trainer
+from experiments import reporting, sweep, train, trainer
+from experiments.configuration import flatten, load_config
 from tests.test_experiments import tiny_config
 
 MQAR = "configs/mqar.py:small"
@@ -34,7 +35,7 @@ def test_one_override_syntax_and_print_config(main, capsys):
     out = capsys.readouterr().out
     assert re.search(r"^model\.width +\= 32$", out, flags=re.M)
     assert re.search(r"^optim\.lr +\= 0\.01$", out, flags=re.M)
-    for field in trainer.flatten(trainer.load_config(MQAR)):  # every field, with its value
+    for field in flatten(load_config(MQAR)):  # every field, with its value
         assert re.search(rf"^{re.escape(field)} += \S", out, flags=re.M), field
 
 
@@ -99,7 +100,7 @@ def test_curves_name_the_run_and_show_text_in_bits_per_byte():
     import matplotlib.pyplot as plt
 
     config = tiny_config("configs/text_lm.py:small")
-    fig = trainer.curves_figure(_rows(), config)
+    fig = reporting.curves_figure(_rows(), config)
     title = fig._suptitle.get_text()
     assert all(word in title for word in ("text_lm", "linear", "elu", "width 16")), title
     loss_ax, acc_ax = fig.axes
@@ -114,7 +115,9 @@ def test_sweep_plot_has_chance_distinct_markers_and_an_outside_legend():
 
     config = tiny_config(MQAR)
     perfect = [dict(r, accuracy=1.0) for r in _rows()]  # two runs at 100%: on top of each other
-    fig = sweep.results_figure([("softmax", config, perfect), ("linear_taylor", config, perfect)])
+    fig = reporting.results_figure(
+        [("softmax", config, perfect), ("linear_taylor", config, perfect)]
+    )
     (ax,) = fig.axes
     chance = [line for line in ax.lines if line.get_label() == "chance"]
     assert len(chance) == 1 and chance[0].get_ydata()[0] == pytest.approx(1 / 32)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import sweep, trainer
+from experiments import reporting, sweep, trainer, validation
 from tests.test_experiments import record_train_batches, tiny_config
 
 MQAR = "configs/mqar.py:small"
@@ -97,12 +97,12 @@ def test_bad_settings_fail_naming_the_field_before_the_workdir_is_touched(
 def test_every_attention_kind_has_a_row_of_fields():
     from linattn_jax import layers
 
-    assert set(trainer.ATTENTION_FIELDS) == set(layers.ATTENTION_KINDS)
+    assert set(validation.ATTENTION_FIELDS) == set(layers.ATTENTION_KINDS)
 
 
 def test_a_bad_field_of_an_unused_attention_part_is_not_checked(tmp_path):
     # Softmax attention reads no feature map: an unused default stays harmless.
-    trainer.validate(
+    validation.validate(
         tiny_config(MQAR, "seq_len=32", "model.attention=softmax", "model.chunk_size=0")
     )
 
@@ -248,7 +248,7 @@ def test_a_torn_metrics_line_does_not_break_the_plots(tmp_path):
     ]
     torn = '{"step": 4, "split": "train", "lo'  # killed mid-write
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + torn)
-    trainer.plot_metrics(run)
+    reporting.plot_metrics(run)
     assert (run / "curves.png").stat().st_size > 0
     sweep.plot(tmp_path, [("run", config)])
     assert (tmp_path / "results.png").stat().st_size > 0

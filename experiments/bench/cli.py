@@ -1,0 +1,134 @@
+"""The command line of ``python -m experiments.benchmark``: one subcommand per suite
+(``forms``, ``recurrences``, ``decode``, ``comm``, ``train-step``), each taking only
+its own flags, and the flat command line without a subcommand, which takes every
+flag and runs the suite that ``--recurrences``, ``--decode``, ``--comm`` or
+``--train-steps`` names (the forms when none does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from experiments.bench import comm, decode, forms, recurrences, train_step
+from experiments.bench.timing import MALLOC_ENV, restart_with
+
+DESCRIPTION = "Speed and memory of every attention form, as CSV, a markdown table and a plot."
+TRAIN_CONFIG = "configs/mqar.py:small"
+
+# Every suite's flags, each defined once.
+FLAGS = {
+    "--lengths": dict(
+        default="512,1024,2048,4096,8192,16384,65536", help="sequence lengths, comma-separated"
+    ),
+    "--chunk-sizes": dict(default="64,128,256", help="the chunked form's chunk sizes"),
+    "--repeats": dict(type=int, default=5, help="timed calls (train-step: steps) per median"),
+    "--softmax-max": dict(type=int, default=8192, help="longest t for softmax (its t x t scores)"),
+    "--scan-max": dict(type=int, default=65536, help="longest t for the per-token scan"),
+    "--forward-only": dict(action="store_true", help="time the forward alone"),
+    "--decode-contexts": dict(
+        default="1024,8192,65536,262144", help="decoding's context lengths, comma-separated"
+    ),
+    "--decode-batches": dict(default="1,16", help="decoding's batch sizes, comma-separated"),
+    "--config": dict(
+        metavar="CONFIG",
+        default=TRAIN_CONFIG,
+        help=f"the experiment config whose model is timed (default {TRAIN_CONFIG})",
+    ),
+    "--out": dict(default="bench_out", help="the folder the results are written to"),
+}
+
+# Subcommand: (its module, what it measures, its flags besides --out).
+SUITES = {
+    "forms": (
+        forms,
+        "forward and forward+backward of every attention form (the default)",
+        (
+            "--lengths",
+            "--chunk-sizes",
+            "--repeats",
+            "--softmax-max",
+            "--scan-max",
+            "--forward-only",
+        ),
+    ),
+    "recurrences": (
+        recurrences,
+        "the additive, GLA and delta-rule recurrences (chunked and scan) at --lengths",
+        ("--lengths", "--repeats", "--scan-max"),
+    ),
+    "decode": (
+        decode,
+        "prefill and decoding speed of LanguageModel, linear vs softmax, per context",
+        ("--decode-contexts", "--decode-batches"),
+    ),
+    "comm": (comm, "communication of sequence parallelism on 8 (forced CPU) devices", ()),
+    "train-step": (
+        train_step,
+        "a training step of CONFIG's model (default configs/mqar.py:small) for elu and "
+        "Taylor features (with and without feature_dim 16)",
+        ("--config", "--repeats"),
+    ),
+}
+# The flat command line's suite flags, in the order they win: (attribute, suite).
+PICKS = (("comm", "comm"), ("train_steps", "train-step"), ("recurrences", "recurrences"))
+PICKS += (("decode", "decode"),)
+
+
+def _add(parser: argparse.ArgumentParser, flags) -> None:
+    for flag in flags:
+        parser.add_argument(flag, **FLAGS[flag])
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The flat command line (every flag, a suite picked by flag) with one
+    subcommand per suite."""
+    parser = argparse.ArgumentParser(
+        usage="%(prog)s [SUITE] [flags]",
+        description=DESCRIPTION,
+        epilog="Each suite is also a subcommand with only its own flags: "
+        "python -m experiments.benchmark SUITE --help.",
+    )
+    _add(parser, [f for f in FLAGS if f not in ("--config", "--out")])
+    for attribute, suite in PICKS:
+        flag = "--" + attribute.replace("_", "-")
+        if suite == "train-step":
+            parser.add_argument(
+                flag, metavar="CONFIG", nargs="?", const=TRAIN_CONFIG, help=SUITES[suite][1]
+            )
+        else:
+            parser.add_argument(flag, action="store_true", help=SUITES[suite][1])
+    _add(parser, ["--out"])
+    subcommands = parser.add_subparsers(dest="suite", metavar="SUITE", title="suites")
+    for name, (_, description, flags) in SUITES.items():
+        sub = subcommands.add_parser(name, help=description, description=description)
+        _add(sub, (*flags, "--out"))
+    return parser
+
+
+def parse(argv: Sequence[str]) -> tuple[str, argparse.Namespace]:
+    """The suite that ``argv`` runs and its arguments (exits with status 2 on bad ones)."""
+    argv = list(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.suite is not None:
+        if argv[0] != args.suite:  # the flags before it would be overridden by its defaults
+            parser.error(f"the suite comes first: {args.suite} and then its flags")
+        return args.suite, args
+    suite = next((suite for attribute, suite in PICKS if getattr(args, attribute)), "forms")
+    if suite == "train-step":
+        args.config = args.train_steps
+    return suite, args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Runs the suite of ``argv`` (the process's arguments when None; the process
+    first restarts itself under ``MALLOC_ENV``, and ``comm.ENV`` for ``comm``)."""
+    tokens = sys.argv[1:] if argv is None else list(argv)
+    if argv is None:
+        on_devices = "--comm" in tokens or tokens[:1] == ["comm"]
+        restart_with(MALLOC_ENV | (comm.ENV if on_devices else {}))
+    suite, args = parse(tokens)
+    command = ("python -m experiments.benchmark " + " ".join(tokens)).strip()
+    SUITES[suite][0].run(args, command)

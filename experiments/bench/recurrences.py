@@ -1,0 +1,95 @@
+"""Speed and memory of the recurrence families (additive decay, GLA, DeltaNet, Gated
+DeltaNet, KDA), chunked and as a per-token scan, against non-causal linear
+attention: forward ms, forward+backward ms and forward+backward scratch memory per
+length, as a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+import linattn_jax as la
+from experiments.bench.timing import scratch_mib, time_ms
+
+RECURRENCES = {
+    # name: (form, gate shape: None, "head" or "channel")
+    "additive_decay": ("additive", "head"),
+    "gla": ("additive", "channel"),
+    "deltanet": ("delta", None),
+    "gated_deltanet": ("delta", "head"),
+    "kda": ("delta", "channel"),
+}
+
+
+def recurrence_case(name: str, method: str, t: int, b: int = 1, h: int = 8, d: int = 64):
+    """``(fn, args)`` for one recurrence: ``fn(*args) -> out``, differentiable in every arg."""
+    form, gated = RECURRENCES[name]
+    keys = jax.random.split(jax.random.PRNGKey(t), 5)
+    q, k, v = (jax.random.normal(kk, (b, t, h, d), jnp.float32) for kk in keys[:3])
+    gate_shape = {None: None, "head": (b, t, h), "channel": (b, t, h, d)}[gated]
+    gate = None if gate_shape is None else -jax.nn.softplus(jax.random.normal(keys[3], gate_shape))
+    if form == "additive":
+        fn = lambda q, k, v, gate: la.causal_linear_attention(q, k, v, gate=gate, method=method)
+        return fn, (q, k, v, gate)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h)))
+    fn = lambda q, k, v, beta, gate: la.delta_rule(q, k, v, beta, gate=gate, method=method)
+    return fn, (q, k, v, beta, gate)
+
+
+def measure(lengths, repeats: int, scan_max: int, names=tuple(RECURRENCES)) -> list[dict]:
+    """Forward and forward+backward of every recurrence family, chunked and scan
+    (the scan up to ``scan_max``), one row each, printed as it is measured."""
+    rows = []
+    for t in lengths:
+        key = jax.random.PRNGKey(t)
+        q, k, v = (jax.random.normal(kk, (1, t, 8, 64)) for kk in jax.random.split(key, 3))
+        cases = [("noncausal", "", la.linear_attention, (q, k, v))]
+        for name in names:
+            for method in ("chunked", "scan"):
+                if method == "scan" and t > scan_max:
+                    continue
+                cases.append((name, method, *recurrence_case(name, method, t)))
+        for name, method, fn, args in cases:
+            argnums = tuple(i for i, a in enumerate(args) if a is not None)
+            grad = jax.grad(lambda *a, fn=fn: jnp.sum(fn(*a)), argnums=argnums)
+            row = dict(t=t, recurrence=name, method=method)
+            row["fwd_ms"] = time_ms(jax.jit(fn), args, repeats)[0]
+            row["fwd_bwd_ms"] = time_ms(jax.jit(grad), args, repeats)[0]
+            row["fwd_bwd_scratch_mib"] = scratch_mib(grad, args)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as a markdown table (ending in a newline)."""
+    lines = [
+        "| t | recurrence | method | fwd ms | fwd+bwd ms | fwd+bwd scratch MiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['t']} | {r['recurrence']} | {r['method']} | {r['fwd_ms']:.1f} "
+        f"| {r['fwd_bwd_ms']:.1f} | {r['fwd_bwd_scratch_mib']:.1f} |"
+        for r in rows
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write(rows: list[dict], out: Path) -> str:
+    """``recurrences.md`` in ``out``; returns its table."""
+    out.mkdir(parents=True, exist_ok=True)
+    text = table(rows)
+    (out / "recurrences.md").write_text(text)
+    return text
+
+
+def run(args: argparse.Namespace, command: str) -> None:
+    """Measures at ``args.lengths``, writes to ``args.out`` and prints the table."""
+    ints = lambda s: [int(x) for x in s.split(",") if x]
+    print(write(measure(ints(args.lengths), args.repeats, args.scan_max), Path(args.out)))

@@ -1,0 +1,103 @@
+"""The command lines of ``train``, ``sweep`` and ``recall``: their shared flags,
+``--config.<field>=<value>`` overrides, ``--print_config``'s listing, and errors
+reported in one line with exit status 2 (a bad command line or config) or 1 (a run
+that failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ml_collections import ConfigDict
+
+from experiments.configuration import flatten, load_config, override
+
+OVERRIDE_HELP = (
+    "--config.<field>=<value> (or --config.<field> <value>) overrides any field of the "
+    "config, e.g. --config.model.width=128 --config.optim.lr=3e-4; --print_config lists "
+    "the fields. Errors (a misspelt field, a bad value, a workdir of another config) are "
+    "one line on stderr and exit status 2; a run that fails (a non-finite loss, a full "
+    "disk) exits with status 1."
+)
+
+
+class UsageError(ValueError):
+    """A command line that cannot run (reported in one line, exit status 2)."""
+
+
+def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The flags shared by ``train``, ``sweep`` and ``recall``."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, epilog=OVERRIDE_HELP, allow_abbrev=False
+    )
+    parser.add_argument(
+        "--config",
+        required=True,
+        metavar="FILE[:VARIANT]",
+        help="the experiment config: configs/<experiment>.py, optionally with a variant "
+        "(configs/mqar.py:small calls get_config('small'))",
+    )
+    parser.add_argument(
+        "--workdir",
+        metavar="DIR",
+        help="where checkpoints, metrics.jsonl, TensorBoard events and plots go; rerunning "
+        "with the same workdir resumes there (required unless --print_config)",
+    )
+    parser.add_argument(
+        "--print_config",
+        action="store_true",
+        help="print the config's fields and values (after any --config.<field> overrides) and exit",
+    )
+    return parser
+
+
+def parse(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None
+) -> tuple[argparse.Namespace, ConfigDict]:
+    """Parses ``argv`` and applies its ``--config.<field>`` overrides.
+
+    Raises:
+      UsageError: an unknown flag or field, a bad value, or no ``--workdir``.
+    """
+    args, rest = parser.parse_known_args(argv)
+    overrides, i = [], 0
+    while i < len(rest):
+        token = rest[i]
+        if not token.startswith("--config."):
+            raise UsageError(f"unrecognised argument {token!r} (see --help)")
+        assignment = token.removeprefix("--config.")
+        if "=" not in assignment:
+            if i + 1 == len(rest) or rest[i + 1].startswith("--"):
+                raise UsageError(f"{token} needs a value: {token}=<value>")
+            assignment, i = f"{assignment}={rest[i + 1]}", i + 1
+        overrides.append(assignment)
+        i += 1
+    try:
+        config = load_config(args.config)
+        for assignment in overrides:
+            override(config, assignment)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.workdir is None and not args.print_config:
+        raise UsageError("--workdir is required (or --print_config)")
+    return args, config
+
+
+def format_config(config: ConfigDict) -> str:
+    """One ``field = value`` line per field, as ``--config.<field>`` takes it."""
+    fields = flatten(config)
+    width = max(map(len, fields))
+    show = lambda v: str(v).lower() if isinstance(v, bool) else (repr(v) if v == "" else str(v))
+    return "\n".join(f"{name:<{width}} = {show(value)}" for name, value in fields.items())
+
+
+def report(prog: str, error: BaseException) -> int:
+    """Prints ``error`` as one line; returns the exit status."""
+    message = " ".join(str(error).split()) or type(error).__name__
+    # One write, line and newline together: a failed orbax save's threads may print
+    # to stderr at the same time, and print() writes the newline separately.
+    sys.stderr.write(f"{prog}: error: {message}\n")
+    sys.stderr.flush()
+    return 2 if isinstance(error, ValueError) else 1

@@ -1,0 +1,295 @@
+"""Whether a config can run, decided before any compute: one row per field of what
+its value must be (``FIELDS``), rules that tie fields together (``RULES``), the
+fields each attention kind reads (a field a kind does not read is not checked), and
+which fields a workdir's run may resume under new values of (``RESUMABLE``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from ml_collections import ConfigDict
+
+from experiments.configuration import flatten
+from experiments.tasks import TASKS, mqar_shapes, parse_mix
+from linattn_jax import attention, feature_maps, layers
+
+# ============================================================================
+# Per attention kind: what each kind reads and supports, all in this one place
+# (to be read from the library's registry, linattn_jax.layers.registry, once it
+# exists). A new kind in layers.ATTENTION_KINDS gets a row in ATTENTION_FIELDS
+# and its kwargs in trainer.build_model (tests check that the kinds match).
+# ============================================================================
+
+# The model fields each attention kind reads (the others are not checked for it).
+ATTENTION_FIELDS = {
+    "linear": (
+        "feature_map",
+        "method",
+        "chunk_size",
+        "decay",
+        "gate",
+        "normalize",
+        "num_features",
+        "feature_dim",
+    ),
+    "softmax": (),
+    "gla": ("method", "chunk_size"),
+    "deltanet": ("chunk_size",),
+    "gated_deltanet": ("chunk_size",),
+    "kda": ("chunk_size",),
+}
+KIND_FIELDS = {field for fields in ATTENTION_FIELDS.values() for field in fields}
+# The kinds whose layers split one sequence over devices (--config.mesh.sequence=N).
+SEQUENCE_PARALLEL = ("linear", "gla", "deltanet", "gated_deltanet", "kda")
+# Linear attention's feature maps besides feature_maps.names(): random or learned ones.
+RANDOM_OR_LEARNED = ("favor_plus", "random_fourier", "hedgehog", "cosformer")
+
+
+def _feature_map_names() -> tuple[str, ...]:
+    return tuple(feature_maps.names()) + RANDOM_OR_LEARNED
+
+
+def _requires_normalize(feature_map: str) -> bool:
+    fn = layers.RANDOM_FEATURES.get(feature_map)
+    if fn is None and feature_map in feature_maps.names():
+        fn = feature_maps.get(feature_map)
+    return bool(getattr(fn, "requires_normalize", False))
+
+
+# ============================================================================
+# Fields: (value -> ok, what it must be).
+# ============================================================================
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _integer(lo: int) -> tuple[Callable[[Any], bool], str]:
+    ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= lo
+    return ok, f"an integer >= {lo}"
+
+
+def _number(lo: float, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = True):
+    def ok(v):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            return False
+        return (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+
+    left, right = "(" if lo_open else "[", ")" if hi_open else "]"
+    text = f"a number > {lo}" if lo_open else f"a number >= {lo}"
+    return ok, text if hi == math.inf else f"a number in {left}{lo}, {hi}{right}"
+
+
+def _one_of(choices) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v in tuple(choices)), f"one of {tuple(choices)}"
+
+
+def _decay_ok(value: Any) -> bool:
+    if value in ("", "retnet"):
+        return True
+    try:
+        return 0 < float(value) <= 1
+    except (TypeError, ValueError):
+        return False
+
+
+def _mix_ok(value) -> bool:
+    try:
+        return isinstance(value, str) and (parse_mix(value) or not value.strip())
+    except ValueError:
+        return False
+
+
+_BOOL = (lambda v: isinstance(v, bool)), "true or false"
+
+FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "seed": _integer(0),
+    "steps": _integer(1),
+    "batch_size": _integer(1),
+    "seq_len": _integer(1),
+    "log_every": _integer(1),
+    "eval_every": _integer(1),
+    "eval_batches": _integer(1),
+    "checkpoint_every": _integer(1),
+    "keep_checkpoints": _integer(1),
+    "stop_at": (_integer(0)[0], "an integer >= 0 (0: run to `steps`)"),
+    "progress": _BOOL,
+    "resume": _BOOL,
+    "mesh.sequence": _integer(1),
+    "model.attention": _one_of(ATTENTION_FIELDS),
+    "model.method": _one_of(attention.METHODS),
+    "model.chunk_size": _integer(1),
+    "model.decay": (_decay_ok, "'', 'retnet' or a number in (0, 1]"),
+    "model.gate": _BOOL,
+    "model.normalize": _BOOL,
+    "model.num_features": (_integer(0)[0], "an integer >= 0 (0: 2 * head_dim)"),
+    "model.feature_dim": (_integer(0)[0], "an integer >= 0 (0: q and k keep head_dim)"),
+    "model.width": _integer(1),
+    "model.depth": _integer(1),
+    "model.num_heads": _integer(1),
+    "model.mlp_ratio": _integer(1),
+    "model.short_conv": _integer(0),
+    "model.dtype": _one_of(DTYPES),
+    "optim.lr": _number(0, lo_open=True),
+    "optim.warmup_steps": _integer(0),
+    "optim.weight_decay": _number(0),
+    "optim.grad_clip": _number(0, lo_open=True),
+    "optim.b1": _number(0, 1),
+    "optim.b2": _number(0, 1),
+    "mqar.num_pairs": _integer(1),
+    "mqar.vocab_size": _integer(4),
+    "mqar.spread": _BOOL,
+    "mqar.train_mix": (_mix_ok, "'' or 'seq_len:num_pairs,...' (e.g. '64:4,128:8')"),
+    "mqar.test_mix": (_mix_ok, "'' or 'seq_len:num_pairs,...' (e.g. '256:16')"),
+    "listops.max_depth": _integer(1),
+    "listops.max_args": _integer(1),
+    "text.num_files": _integer(1),
+    "text.val_fraction": _number(0, 1, lo_open=True),
+    "text.sample_length": _integer(0),
+    "text.sample_prompt": ((lambda v: isinstance(v, str) and v != ""), "a non-empty string"),
+}
+
+
+# ============================================================================
+# Rules over several fields: config -> a message, or None when it holds.
+# ============================================================================
+
+
+def _mesh_rule(config: ConfigDict) -> str | None:
+    seq_devices = config.mesh.sequence
+    if jax.device_count() % seq_devices:
+        return f"mesh.sequence={seq_devices} must divide the {jax.device_count()} devices"
+    data_devices = jax.device_count() // seq_devices
+    if config.batch_size % data_devices:
+        return (
+            f"batch_size={config.batch_size} must be divisible by the {data_devices} devices "
+            f"of the data axis"
+        )
+    if seq_devices > 1:
+        if TASKS[config.task].kind != "lm" or config.model.attention not in SEQUENCE_PARALLEL:
+            return (
+                "mesh.sequence > 1 (sequence parallelism) needs a causal language model with "
+                f"attention in {SEQUENCE_PARALLEL}"
+            )
+        if config.seq_len % seq_devices:
+            return f"seq_len={config.seq_len} must be divisible by mesh.sequence={seq_devices}"
+    return None
+
+
+def _mqar_rule(config: ConfigDict) -> str | None:
+    c = config.mqar
+    for split, field in (("train", "train_mix"), ("eval", "test_mix")):
+        mix = c.get(field, "")
+        for length, pairs in mqar_shapes(config, split):
+            if mix and length > config.seq_len:
+                return (
+                    f"mqar.{field} has seq_len {length} > seq_len={config.seq_len} "
+                    f"(seq_len is the longest sequence the model sees)"
+                )
+            split_name = f"mqar.{field}'s {length}:{pairs}" if mix else f"seq_len={length}"
+            pairs_name = "num_pairs" if mix else "mqar.num_pairs"
+            if 4 * pairs > length:
+                return (
+                    f"{split_name} is too short for MQAR with {pairs_name}={pairs} "
+                    f"(needs 4 * num_pairs)"
+                )
+            if pairs > c.vocab_size // 2 - 1:
+                return (
+                    f"mqar.vocab_size={c.vocab_size} has too few keys for {pairs_name}={pairs} "
+                    f"(needs vocab_size >= 2 * num_pairs + 2)"
+                )
+    return None
+
+
+RULES: list[Callable[[ConfigDict], str | None]] = [
+    lambda c: (
+        f"model.num_heads={c.model.num_heads} must divide model.width={c.model.width}"
+        if c.model.width % c.model.num_heads
+        else None
+    ),
+    lambda c: (
+        f"model.feature_map={c.model.feature_map!r} needs model.normalize=true (its per-query "
+        f"stabilising shift cancels only when normalised), got model.normalize=false"
+        if c.model.attention == "linear"
+        and not c.model.normalize
+        and _requires_normalize(c.model.feature_map)
+        else None
+    ),
+    _mesh_rule,
+    lambda c: _mqar_rule(c) if c.task == "mqar" else None,
+    lambda c: (
+        f"seq_len={c.seq_len} is too short for ListOps (needs >= 8)"
+        if c.task == "listops" and c.seq_len < 8
+        else None
+    ),
+]
+
+
+def validate(config: ConfigDict) -> None:
+    """Fails before any compute, and before the workdir is touched, on a config
+    that cannot run.
+
+    Raises:
+      ValueError: naming the first bad field, what it must be and what it is.
+    """
+    if config.get("task") not in TASKS:
+        raise ValueError(f"task must be one of {tuple(TASKS)}, got {config.get('task')!r}")
+    fields = flatten(config)
+    used = ATTENTION_FIELDS.get(fields.get("model.attention"), ())
+    for name, (ok, expected) in FIELDS.items():
+        if name not in fields:
+            continue  # another task's section
+        short = name.removeprefix("model.")
+        if name.startswith("model.") and short in KIND_FIELDS and short not in used:
+            continue  # a field this attention kind does not read
+        if not ok(fields[name]):
+            raise ValueError(f"{name} must be {expected}, got {fields[name]!r}")
+    if "feature_map" in used and fields["model.feature_map"] not in _feature_map_names():
+        raise ValueError(
+            f"model.feature_map must be one of {_feature_map_names()}, "
+            f"got {fields['model.feature_map']!r}"
+        )
+    for rule in RULES:
+        message = rule(config)
+        if message:
+            raise ValueError(message)
+
+
+# ============================================================================
+# Resumption.
+# ============================================================================
+
+# Fields that change neither the model, the task nor the data: a workdir's run
+# resumes under new values of these (a prefix names a whole section).
+RESUMABLE = (
+    "recall",  # experiments.recall's grid (each run's own fields are checked)
+    "steps",
+    "stop_at",
+    "optim",
+    "log_every",
+    "eval_every",
+    "eval_batches",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "progress",
+    "resume",
+    "mesh",
+    "text.sample_prompt",
+    "text.sample_length",
+)
+
+
+def config_changes(stored: dict, config: ConfigDict) -> list[str]:
+    """The fields outside ``RESUMABLE`` where ``config`` differs from ``stored``."""
+    old, new = flatten(stored), flatten(config)
+    changes = []
+    for name in sorted(old.keys() | new.keys()):
+        if any(name == p or name.startswith(p + ".") for p in RESUMABLE):
+            continue
+        before, now = old.get(name, "<absent>"), new.get(name, "<absent>")
+        if before != now:
+            changes.append(f"{name}={before!r} there, {now!r} now")
+    return changes
