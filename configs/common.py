@@ -23,10 +23,10 @@ def base() -> ConfigDict:
     c.mesh.sequence = 1  # devices along the sequence (sequence-parallel linear attention)
 
     c.model = ConfigDict()
-    c.model.attention = "linear"  # "linear" or "softmax"
+    c.model.attention = "linear"  # a kind of linattn_jax.layers.ATTENTION_KINDS
     c.model.feature_map = "elu"
     c.model.method = "chunked"
-    c.model.chunk_size = 64
+    c.model.chunk_size = 0  # tokens per chunk (0: the family's default)
     c.model.decay = ""  # "", "retnet" or a float in (0, 1]
     c.model.gate = False
     c.model.normalize = True

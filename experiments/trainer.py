@@ -28,10 +28,25 @@ from experiments.checkpoints import Checkpointer, prepare_workdir, restore_lates
 from experiments.tasks import TASKS, Task, build_task
 from experiments.validation import validate
 from linattn_jax import models
+from linattn_jax.layers import registry
 
 # ----------------------------------------------------------------------------
 # Model and optimiser.
 # ----------------------------------------------------------------------------
+
+
+def _same(value):
+    return value
+
+
+# A config field's value as the layer option (0 and "" mean the layer's default; a field
+# missing from an older run's stored config reads as None).
+_OPTION = {
+    "chunk_size": lambda n: n or None,
+    "decay": lambda d: None if d in ("", None) else (d if d == "retnet" else float(d)),
+    "num_features": lambda n: n or None,
+    "feature_dim": lambda n: n or None,
+}
 
 
 def build_model(config: ConfigDict, mesh: Mesh | None = None) -> nnx.Module:
@@ -43,26 +58,11 @@ def build_model(config: ConfigDict, mesh: Mesh | None = None) -> nnx.Module:
         rngs=nnx.Rngs(config.seed),
         dtype=jnp.dtype(m.dtype),
     )
-    # Each kind's own kwargs: the fields validation.ATTENTION_FIELDS says it reads.
-    if m.attention == "linear":
-        decay = None if m.decay == "" else (m.decay if m.decay == "retnet" else float(m.decay))
-        kwargs.update(
-            feature_map=m.feature_map,
-            method=m.method,
-            chunk_size=m.chunk_size,
-            decay=decay,
-            gate=m.gate,
-            normalize=m.normalize,
-            num_features=m.num_features or None,
-            feature_dim=m.get("feature_dim", 0) or None,
-            max_length=max(config.seq_len, 1),
-        )
-    elif m.attention == "gla":
-        kwargs.update(method=m.method, chunk_size=m.chunk_size)
-    elif m.attention in ("deltanet", "gated_deltanet", "kda"):
-        kwargs.update(chunk_size=m.chunk_size)
-    else:
-        kwargs.update(max_length=config.seq_len)
+    # Each kind's own options: the fields its registry entry names, as the layer takes them.
+    kind = registry.get(m.attention)
+    kwargs.update({name: _OPTION.get(name, _same)(m.get(name)) for name in kind.options})
+    if kind.takes_max_length:
+        kwargs.update(max_length=max(config.seq_len, 1))
     if config.mesh.sequence > 1:
         kwargs.update(sequence_axis="sequence", batch_axis="data", mesh=mesh)
     if spec.kind == "lm":

@@ -13,40 +13,23 @@ from typing import Any
 import jax
 from ml_collections import ConfigDict
 
+import linattn_jax as la
 from experiments.configuration import flatten
 from experiments.tasks import TASKS, mqar_shapes, parse_mix
-from linattn_jax import attention, feature_maps, layers
+from linattn_jax import feature_maps, layers
+from linattn_jax.layers import registry
 
 # ============================================================================
-# Per attention kind: what each kind reads and supports, all in this one place
-# (to be read from the library's registry, linattn_jax.layers.registry, once it
-# exists). A new kind in layers.ATTENTION_KINDS gets a row in ATTENTION_FIELDS
-# and its kwargs in trainer.build_model (tests check that the kinds match).
+# Per attention kind: read from the library's one registry (linattn_jax.layers.registry).
 # ============================================================================
 
 # The model fields each attention kind reads (the others are not checked for it).
-ATTENTION_FIELDS = {
-    "linear": (
-        "feature_map",
-        "method",
-        "chunk_size",
-        "decay",
-        "gate",
-        "normalize",
-        "num_features",
-        "feature_dim",
-    ),
-    "softmax": (),
-    "gla": ("method", "chunk_size"),
-    "deltanet": ("chunk_size",),
-    "gated_deltanet": ("chunk_size",),
-    "kda": ("chunk_size",),
-}
+ATTENTION_FIELDS = {kind: spec.options for kind, spec in registry.KINDS.items()}
 KIND_FIELDS = {field for fields in ATTENTION_FIELDS.values() for field in fields}
 # The kinds whose layers split one sequence over devices (--config.mesh.sequence=N).
-SEQUENCE_PARALLEL = ("linear", "gla", "deltanet", "gated_deltanet", "kda")
+SEQUENCE_PARALLEL = tuple(kind for kind, spec in registry.KINDS.items() if spec.sequence_parallel)
 # Linear attention's feature maps besides feature_maps.names(): random or learned ones.
-RANDOM_OR_LEARNED = ("favor_plus", "random_fourier", "hedgehog", "cosformer")
+RANDOM_OR_LEARNED = feature_maps.NEEDS_CONSTRUCTION
 
 
 def _feature_map_names() -> tuple[str, ...]:
@@ -120,8 +103,8 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "resume": _BOOL,
     "mesh.sequence": _integer(1),
     "model.attention": _one_of(ATTENTION_FIELDS),
-    "model.method": _one_of(attention.METHODS),
-    "model.chunk_size": _integer(1),
+    "model.method": _one_of(la.METHODS),
+    "model.chunk_size": (_integer(0)[0], "an integer >= 0 (0: the family's default)"),
     "model.decay": (_decay_ok, "'', 'retnet' or a number in (0, 1]"),
     "model.gate": _BOOL,
     "model.normalize": _BOOL,

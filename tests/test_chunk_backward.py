@@ -81,9 +81,7 @@ def _inputs(case, feature_map, poison=False):
     return (q, k, v), dict(decay=opts.get("decay"), gate=gate), segment_ids, key_mask
 
 
-def _run(
-    form, case, feature_map, *, normalize, with_state, diagonal, poison=False, chunk_size=C
-):
+def _run(form, case, feature_map, *, normalize, with_state, diagonal, poison=False, chunk_size=C):
     """(outputs, vjp) of the chunked form on raw inputs, through ``features``."""
     (q, k, v), decay_gate, segment_ids, key_mask = _inputs(case, feature_map, poison)
     f = la.feature_maps.feature_dim(feature_map, D, H)

@@ -9,6 +9,9 @@ from flax import nnx
 
 import linattn_jax as la
 from experiments import sweep, trainer
+from experiments.configuration import load_config, override
+from experiments.tasks import build_task
+from experiments.validation import validate
 from linattn_jax import layers, models
 from tests.helpers import tol
 
@@ -67,7 +70,9 @@ def _reference(layer: layers.DeltaRuleAttention, x: np.ndarray) -> np.ndarray:
         )
     elif layer.variant == "kda":
         first, second = layer.gate.proj.layers
-        a = (x @ _np(first.kernel) @ _np(second.kernel) + _np(layer.gate.dt_bias)).reshape(b, t, h, d)
+        a = (x @ _np(first.kernel) @ _np(second.kernel) + _np(layer.gate.dt_bias)).reshape(
+            b, t, h, d
+        )
         alpha = np.exp(-np.exp(_np(layer.gate.A_log))[:, None] * _softplus(a))
     out = np.zeros((b, t, h, d))
     s = np.zeros((b, h, d, d))
@@ -232,7 +237,7 @@ def test_language_model_generates_with_each_kind(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_mqar_config_trains_a_step(kind):
-    config = trainer.load_config("configs/mqar.py:small")
+    config = load_config("configs/mqar.py:small")
     for assignment in [
         *sweep.expand(f"attention={kind}")[0],
         "seq_len=32",
@@ -242,11 +247,11 @@ def test_mqar_config_trains_a_step(kind):
         "model.chunk_size=8",
         "optim.warmup_steps=0",  # a first step with a learning rate above 0
     ]:
-        trainer.override(config, assignment)
-    trainer.validate(config)
+        override(config, assignment)
+    validate(config)
     assert config.model.attention == kind
     model = trainer.build_model(config)
-    task = trainer.build_task(config)
+    task = build_task(config)
     optimizer = nnx.Optimizer(model, trainer.build_optimizer(config), wrt=nnx.Param)
     before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
     batch = task.batch(0, "train")

@@ -226,13 +226,11 @@ class KVCacheLengthTest(parameterized.TestCase):
 
 @pytest.mark.slow
 def test_decode_benchmark_smoke(tmp_path):
-    from experiments import benchmark
+    from experiments.bench import decode
 
     # Linear decodes from a synthetic state (prefill_tokens=8 < 16), softmax after a prefill.
-    result = benchmark.decode_per_token(
-        (16, 32), (1,), prefill_tokens=8, readme_steps=4, warmup_s=0.0
-    )
-    text = benchmark.write_decode_outputs(result, tmp_path, "smoke")
+    result = decode.measure((16, 32), (1,), prefill_tokens=8, readme_steps=4, warmup_s=0.0)
+    text = decode.write(result, tmp_path, "smoke")
     assert {(r["attention"], r["decode_from"]) for r in result["rows"]} == {
         ("linear", "synthetic state"),
         ("softmax", "prefill"),

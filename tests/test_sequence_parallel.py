@@ -20,7 +20,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import linattn_jax as la
-from linattn_jax import layers, sequence_parallel
+from experiments.bench.comm import allgather_bytes, communication_bytes
+from linattn_jax import layers
 from tests import helpers
 
 EIGHT = jax.device_count() == 8
@@ -163,8 +164,8 @@ class SequenceParallelTest(chex.TestCase):
             )
         )
         hlo = fn.lower(q, q, q, gate=gate).compile().as_text()
-        gathered = sequence_parallel.allgather_bytes(hlo)
-        expected = sequence_parallel.communication_bytes(b, t, h, d, d, d, shards, decayed)
+        gathered = allgather_bytes(hlo)
+        expected = communication_bytes(b, t, h, d, d, d, shards, decayed)
         # all-gather results hold all n shards; a device receives n - 1 of them.
         assert gathered * (shards - 1) // shards == expected["linear_state_allgather"]
 
@@ -210,8 +211,8 @@ class SequenceParallelTest(chex.TestCase):
             )
         )
         hlo = fn.lower(x, x, x, beta, gate=gate).compile().as_text()
-        gathered = sequence_parallel.allgather_bytes(hlo)
-        expected = sequence_parallel.communication_bytes(b // 2, t, h, d, d, d, shards)
+        gathered = allgather_bytes(hlo)
+        expected = communication_bytes(b // 2, t, h, d, d, d, shards)
         assert gathered * (shards - 1) // shards == expected["delta_state_allgather"]
         for collective in ("all-to-all", "collective-permute", "reduce-scatter", "all-reduce"):
             assert collective not in hlo, collective

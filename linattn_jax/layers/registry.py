@@ -29,6 +29,8 @@ class AttentionKind:
         (``model.<name>``); the others are not read for it.
       sequence_parallel: whether its layer splits one sequence over devices
         (``sequence_axis=``).
+      takes_max_length: whether its layer takes ``max_length=``, the longest sequence it
+        will see (cosFormer's reweighting, softmax's KV cache).
     """
 
     layer: Callable[..., nnx.Module]
@@ -37,6 +39,7 @@ class AttentionKind:
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     options: tuple[str, ...] = ()
     sequence_parallel: bool = True
+    takes_max_length: bool = False
 
 
 _LINEAR_OPTIONS = (
@@ -53,14 +56,19 @@ _frozen = MappingProxyType
 
 KINDS: Mapping[str, AttentionKind] = _frozen(
     {
-        "linear": AttentionKind(LinearAttention, "linear attention", options=_LINEAR_OPTIONS),
-        "softmax": AttentionKind(SoftmaxAttention, "softmax attention", sequence_parallel=False),
+        "linear": AttentionKind(
+            LinearAttention, "linear attention", options=_LINEAR_OPTIONS, takes_max_length=True
+        ),
+        "softmax": AttentionKind(
+            SoftmaxAttention, "softmax attention", sequence_parallel=False, takes_max_length=True
+        ),
         "gla": AttentionKind(
             LinearAttention,
             "GLA",
             fixed=_frozen({"gate": "channel"}),
             defaults=_frozen({"feature_map": "identity", "normalize": False}),
             options=("method", "chunk_size"),
+            takes_max_length=True,
         ),
         "deltanet": AttentionKind(
             DeltaRuleAttention,

@@ -54,7 +54,8 @@ from linattn_jax.ops import checks
 from linattn_jax.typing import FeatureMap
 
 _REGISTRY: dict[str, FeatureMap] = {}
-_NEEDS_A_KEY = {"favor_plus", "random_fourier", "hedgehog", "cosformer"}
+# The maps a layer builds itself (a PRNG key, parameters or a length): names besides names().
+NEEDS_CONSTRUCTION = ("favor_plus", "random_fourier", "hedgehog", "cosformer")
 
 
 def register(name: str, *, signed: bool = False) -> Callable[[FeatureMap], FeatureMap]:
@@ -97,7 +98,7 @@ def get(feature_map: str | FeatureMap) -> FeatureMap:
     if isinstance(feature_map, str) and feature_map in _REGISTRY:
         return _REGISTRY[feature_map]
     hint = ""
-    if feature_map in _NEEDS_A_KEY:
+    if feature_map in NEEDS_CONSTRUCTION:
         hint = (
             f" ({feature_map!r} has parameters or positions: build it with "
             f"linattn_jax.feature_maps.{feature_map}(...) or use the Flax layer)"
