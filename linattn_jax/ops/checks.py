@@ -173,10 +173,13 @@ def log_decay(
             )
         if not jnp.issubdtype(gate.dtype, jnp.floating):
             raise ValueError(f"gate must be floating-point log-decays, got dtype {gate.dtype}")
-        if is_concrete(gate) and gate.size and np.max(np.asarray(gate)) > 0:
-            raise ValueError(
-                f"gate must be log-decays <= 0, got a maximum of {np.max(np.asarray(gate))}"
-            )
+        if is_concrete(gate) and is_concrete(key_mask) and gate.size:
+            real = np.asarray(gate)  # padding is never validated: it may hold anything
+            if key_mask is not None:
+                mask = np.asarray(key_mask).reshape(key_mask.shape + (1,) * (real.ndim - 2))
+                real = np.where(mask, real, 0.0)
+            if np.max(real) > 0:
+                raise ValueError(f"gate must be log-decays <= 0, got a maximum of {np.max(real)}")
         g = gate.astype(dtype)
         # Not jnp.minimum: at a tie it would pass on half the gradient of a gate of exactly 0.
         g = jnp.where(g > 0, 0.0, g)

@@ -308,6 +308,67 @@ class Decays(NamedTuple):
     across: Array
 
 
+def reset_below(dtype) -> float:
+    """The log-decay under which a decay is a full reset: ``2 log(eps)`` of ``dtype``
+    (-31.9 in float32, -72.1 in float64). What such a decay leaves of a state is below
+    ``eps^2`` of it, under the rounding of the state itself, so a reset computes the same."""
+    return 2.0 * float(np.log(np.finfo(dtype).eps))
+
+
+def finite_tokens(*xs: Array | None, log_decays: Array | None = None) -> Array:
+    """``[b, h|1, c]`` bool: the tokens whose entries are finite in every ``x [b, h|1, c, ...]``
+    and, in ``log_decays``, not NaN or ``+inf`` (``-inf`` is a reset). None entries are
+    skipped."""
+    ok = None
+    checked = [(x, jnp.isfinite) for x in xs] + [(log_decays, lambda g: g < jnp.inf)]
+    for x, test in checked:
+        if x is not None:
+            good = jnp.all(test(x), axis=tuple(range(3, x.ndim)))
+            ok = good if ok is None else ok & good
+    return ok
+
+
+def where_finite(ok: Array, x: Array | None) -> Array | None:
+    """``x [b, h|1, c, ...]`` with zeros where ``ok`` (``[b, h|1, c]``, or ``x``'s shape)
+    is False."""
+    if x is None:
+        return None
+    mask = ok.reshape(ok.shape + (1,) * (x.ndim - ok.ndim))
+    return jnp.where(mask, x, jnp.zeros((), x.dtype))
+
+
+def finite_values(ok: Array, v: Array) -> tuple[Array, Array, Array]:
+    """A chunk's values ``v [b, h, c, dv]`` for tokens ``ok [b, h, c]``: ``(v with zeros at
+    non-finite entries and at tokens not ok, the outputs to poison [b, h, c, dv], the
+    state's value columns to poison [b, h, 1, dv])``.
+
+    A chunk computes with non-finite inputs replaced by zeros and sets to NaN what the
+    per-token recurrence would make non-finite: every output from a bad token on (a bad
+    key, beta or gate), or one value channel from a non-finite value on (the value
+    channels never mix). Else a masked matmul would spread ``0 * NaN`` to the earlier
+    tokens: causal means an output never depends on a later input.
+    """
+    finite = jnp.isfinite(v)
+    token = ~ok[..., None]
+    outputs = jnp.cumsum(token | ~finite, axis=2) > 0
+    columns = jnp.any(token, axis=2, keepdims=True) | jnp.any(~finite, axis=2, keepdims=True)
+    return where_finite(finite & ~token, v), outputs, columns
+
+
+def poisoned(ok: Array) -> Array:
+    """``[b, h|1, c]`` bool: the tokens at or after the chunk's first one that ``ok`` marks
+    False (see ``finite_values``)."""
+    return jnp.cumsum(~ok, axis=2) > 0
+
+
+def nan_where(mask: Array, x: Array | None) -> Array | None:
+    """``x`` with NaN where ``mask`` (broadcast from the left) is True."""
+    if x is None:
+        return None
+    mask = mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
+    return jnp.where(mask, jnp.full((), jnp.nan, x.dtype), x)
+
+
 def token_decays(g: Array | None, r: Array | None, shape: tuple[int, ...], dtype):
     """Each token's own decay ``a_i = exp(g_i)`` (0 at a reset; ``exp(-inf) = 0``) as
     ``[b, h, c, 1|g]``, or None: what the per-token (scan) forms multiply the state by."""
@@ -321,13 +382,15 @@ def decays(g: Array | None, r: Array | None, shape: tuple[int, ...], dtype) -> D
     """The chunk's ``Decays``, or None when it has neither log-decays nor resets.
 
     ``shape`` is ``[b, h, c]``: the shape of the per-head decays when ``g`` is None.
-    A log-decay of ``-inf`` zeroes the state: it becomes a reset here, with a log-decay
-    of 0, so that no difference of cumulative sums ever meets an infinity.
+    A log-decay below ``reset_below(dtype)`` (``-inf`` included) zeroes the state: it
+    becomes a reset here, with a log-decay of 0, so that no cumulative sum ever holds a
+    huge value (float32 would absorb the later gates into it: ``-1e10 + -0.5 == -1e10``)
+    or meets an infinity.
     """
     if g is None and r is None:
         return None
     if g is not None:
-        reset = jnp.isneginf(g)
+        reset = g < reset_below(g.dtype)
         g = jnp.where(reset, 0.0, g)
         reset = reset.astype(dtype)
         r = reset if r is None else jnp.maximum(r, reset)

@@ -161,6 +161,8 @@ def chunk_body(diagonal: bool, kernel, state, x, *, dtype=None, eps=None, phi=No
     Returns:
       ``(state after the chunk, (numerator [b, h, c, v], denominator [b, h, c] | None))``.
     """
+    x, ok, bad_v, spoilt_v = _finite_inputs(x, phi)
+    bad, spoilt = chunking.poisoned(ok), ~jnp.all(ok, axis=2)
     v = _values(x, phi)
     s, z = state
     mixed = functools.partial(chunking.einsum, dtype=dtype)
@@ -168,14 +170,37 @@ def chunk_body(diagonal: bool, kernel, state, x, *, dtype=None, eps=None, phi=No
     scores, q_in, k_out, across = parts
     num = mixed("bhij,bhjv->bhiv", scores, v) + mixed("bhif,bhfv->bhiv", q_in, s)
     # The state's update keeps float32 operands: it is what the scan and step forms write.
-    s = _decay(across, s) + jnp.einsum("bhjf,bhjv->bhfv", k_out, v)
+    s = chunking.nan_where(spoilt_v, _decay(across, s) + jnp.einsum("bhjf,bhjv->bhfv", k_out, v))
     if z is None:
-        return (s, None), (num, None)
+        return (s, None), (chunking.nan_where(bad_v, num), None)
     den = _denominator(scores, q_in, z)
-    z = _decay(across, z) + jnp.sum(k_out, axis=2)
+    z = chunking.nan_where(spoilt, _decay(across, z) + jnp.sum(k_out, axis=2))
     if eps is not None:
-        return (s, z), (num / divisor(den, eps)[..., None], None)
-    return (s, z), (num, den)
+        return (s, z), (chunking.nan_where(bad_v, num / divisor(den, eps)[..., None]), None)
+    return (s, z), (chunking.nan_where(bad_v, num), chunking.nan_where(bad, den))
+
+
+# The entries of a chunk's x through which a later token reaches earlier ones (keys,
+# log-decays; the raw keys of a kernel_from_dots map; the values apart, per channel):
+# non-finite ones are replaced by zeros and poison the outputs from their token on
+# (``chunking.finite_values``).
+_KEYS, _VALUES, _LOG_DECAYS, _RAW_KEYS = 1, 2, 3, 6
+
+
+def _finite_inputs(x, phi):
+    """``(x with non-finite keys, log-decays and values zeroed, ok [b, h|1, c], the outputs
+    to poison [b, h, c, dv], the state columns to poison [b, h, 1, dv])``."""
+    x = list(x)
+    if phi is not None and x[-1] is not None:  # dead tokens (raw inputs) hold anything
+        for i in (_KEYS, _VALUES):
+            x[i] = chunking.where_finite(x[-1][..., 0], x[i])
+    raw_keys = x[_RAW_KEYS] if len(x) > _RAW_KEYS and phi is None else None
+    ok = chunking.finite_tokens(x[_KEYS], raw_keys, log_decays=x[_LOG_DECAYS])
+    v, bad_v, spoilt_v = chunking.finite_values(ok, x[_VALUES])
+    for i in (_KEYS, _LOG_DECAYS) + ((_RAW_KEYS,) if raw_keys is not None else ()):
+        x[i] = chunking.where_finite(ok, x[i])
+    x[_VALUES] = v
+    return tuple(x), ok, bad_v, spoilt_v
 
 
 def _denominator(scores, q_in, z):
@@ -198,7 +223,15 @@ def chunk_body_bwd(diagonal: bool, kernel, d_state, inputs, *, dtype=None, eps=N
       ``((dS, dZ | None) before the chunk, d x)``.
     """
     (s, z), x, (out, _), (d_num, d_den) = inputs
+    raw = x
+    x, ok, bad_v, spoilt_v = _finite_inputs(x, phi)
+    # Poisoned outputs and states are constants (NaN): no cotangent flows from them.
+    d_num, out = (chunking.where_finite(~bad_v, y) for y in (d_num, out))
+    if d_den is not None:
+        d_den = chunking.where_finite(~chunking.poisoned(ok), d_den)
     d_s, d_z = d_state
+    d_s = chunking.where_finite(~spoilt_v, d_s)
+    d_z = None if d_z is None else chunking.where_finite(jnp.all(ok, axis=2), d_z)
     v = _values(x, phi)
     mixed = functools.partial(chunking.einsum, dtype=dtype)
     parts, vjp = jax.vjp(
@@ -231,7 +264,12 @@ def chunk_body_bwd(diagonal: bool, kernel, d_state, inputs, *, dtype=None, eps=N
     (d_x,) = vjp((d_scores, d_q_in, d_k_out, d_across))
     if phi is not None:  # the raw values' cotangent: none at a dead token
         d_v = _live(x[-1], d_v)
-    return (d_s_prev, d_z_prev), d_x[:2] + (d_v,) + d_x[2:]
+    d_x = list(d_x[:2] + (d_v,) + d_x[2:])
+    for i in (_KEYS, _LOG_DECAYS, _RAW_KEYS):  # no cotangent reaches a zeroed input
+        if i < len(d_x) and d_x[i] is not None and d_x[i].ndim == 4:
+            d_x[i] = chunking.where_finite(ok, d_x[i])
+    d_x[_VALUES] = chunking.where_finite(jnp.isfinite(raw[_VALUES]) & ok[..., None], d_v)
+    return (d_s_prev, d_z_prev), tuple(d_x)
 
 
 def _values(x, phi):
