@@ -38,7 +38,8 @@ class TransformerBlock(nnx.Module):
     """Pre-norm block: ``x + attn(conv(norm(x)))``, then ``x + mlp(norm(x))``.
 
     Args:
-      width, num_heads: as in the attention layers.
+      width: model width (input and output features).
+      num_heads: heads of the attention layer; must divide ``width``.
       attention: one of ``registry.ATTENTION_KINDS`` (``registry.make_attention``):
         ``"linear"``, ``"softmax"``, ``"gla"``, ``"deltanet"``, ``"gated_deltanet"`` or
         ``"kda"``.
@@ -46,6 +47,9 @@ class TransformerBlock(nnx.Module):
       short_conv: kernel size of a causal depthwise convolution before attention
         (``CausalConv1D``, which does not reach across ``segment_ids``; 0: none);
         causal blocks only.
+      rngs: as in Flax.
+      dtype: the computation dtype (None: the input's), as in Flax.
+      param_dtype: the parameters' dtype, as in Flax.
       **attention_kwargs: passed to the attention layer (``feature_map``, ``causal``, ...).
     """
 

@@ -19,7 +19,8 @@ class CausalConv1D(nnx.Module):
     Args:
       channels: the number of channels (each convolved on its own).
       size: the kernel size, >= 1.
-      rngs, param_dtype: as in Flax.
+      rngs: as in Flax (the kernel's noise is drawn from ``rngs.params()``).
+      param_dtype: the kernel's dtype, as in Flax.
     """
 
     def __init__(self, channels: int, size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):

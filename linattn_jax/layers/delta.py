@@ -86,15 +86,21 @@ class DeltaRuleAttention(nnx.Module):
       causal: True for decoders. The delta rule is a recurrence with no
         non-causal form: with False (an encoder, such as ``SequenceClassifier``'s)
         the layer still reads left to right, and refuses decoding.
-      method: ``"chunked"`` (default) or ``"scan"``, as in ``delta_rule``.
+      method: ``"chunked"`` (default) or ``"scan"``, as in
+        ``linattn_jax.ops.delta.causal``.
       chunk_size: tokens per chunk; None (default): the family's default
         (``linattn_jax.ops.checks.default_chunk_size``: 64, 16 for KDA's per-channel gate).
       sequence_axis: a mesh axis that splits full-sequence forwards along their
-        length (``sequence_parallel_delta_rule``; no ``key_mask`` or ``segment_ids``
-        then); ``batch_axis`` and ``mesh`` as in ``layers.LinearAttention``.
+        length (``linattn_jax.ops.delta.sequence_parallel``; no ``key_mask`` or
+        ``segment_ids`` then).
+      batch_axis: the mesh axis that splits the batch alongside ``sequence_axis``.
+      mesh: the mesh of those axes; the current one (``jax.set_mesh``) when None.
       dropout_rate: dropout on the gated, normalised output (before ``out_proj``), active
         when the call's (or the layer's) ``deterministic`` is False.
-      rngs, dtype, param_dtype: as in Flax; the state stays float32.
+      rngs: as in Flax.
+      dtype: the computation dtype (None: the input's), as in Flax; the state stays
+        float32.
+      param_dtype: the parameters' dtype, as in Flax.
 
     Raises:
       ValueError: an unknown variant or method; a width, head count, chunk size,
@@ -211,7 +217,9 @@ class DeltaRuleAttention(nnx.Module):
           state: a ``DeltaRuleCache`` (``init_state``): a one-token ``x`` takes the
             O(1) step, a longer one (a prompt) is prefilled through the chunked form.
           return_state: also return the new ``DeltaRuleCache``.
-          deterministic, rngs: drive the output dropout, as in ``nnx.Dropout``.
+          deterministic: switches the output dropout off (True) or on, as in
+            ``nnx.Dropout`` (None: the layer's own setting).
+          rngs: the dropout's random stream (None: the layer's), as in ``nnx.Dropout``.
         """
         check_tokens(x, self.width)
         check_decoding(self, state, return_state)

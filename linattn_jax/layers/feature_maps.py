@@ -49,9 +49,11 @@ class HedgehogFeatureMap(nnx.Module):
     Call on ``[..., h, d]`` (the heads axis second to last).
 
     Args:
-      heads, head_dim: h and d.
+      heads: h, the number of heads.
+      head_dim: d, the dimension per head.
       form: ``"softmax"`` or ``"paper"``.
-      rngs, param_dtype: as in Flax (the identity initialisation draws nothing).
+      rngs: as in Flax (the identity initialisation draws nothing).
+      param_dtype: the parameters' dtype, as in Flax.
     """
 
     role_aware = True  # called as phi(x, is_query=...); only form="paper" uses it

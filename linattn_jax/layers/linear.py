@@ -88,7 +88,9 @@ class LinearAttention(nnx.Module):
       dropout_rate: dropout on the attention's output (before ``out_proj``), active
         when the call's (or the layer's) ``deterministic`` is False, as in
         ``nnx.MultiHeadAttention``.
-      rngs, dtype, param_dtype: as in Flax.
+      rngs: as in Flax.
+      dtype: the computation dtype (None: the input's), as in Flax.
+      param_dtype: the parameters' dtype, as in Flax.
 
     Attributes:
       feature_dim: f, the feature map's output dimension per head (the state's

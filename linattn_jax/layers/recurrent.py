@@ -43,15 +43,21 @@ def run_causal(
 
     Args:
       family: ``linattn_jax.ops.additive`` or ``linattn_jax.ops.delta``.
-      q, k, v: ``[b, t, h, .]``.
+      q: queries ``[b, t, h, dk]``.
+      k: keys ``[b, t, h, dk]``.
+      v: values ``[b, t, h, dv]``.
       *per_token: the family's own inputs, ``[b, t, ...]`` (the delta rule's ``beta``).
       state: the family's ``State`` before the first token, or None.
-      key_mask, segment_ids, method, chunk_size: as in ``family.causal``.
+      key_mask: optional bool ``[b, t]``, as in ``family.causal``.
+      segment_ids: optional int ``[b, t]``, as in ``family.causal``.
+      method: the full-sequence form, one of ``family.METHODS``.
+      chunk_size: tokens per chunk; None: the family's default.
       sharding: where a full sequence runs sequence-parallel, or None.
       gate: optional log-decays ``[b, t, h(, f)]``.
       options: keywords every form takes (``decay``, the family's options).
-      step_options, causal_options: keywords only the step, only the full-sequence
-        forms take (the additive family's ``position`` and ``positions``).
+      step_options: keywords only the step takes (the additive family's ``position``).
+      causal_options: keywords only ``family.causal`` takes (the additive family's
+        ``positions``).
     """
     options = dict(options or {}, gate=gate)
     t = q.shape[1]

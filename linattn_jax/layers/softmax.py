@@ -47,9 +47,14 @@ class SoftmaxAttention(nnx.Module):
     ``LinearAttention``, with a KV cache for decoding; for like-for-like comparisons.
 
     Args:
-      width, num_heads, causal, dropout_rate: as in ``LinearAttention``.
+      width: model width (input and output features).
+      num_heads: heads; must divide ``width``.
+      causal: causal (decoder) or non-causal (encoder) attention.
       max_length: the KV cache's length (decoding only).
-      rngs, dtype, param_dtype: as in Flax.
+      dropout_rate: dropout on the attention's output, as in ``LinearAttention``.
+      rngs: as in Flax.
+      dtype: the computation dtype (None: the input's), as in Flax.
+      param_dtype: the parameters' dtype, as in Flax.
       **linear_options: ``LinearAttention``'s own options (``LINEAR_ONLY_OPTIONS``),
         accepted and ignored so that one set of options builds either kind; any
         other keyword raises ``TypeError``.

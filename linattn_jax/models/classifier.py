@@ -16,9 +16,17 @@ class SequenceClassifier(nnx.Module):
     """A non-causal encoder, masked mean pooling and a linear classifier.
 
     Args:
-      vocab_size, width, depth, num_heads: as in ``LanguageModel``.
+      vocab_size: number of tokens.
       num_classes: output classes.
-      attention: a kind of ``layers.ATTENTION_KINDS`` (``layers.registry``).
+      width: model width.
+      depth: number of blocks.
+      num_heads: heads per block; must divide ``width``.
+      attention: any registered kind, one of ``layers.ATTENTION_KINDS``
+        (``layers.registry.KINDS``); the blocks are non-causal (``causal=False``).
+      mlp_ratio: each block's MLP hidden width over ``width``.
+      rngs: as in Flax.
+      dtype: the computation dtype (None: the input's), as in Flax.
+      param_dtype: the parameters' dtype, as in Flax.
       **block_kwargs: passed to every ``TransformerBlock``.
     """
 

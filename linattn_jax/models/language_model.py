@@ -18,10 +18,18 @@ class LanguageModel(nnx.Module):
 
     Args:
       vocab_size: number of tokens.
-      width, depth, num_heads: model width, number of blocks, heads per block.
-      attention: a kind of ``layers.ATTENTION_KINDS`` (``layers.registry``).
+      width: model width.
+      depth: number of blocks.
+      num_heads: heads per block; must divide ``width``.
+      attention: any registered kind, one of ``layers.ATTENTION_KINDS``
+        (``layers.registry.KINDS``: ``"linear"``, ``"softmax"``, ``"gla"``,
+        ``"deltanet"``, ``"gated_deltanet"``, ``"kda"``).
       tie_embeddings: share the embedding with the output projection.
+      mlp_ratio: each block's MLP hidden width over ``width``.
       short_conv: kernel of a causal depthwise convolution before each attention (0: none).
+      rngs: as in Flax.
+      dtype: the computation dtype (None: the input's), as in Flax.
+      param_dtype: the parameters' dtype, as in Flax.
       **block_kwargs: passed to every ``TransformerBlock`` (``feature_map``, ...).
     """
 

@@ -3,7 +3,7 @@
 Each check raises a ``ValueError`` that names the argument, the layout it
 expects and what it received. Parsers turn the user-facing options (``decay``,
 ``gate``, ``segment_ids``, ``key_mask``) into the internal heads-first layout
-that ``linattn_jax.chunking`` runs over:
+that ``linattn_jax.ops.chunking`` runs over:
 
 * log-decays ``[b, h, t, g]`` with ``g`` 1 (one gate per head) or the feature
   width (one gate per channel: GLA, KDA), <= 0; ``-inf`` zeroes the state (the

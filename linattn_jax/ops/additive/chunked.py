@@ -48,9 +48,11 @@ def run_chunks(
     Each chunk runs ``chunk_body``; its gradient is the hand-written ``chunk_body_bwd``.
 
     Args:
-      phi_q, phi_k, v: ``[b, h, t, f]``, ``[b, h, t, f]``, ``[b, h, t, v]`` (the raw q, k,
-        v with ``phi``).
-      g: log-decays ``[b, h, t, g]`` or None; resets: ``[b, 1, t, 1]`` or None.
+      phi_q: query features ``[b, h, t, f]`` (the raw q with ``phi``).
+      phi_k: key features ``[b, h, t, f]`` (the raw k with ``phi``).
+      v: values ``[b, h, t, v]``.
+      g: log-decays ``[b, h, t, g]`` or None.
+      resets: segment resets ``[b, 1, t, 1]`` or None.
       state: ``(S [b, h, f, v], Z [b, h, f] | None)`` before the first token.
       chunk_size: tokens per chunk.
       diagonal: whether query i sees key i (False: strictly causal).
@@ -150,8 +152,10 @@ def chunk_body(diagonal: bool, kernel, state, x, *, dtype=None, eps=None, phi=No
     """One chunk of c tokens: a masked matmul inside, plus the incoming state.
 
     Args:
-      diagonal, kernel, dtype: as in ``chunk_parts``; ``dtype`` also for the products
-        that read the values and the state (not the one that writes the state).
+      diagonal: as in ``chunk_parts``.
+      kernel: as in ``chunk_parts``.
+      dtype: as in ``chunk_parts``, and also for the products that read the values and
+        the state (not the one that writes the state).
       eps: None, or return ``(numerator / (denominator + eps), None)`` (needs Z).
       phi: None, or the feature map applied here to x's raw q and k (``run_chunks``).
       state: ``(S [b, h, f, v], Z [b, h, f] | None)`` before the chunk.
@@ -212,7 +216,11 @@ def chunk_body_bwd(diagonal: bool, kernel, d_state, inputs, *, dtype=None, eps=N
     """The transpose of ``chunk_body`` (``chunking.scan``'s ``body_bwd``).
 
     Args:
-      diagonal, kernel, dtype, eps, phi: as in ``chunk_body``.
+      diagonal: as in ``chunk_body``.
+      kernel: as in ``chunk_body``.
+      dtype: as in ``chunk_body``.
+      eps: as in ``chunk_body``.
+      phi: as in ``chunk_body``.
       d_state: ``(dS [b,h,f,v], dZ [b,h,f] | None)``, the cotangent of the state after
         the chunk.
       inputs: ``((S, Z | None) entering the chunk, x, the chunk's outputs, their

@@ -51,21 +51,28 @@ def sequence_parallel(
     """Causal linear attention with the length sharded over mesh axis ``axis_name``.
 
     Args:
-      q, k, v: ``[b, t, h, d]``, ``[b, t, h, d]``, ``[b, t, h, v]`` (global arrays);
-        t must be divisible by the size of ``axis_name``.
+      q: queries ``[b, t, h, d]`` (a global array); t must be divisible by the size
+        of ``axis_name``.
+      k: keys ``[b, t, h, d]``.
+      v: values ``[b, t, h, v]``.
       axis_name: the mesh axis that splits the sequence.
       mesh: the mesh; the current one (``jax.set_mesh``) when None.
       batch_axis: an optional mesh axis that splits the batch too (a 2-D mesh).
-      feature_map, chunk_size, initial_state, return_state, decay, gate, normalize,
-        eps: as in ``causal`` (position-aware maps see global
-        positions).
+      feature_map: as in ``causal``; position-aware maps see global positions.
+      chunk_size: as in ``causal``.
+      initial_state: as in ``causal``.
+      return_state: as in ``causal``.
+      decay: as in ``causal``.
+      gate: as in ``causal``.
+      normalize: as in ``causal``.
+      eps: as in ``causal``.
 
     Returns:
       ``out [b, t, h, v]``, or ``(out, state)`` when ``return_state``.
 
     Raises:
       ValueError: an axis not in the mesh, a length the axis size does not
-        divide, or any error of ``causal_linear_attention``.
+        divide, or any error of ``causal``.
     """
     b, t, h, _ = checks.check_qkv(q, k, v, causal=True)
     mesh = checks.check_mesh(mesh, axis_name, batch_axis, t)

@@ -30,7 +30,7 @@ Forms, all with the same inputs and state:
 * ``step``: one token, O(1) in t, for decoding.
 
 Decays inside a chunk are differences of cumulative log-gates, masked before
-``exp`` (``linattn_jax.chunking``), so gates of -30 per token and ``-inf`` (a full
+``exp`` (``linattn_jax.ops.chunking``), so gates of -30 per token and ``-inf`` (a full
 reset) stay finite. Gradients store only the state at chunk boundaries.
 
 Mixed precision: for bfloat16 (or float16) inputs the chunked form's products that

@@ -47,12 +47,20 @@ def sequence_parallel(
     one device; gradients by autodiff.
 
     Args:
-      q, k, v, beta: ``[b, t, h, dk]``, ``[b, t, h, dk]``, ``[b, t, h, dv]``, ``[b, t, h]``
-        (global arrays); t must be divisible by the size of ``axis_name``.
+      q: queries ``[b, t, h, dk]`` (a global array); t must be divisible by the size
+        of ``axis_name``.
+      k: keys ``[b, t, h, dk]``.
+      v: values ``[b, t, h, dv]``.
+      beta: writing strengths ``[b, t, h]``.
       axis_name: the mesh axis that splits the sequence.
       mesh: the mesh; the current one (``jax.set_mesh``) when None.
       batch_axis: an optional mesh axis that splits the batch too (a 2-D mesh).
-      chunk_size, initial_state, return_state, decay, gate, scale: as in ``causal``.
+      chunk_size: as in ``causal``.
+      initial_state: as in ``causal``.
+      return_state: as in ``causal``.
+      decay: as in ``causal``.
+      gate: as in ``causal``.
+      scale: as in ``causal``.
 
     Returns:
       ``out [b, t, h, dv]``, or ``(out, DeltaRuleState)`` when ``return_state``.
