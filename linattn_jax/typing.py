@@ -20,25 +20,9 @@ import jax
 from jaxtyping import Array, Bool, Float, Int
 
 FeatureMap: TypeAlias = Callable[[jax.Array], jax.Array]
-"""Maps ``[..., d]`` to ``[..., f]``; the kernel is ``phi(q) . phi(k)``."""
+"""Maps ``[..., d] -> [..., f]``; the kernel is ``phi(q) . phi(k)``."""
 
-Queries: TypeAlias = Float[Array, "b t h d"]
-Keys: TypeAlias = Float[Array, "b s h d"]
-Values: TypeAlias = Float[Array, "b s h v"]
-Outputs: TypeAlias = Float[Array, "b t h v"]
-KeyMask: TypeAlias = Bool[Array, "b s"]
-SegmentIds: TypeAlias = Int[Array, "b t"]
+# The shapes in signatures are written with jaxtyping (``Float[Array, "b t h d"]``) in
+# these letters, as documentation: they are not checked at run time.
 
-__all__ = [
-    "Array",
-    "Bool",
-    "FeatureMap",
-    "Float",
-    "Int",
-    "KeyMask",
-    "Keys",
-    "Outputs",
-    "Queries",
-    "SegmentIds",
-    "Values",
-]
+__all__ = ["Array", "Bool", "FeatureMap", "Float", "Int"]

@@ -128,3 +128,97 @@ def test_a_positive_gate_at_a_padded_token_is_not_validated():
     assert bool(jnp.all(jnp.isfinite(out)))
     with pytest.raises(ValueError, match=r"gate must be log-decays <= 0, got a maximum of 5"):
         la.causal_linear_attention(q, k, v, gate=gate, chunk_size=C)
+
+
+# ----------------------------------------------------------------------------
+# Layers and models: packed segments, padding, sampling.
+# ----------------------------------------------------------------------------
+
+from flax import nnx  # noqa: E402
+
+from linattn_jax import layers, models  # noqa: E402
+
+VOCAB, WIDTH = 11, 8
+
+
+def _lm(attention: str, **kw):
+    return models.LanguageModel(
+        VOCAB, WIDTH, 1, 2, attention=attention, short_conv=4, rngs=nnx.Rngs(0), **kw
+    )
+
+
+@pytest.mark.parametrize("attention", ["linear", "deltanet"])
+def test_the_blocks_short_convolution_does_not_cross_packed_segments(attention):
+    model = _lm(attention)
+    first = jax.random.randint(jax.random.PRNGKey(0), (1, 7), 0, VOCAB)
+    second = jax.random.randint(jax.random.PRNGKey(1), (1, 6), 0, VOCAB)
+    packed = jnp.concatenate([first, second], axis=1)
+    segment_ids = jnp.array([[0] * 7 + [1] * 6], jnp.int32)
+    logits = model(packed, segment_ids=segment_ids)
+    alone = jnp.concatenate([model(first), model(second)], axis=1)
+    chex.assert_trees_all_close(logits, alone, **helpers.tol(jnp.float32))
+
+
+def test_right_padding_leaves_the_delta_layers_cache_its_last_real_inputs():
+    layer = layers.DeltaRuleAttention(WIDTH, 2, variant="gated_deltanet", rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.PRNGKey(2), (1, 9, WIDTH))
+    real, pad = x[:, :6], jnp.full((1, 3, WIDTH), jnp.nan)
+    mask = jnp.array([[True] * 6 + [False] * 3])
+    _, cache = layer(
+        jnp.concatenate([real, pad], 1), key_mask=mask, state=layer.init_state(1), return_state=True
+    )
+    _, ref_cache = layer(real, state=layer.init_state(1), return_state=True)
+    chex.assert_trees_all_close(cache, ref_cache, **helpers.tol(jnp.float32))
+    token = x[:, 6:7]
+    y, _ = layer(token, state=cache, return_state=True)
+    y_ref, _ = layer(token, state=ref_cache, return_state=True)
+    chex.assert_trees_all_close(y, y_ref, **helpers.tol(jnp.float32))
+
+
+def test_the_classifier_checks_its_ids_and_pools_by_selection():
+    model = models.SequenceClassifier(VOCAB, 3, WIDTH, 1, 2, rngs=nnx.Rngs(0))
+    tokens = jnp.array([[1, 2, 3, VOCAB]], jnp.int32)
+    mask = jnp.array([[True, True, True, False]])
+    with pytest.raises(ValueError, match=rf"tokens: token ids must lie in \[0, {VOCAB}\)"):
+        model(tokens, key_mask=mask)
+    padded = model(tokens.at[0, 3].set(0), key_mask=mask)
+    assert bool(jnp.all(jnp.isfinite(padded)))
+    chex.assert_trees_all_close(padded, model(tokens[:, :3]), **helpers.tol(jnp.float32))
+
+
+def test_a_tiny_temperature_samples_greedily():
+    model = _lm("linear")
+    prompt = jnp.array([[1, 2, 3]], jnp.int32)
+    greedy = model.generate(prompt, 5, temperature=0.0)
+    tiny = model.generate(prompt, 5, jax.random.PRNGKey(0), temperature=1e-40)
+    np.testing.assert_array_equal(tiny, greedy)
+
+
+def test_a_prompt_mask_with_a_hole_is_refused():
+    model = _lm("linear")
+    prompt = jnp.array([[1, 2, 3, 4], [1, 2, 3, 4]], jnp.int32)
+    mask = jnp.array([[True, True, False, True], [False, True, True, True]])
+    with pytest.raises(ValueError, match=r"prompt_mask must mark left padding only .* rows \[0\]"):
+        model.generate(prompt, 2, temperature=0.0, prompt_mask=mask)
+
+
+def test_the_sequence_parallel_delta_rule_checks_as_the_delta_rule_does():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
+    q, k, v = helpers.qkv(11, B, T, H, D, D)
+    beta = jnp.full((B, T, H), 0.5)
+    run = lambda beta, **kw: la.sequence_parallel_delta_rule(
+        q, _unit(k), v, beta, axis_name="seq", mesh=mesh, **kw
+    )
+    with pytest.raises(ValueError, match=r"beta must lie in \[0, 2\]"):
+        run(beta.at[0, 3, 1].set(3.0))
+    with pytest.raises(
+        ValueError, match=r"state must be a DeltaRuleState .* got LinearAttentionState"
+    ):
+        run(beta, initial_state=la.init_state(B, H, D, D))
+    with pytest.raises(
+        ValueError, match=r"state.s must have shape \[batch, heads, key_dim, value_dim\]"
+    ):
+        run(beta, initial_state=la.init_delta_state(B + 1, H, D, D))
+    chex.assert_trees_all_close(
+        run(beta), la.delta_rule(q, _unit(k), v, beta), **helpers.tol(jnp.float32)
+    )

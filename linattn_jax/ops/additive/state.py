@@ -10,7 +10,7 @@ from linattn_jax.ops import checks
 from linattn_jax.typing import Array, Float
 
 
-class State(NamedTuple):
+class LinearAttentionState(NamedTuple):
     """The recurrent state of causal linear attention, float32 (float64 for float64 inputs).
 
     Attributes:
@@ -22,7 +22,7 @@ class State(NamedTuple):
     z: Float[Array, "b h f"]
 
 
-LinearAttentionState = State
+State = LinearAttentionState  # the family interface's name
 
 
 def init_state(batch: int, heads: int, feature_dim: int, value_dim: int) -> State:

@@ -11,7 +11,7 @@ from linattn_jax.ops import checks
 from linattn_jax.typing import Array, Float
 
 
-class State(NamedTuple):
+class DeltaRuleState(NamedTuple):
     """The recurrent state of the delta rule, float32 (float64 for float64 inputs).
 
     Attributes:
@@ -21,7 +21,7 @@ class State(NamedTuple):
     s: Float[Array, "b h d v"]
 
 
-DeltaRuleState = State
+State = DeltaRuleState  # the family interface's name
 
 
 def init_state(batch: int, heads: int, key_dim: int, value_dim: int) -> State:
