@@ -1,17 +1,21 @@
 """A run's workdir and its orbax checkpoints: ``prepare_workdir`` checks a workdir
 against the config (and empties it on ``resume=false``), ``restore_latest`` falls
 back past unreadable checkpoints, ``Checkpointer`` saves and turns a failed save into
-one line (holding back orbax's logged tracebacks), and ``load`` gives back a trained
-model and its config.
+one line naming the step, the workdir and its free space (``write_error``), and
+``load`` gives back a trained model and its config. Unless ``verbose``, orbax's own
+reports of a failed save or restore (a traceback per writer thread) are held back:
+the one line says what happened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging as logging_std
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import orbax.checkpoint as ocp
@@ -49,26 +53,105 @@ def _reason(error: BaseException) -> str:
     return (lines[0][:200] if lines else "") or type(error).__name__
 
 
-# -- orbax's logs of a failed save ----------------------------------------------
+# -- one-line failures, and orbax's logs of them -------------------------------
 
 
-class _HoldLogs(logging_std.Filter):
-    """Holds the records of a logger (orbax's tracebacks of a failed save, which
-    the trainer reports in one line) and lets them out again on ``release``."""
+class WriteError(OSError):
+    """A write to the workdir failed; its message is the one line to report."""
 
-    def __init__(self, logger: logging_std.Logger):
+
+def _size(n: float) -> str:
+    """``3145728`` -> ``"3.0 MiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError  # unreachable
+
+
+def free_space(path: Path) -> str:
+    """The free space on the disk of ``path`` (or of its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    try:
+        return _size(shutil.disk_usage(path).free)
+    except OSError:
+        return "an unknown amount of space"
+
+
+def write_error(what: str, workdir: Path, error: BaseException, hint: str = "") -> WriteError:
+    """``could not write <what>: <reason> (<free> free on the disk of <workdir>)[; <hint>]``."""
+    return WriteError(
+        f"could not write {what}: {_reason(error)} ({free_space(workdir)} free on the disk "
+        f"of {workdir})" + (f"; {hint}" if hint else "")
+    )
+
+
+def _from_orbax(record: logging_std.LogRecord) -> bool:
+    return f"{os.sep}orbax{os.sep}" in record.pathname
+
+
+class _HoldOrbaxLogs(logging_std.Filter):
+    """Holds orbax's records on the absl logger (a failed save or restore logs a
+    traceback from each of its threads, which the trainer reports in one line); the
+    trainer's own records pass. Holders nest: the newest holds, and ``release`` hands
+    its records to the one below it (or, outermost, emits them); ``drop`` discards them
+    and stops holding."""
+
+    stack: list[_HoldOrbaxLogs] = []  # the holders installed, oldest first
+    releasing = False  # while the outermost emits: every holder lets records through
+
+    def __init__(self):
         super().__init__()
-        self.logger, self.records = logger, []
-        logger.addFilter(self)
+        self.logger, self.records = logging_std.getLogger("absl"), []
+        self.stack.append(self)
+        self.logger.addFilter(self)
 
     def filter(self, record) -> bool:
+        if _HoldOrbaxLogs.releasing or not _from_orbax(record) or self.stack[-1] is not self:
+            return True
         self.records.append(record)
         return False
 
-    def release(self, emit: bool) -> None:
+    def release(self) -> None:
+        """Lets out the records held so far (and keeps holding)."""
+        records, self.records = self.records, []
+        index = self.stack.index(self) if self in self.stack else 0
+        if index:
+            self.stack[index - 1].records.extend(records)
+            return
+        _HoldOrbaxLogs.releasing = True
+        try:
+            for record in records:
+                self.logger.handle(record)
+        finally:
+            _HoldOrbaxLogs.releasing = False
+
+    def drop(self) -> None:
+        """Discards the records held and stops holding."""
+        self.records = []
         self.logger.removeFilter(self)
-        for record in self.records if emit else ():
-            self.logger.handle(record)
+        if self in self.stack:
+            self.stack.remove(self)
+
+
+@contextlib.contextmanager
+def orbax_logs_held(verbose: bool = False):
+    """Holds orbax's logs inside the block: let out when it ends, dropped when it raises
+    (the error says what failed). ``verbose``: holds nothing."""
+    if verbose:
+        yield
+        return
+    hush_closed_event_loops()
+    held = _HoldOrbaxLogs()
+    try:
+        yield
+    except BaseException:
+        held.drop()
+        raise
+    held.release()
+    held.drop()
 
 
 class _DropMentions(logging_std.Filter):
@@ -81,6 +164,29 @@ class _DropMentions(logging_std.Filter):
 
     def filter(self, record) -> bool:
         return self.text not in record.getMessage()
+
+
+def _closed_loop(unraisable) -> bool:
+    return isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
+        unraisable.exc_value
+    )
+
+
+def hush_closed_event_loops() -> None:
+    """Stops ``sys.unraisablehook`` printing ``RuntimeError: Event loop is closed``: after
+    a failed save or restore, tensorstore's pending writes call back into the event loop
+    that orbax has closed, one traceback each. Other unraisable errors print as before;
+    installed once per process."""
+    if getattr(sys.unraisablehook, "hushes_closed_event_loops", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _closed_loop(unraisable):
+            previous(unraisable)
+
+    hook.hushes_closed_event_loops = True
+    sys.unraisablehook = hook
 
 
 # -- the workdir ----------------------------------------------------------------
@@ -135,11 +241,17 @@ def prepare_workdir(config: ConfigDict, workdir: Path) -> None:
 
 
 def restore_latest(
-    manager: ocp.CheckpointManager, target: dict, workdir: Path, move_unreadable: bool = True
+    manager: ocp.CheckpointManager,
+    target: dict,
+    workdir: Path,
+    move_unreadable: bool = True,
+    *,
+    verbose: bool = False,
 ) -> tuple[int, dict | None]:
     """Restores the newest readable checkpoint. Newer unreadable ones (a file
     truncated by a kill) are skipped with a warning and, with ``move_unreadable``,
-    moved to ``workdir/checkpoints_unreadable``.
+    moved to ``workdir/checkpoints_unreadable``. Orbax's own logs of an unreadable
+    one are dropped unless ``verbose`` (the warning, or the error, says it).
 
     Returns:
       (its step, the restored state), or (0, None) when there is no checkpoint.
@@ -151,7 +263,8 @@ def restore_latest(
     unreadable = []
     for step in steps:
         try:
-            restored = manager.restore(step, args=ocp.args.StandardRestore(target))
+            with orbax_logs_held(verbose):
+                restored = manager.restore(step, args=ocp.args.StandardRestore(target))
         except Exception as e:  # orbax and tensorstore raise many kinds
             unreadable.append((step, _reason(e)))
             continue
@@ -184,60 +297,116 @@ def restore_latest(
 
 
 class Checkpointer:
-    """Saves through orbax; the first save is waited for, so a full disk or an
-    unwritable folder stops the run there, with one line."""
+    """Saves through orbax, in the background, and turns a failed save into one line.
 
-    def __init__(self, manager: ocp.CheckpointManager):
-        self.manager, self.saved = manager, False
+    The first save is waited for, so that an unwritable folder or a disk already full
+    stops the run there; each later save first waits for the one before, so a disk
+    that fills later stops the run at the next save (or at ``wait``), naming the step
+    whose save failed, the workdir and the free space left on its disk. Unless
+    ``verbose``, orbax's logs (a traceback per writer thread of a failed save) are held
+    while a save is in flight: let out once it succeeded, dropped once it failed.
 
-    def _fail(self, step: int, error: Exception):
-        return OSError(
-            f"could not write checkpoint step {step} to {self.manager.directory}: {_reason(error)}"
+    Args:
+      manager: the orbax manager of ``workdir/checkpoints``.
+      workdir: the run's folder (named in the errors).
+      verbose: let orbax's logs and tracebacks through (and chain the error to its cause).
+    """
+
+    def __init__(self, manager: ocp.CheckpointManager, workdir: Path, *, verbose: bool = False):
+        self.manager, self.workdir, self.verbose = manager, Path(workdir), verbose
+        self.pending: int | None = None  # the step of the save in flight
+        self.saved = self.closed = False
+        self.held = None if verbose else _HoldOrbaxLogs()
+        if not verbose:
+            hush_closed_event_loops()
+
+    def _kept(self, failed: int) -> str:
+        folder = Path(self.manager.directory)
+        steps = (
+            [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
+        )
+        steps = [s for s in steps if s != failed]
+        if not steps:
+            return "no checkpoint was kept (free some space, then rerun)"
+        return (
+            f"the last checkpoint kept is step {max(steps)} (free some space, then rerun to "
+            f"resume from it)"
         )
 
+    def _fail(self, step: int, error: Exception):
+        """Waits out the failed save's threads and drops their logs; raises the one line
+        (chained to orbax's error when ``verbose``)."""
+        self.pending = None
+        self.abandon()
+        # Its writer threads may log after this: about its folder, never again.
+        logging_std.getLogger("absl").addFilter(_DropMentions(str(self.manager.directory)))
+        what = f"checkpoint step {step} to {self.manager.directory}"
+        failure = write_error(what, self.workdir, error, self._kept(step))
+        raise failure from (error if self.verbose else None)
+
+    def _wait_for_pending(self) -> None:
+        if self.pending is None:
+            return
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            self._fail(self.pending, e)
+        self.pending = None
+        if self.held is not None:
+            self.held.release()
+
     def save(self, step: int, model, optimizer) -> None:
-        """Saves the model and optimizer state as checkpoint ``step``.
+        """Saves the model and optimizer state as checkpoint ``step`` (the first save
+        waited for, the others in the background).
 
         Raises:
-          OSError: the save failed (in one line).
+          WriteError: this save, or the one before it, failed (in one line).
         """
+        self._wait_for_pending()
         state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
-        held = None if self.saved else _HoldLogs(logging_std.getLogger("absl"))
         try:
             self.manager.save(step, args=ocp.args.StandardSave(state))
-            if held is not None:
-                self.manager.wait_until_finished()
         except Exception as e:
-            tmp = f"{self.manager.directory / str(step)}.orbax-checkpoint-tmp"
-            logging_std.getLogger("absl").addFilter(_DropMentions(tmp))
-            if held is not None:
-                self._settle()
-                held.release(emit=False)
-            raise self._fail(step, e) from None
-        if held is not None:
-            held.release(emit=True)
+            self._fail(step, e)
+        self.pending = step
+        if not self.saved:
+            self._wait_for_pending()
         self.saved = True
 
-    def _settle(self) -> None:
-        """Waits out the failed save's other threads (each fails in turn)."""
+    def wait(self) -> None:
+        """Waits for the save in flight.
+
+        Raises:
+          WriteError: it failed (in one line, naming its step).
+        """
+        self._wait_for_pending()
+
+    def abandon(self) -> None:
+        """Waits out the saves in flight (each of a failed save's threads fails in turn)
+        and closes the manager, ignoring their errors; drops the logs held. For a run
+        that stops on an error: a failing save must not replace that error."""
+        if self.closed:
+            return
+        self.closed = True
         for _ in range(100):
             try:
                 self.manager.wait_until_finished()
                 self.manager.close()
-                return
+                break
             except Exception:
                 continue
+        if self.held is not None:
+            self.held.drop()
 
-    def wait(self, step: int) -> None:
-        """Waits for the saves in flight.
-
-        Raises:
-          OSError: one failed (in one line, naming ``step``).
-        """
-        try:
-            self.manager.wait_until_finished()
-        except Exception as e:
-            raise self._fail(step, e) from None
+    def close(self) -> None:
+        """Waits for the save in flight (raising as ``wait``), closes the manager and lets
+        out the logs held."""
+        self._wait_for_pending()
+        self.manager.close()
+        self.closed = True
+        if self.held is not None:
+            self.held.release()
+            self.held.drop()
 
 
 def load(workdir: str | Path) -> tuple[nnx.Module, ConfigDict]:

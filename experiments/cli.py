@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Sequence
 
 from ml_collections import ConfigDict
@@ -19,7 +20,7 @@ OVERRIDE_HELP = (
     "config, e.g. --config.model.width=128 --config.optim.lr=3e-4; --print_config lists "
     "the fields. Errors (a misspelt field, a bad value, a workdir of another config) are "
     "one line on stderr and exit status 2; a run that fails (a non-finite loss, a full "
-    "disk) exits with status 1."
+    "disk) exits with status 1; --verbose shows the traceback above that line."
 )
 
 
@@ -50,7 +51,19 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
         action="store_true",
         help="print the config's fields and values (after any --config.<field> overrides) and exit",
     )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="on an error, print its traceback above the one-line message, and let "
+        "orbax's own logs of a failed save or restore through (held back otherwise)",
+    )
     return parser
+
+
+def wants_verbose(argv: Sequence[str] | None) -> bool:
+    """Whether the command line asks for ``--verbose`` (known before it is parsed, for the
+    errors of parsing it)."""
+    return "--verbose" in (sys.argv[1:] if argv is None else argv)
 
 
 def parse(
@@ -93,8 +106,11 @@ def format_config(config: ConfigDict) -> str:
     return "\n".join(f"{name:<{width}} = {show(value)}" for name, value in fields.items())
 
 
-def report(prog: str, error: BaseException) -> int:
-    """Prints ``error`` as one line; returns the exit status."""
+def report(prog: str, error: BaseException, verbose: bool = False) -> int:
+    """Prints ``error`` as one line (below its traceback when ``verbose``); returns the
+    exit status."""
+    if verbose:
+        sys.stderr.write("".join(traceback.format_exception(error)))
     message = " ".join(str(error).split()) or type(error).__name__
     # One write, line and newline together: a failed orbax save's threads may print
     # to stderr at the same time, and print() writes the newline separately.

@@ -35,10 +35,54 @@ def flatten(config: ConfigDict | dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# Names other code bases give some fields (a leaf of ours on the right).
+SYNONYMS = {
+    "learning_rate": "lr",
+    "beta1": "b1",
+    "beta2": "b2",
+    "clip": "grad_clip",
+    "max_grad_norm": "grad_clip",
+    "warmup": "warmup_steps",
+    "heads": "num_heads",
+    "n_heads": "num_heads",
+    "layers": "depth",
+    "num_layers": "depth",
+    "n_layers": "depth",
+    "d_model": "width",
+    "hidden_size": "width",
+    "num_steps": "steps",
+    "max_steps": "steps",
+    "seq_length": "seq_len",
+    "max_length": "seq_len",
+}
+
+
+def _initials(leaf: str) -> str:
+    """``"learning_rate"`` -> ``"lr"``."""
+    return "".join(word[0] for word in leaf.split("_") if word)
+
+
+def closest_field(config: ConfigDict, name: str) -> str | None:
+    """The known field ``name`` most likely means, or None: in the same section a synonym
+    or initials (``optim.learning_rate`` -> ``optim.lr``, ``optim.wd`` ->
+    ``optim.weight_decay``), else a close spelling (``model.widht`` -> ``model.width``)."""
+    fields = list(flatten(config))
+    section, _, leaf = name.rpartition(".")
+    siblings = {f.rpartition(".")[2]: f for f in fields if f.rpartition(".")[0] == section}
+    for candidate in (SYNONYMS.get(leaf), _initials(leaf)):
+        if candidate in siblings and candidate != leaf:
+            return siblings[candidate]
+    for sibling, field in siblings.items():
+        if len(leaf) > 1 and _initials(sibling) == leaf:
+            return field
+    close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def _unknown_field(config: ConfigDict, name: str) -> ValueError:
     """The error for a field ``config`` lacks, with a did-you-mean hint when one is close."""
-    close = difflib.get_close_matches(name, flatten(config), n=1, cutoff=0.6)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    close = closest_field(config, name)
+    hint = f" (did you mean {close!r}?)" if close else ""
     return ValueError(f"unknown config field {name!r}{hint}")
 
 

@@ -18,6 +18,7 @@ import functools
 import json
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -214,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"{args.config} is not a recall config (task mqar with recall.*)")
         runs = grid(config)
     except ValueError as e:
-        return cli.report(parser.prog, e)
+        return cli.report(parser.prog, e, cli.wants_verbose(argv))
     if args.print_config:
         print(cli.format_config(config))
         return 0
@@ -226,8 +227,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for i, (kind, width, lr, run) in enumerate(runs, 1):
         name, start = run_name(kind, width, lr), time.perf_counter()
         try:
-            final = finished(run, workdir / name) or trainer.train(run, workdir / name)
+            final = finished(run, workdir / name) or trainer.train(
+                run, workdir / name, verbose=args.verbose
+            )
         except (ValueError, OSError, FloatingPointError) as e:
+            if args.verbose:
+                traceback.print_exception(e)
             failed += 1
             took = reporting.elapsed(time.perf_counter() - start)
             result = f"failed after {took}: {' '.join(str(e).split())}"

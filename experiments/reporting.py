@@ -14,6 +14,7 @@ import jax
 from absl import logging
 from ml_collections import ConfigDict
 
+from experiments.configuration import flatten
 from experiments.tasks import TASKS
 
 # The header of the table of results_row rows.
@@ -21,6 +22,24 @@ RESULTS_HEADER = (
     "| task | attention | feature map | width x depth | seq len | steps | eval loss | result |\n"
     "|---|---|---|---|---|---|---|---|"
 )
+# The config fields that table shows (a sweep gives any other field it varies a column).
+RESULTS_FIELDS = (
+    "task",
+    "model.attention",
+    "model.feature_map",
+    "model.width",
+    "model.depth",
+    "seq_len",
+    "steps",
+)
+
+
+def results_header(extra: tuple[str, ...] = ()) -> str:
+    """``RESULTS_HEADER`` with a first column per field of ``extra`` (``optim.lr``)."""
+    if not extra:
+        return RESULTS_HEADER
+    head, rule = RESULTS_HEADER.split("\n")
+    return "| " + " | ".join(extra) + " " + head + "\n" + "|---" * len(extra) + rule
 
 
 def pyplot():
@@ -106,22 +125,30 @@ class MetricsLog:
     def __enter__(self) -> MetricsLog:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc_info) -> None:
+        try:
+            self.close()
+        except OSError:
+            if exc_type is None:
+                raise
+            # A full disk fails the flush too: the error in flight is the one to report.
 
 
 # -- results in words -----------------------------------------------------------
 
 
-def results_row(config: ConfigDict, final: dict) -> str:
-    """A markdown row (under ``RESULTS_HEADER``) of a run's final evaluation."""
+def results_row(config: ConfigDict, final: dict, extra: tuple[str, ...] = ()) -> str:
+    """A markdown row (under ``results_header(extra)``) of a run's final evaluation,
+    first the values of the fields ``extra``."""
+    fields = flatten(config)
+    first = "".join(f"| {fields.get(name, '-')} " for name in extra)
     m = config.model
     metric = (
         f"{final['bits_per_byte']:.3f} bits/byte"
         if "bits_per_byte" in final
         else f"{100 * final['accuracy']:.1f}% accuracy"
     )
-    return (
+    return first + (
         f"| {config.task} | {m.attention} | {m.feature_map if m.attention == 'linear' else '-'}"
         f" | {m.width}x{m.depth} | {config.seq_len} | {config.steps} | {final['loss']:.3f} "
         f"| {metric} |"

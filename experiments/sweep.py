@@ -15,19 +15,20 @@ line as it finishes; the table goes to ``<workdir>/results.md`` and the plot to
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import json
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
 from absl import logging
 from ml_collections import ConfigDict
 
-from experiments import cli, reporting, trainer
+from experiments import cli, reporting, trainer, validation
 from experiments.configuration import override
-from experiments.validation import validate
 from linattn_jax import layers
 
 
@@ -40,6 +41,7 @@ def expand(assignment: str) -> list[list[str]]:
     runs = []
     for value in values.split(","):
         if name == "attention":
+            _check_attention(value)
             runs.append(
                 [f"model.attention={value}"]
                 if value in layers.ATTENTION_KINDS and value != "linear"
@@ -48,6 +50,35 @@ def expand(assignment: str) -> list[list[str]]:
         else:
             runs.append([f"{name}={value}"])
     return runs
+
+
+def _check_attention(value: str) -> None:
+    """``attention=``'s value: an attention kind or a feature map, or a ValueError naming
+    both lists and the closest of their names."""
+    maps = validation.feature_map_names()
+    if value in layers.ATTENTION_KINDS or value in maps:
+        return
+    close = difflib.get_close_matches(value, (*layers.ATTENTION_KINDS, *maps), n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(
+        f"--sweep attention={value} is neither an attention kind {layers.ATTENTION_KINDS} nor "
+        f"a feature map {maps}{hint}"
+    )
+
+
+def swept_columns(plans: list[list[str]]) -> tuple[str, ...]:
+    """The swept fields that take more than one value and that the results table does not
+    already show: each gets a column of its own, so that the rows can be told apart."""
+    values: dict[str, set[str]] = {}
+    for overrides in plans:
+        for assignment in overrides:
+            field, _, value = assignment.partition("=")
+            values.setdefault(field, set()).add(value)
+    return tuple(
+        field
+        for field, seen in values.items()
+        if len(seen) > 1 and field not in reporting.RESULTS_FIELDS
+    )
 
 
 def run_name(overrides: list[str]) -> str:
@@ -76,10 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             config.lock()
             for assignment in overrides:
                 override(config, assignment)
-            validate(config)
+            validation.validate(config)
             configs.append((run_name(overrides), config))
     except ValueError as e:
-        return cli.report(parser.prog, e)
+        return cli.report(parser.prog, e, cli.wants_verbose(argv))
     if args.print_config:
         for name, config in configs:
             print(f"# {name}\n{cli.format_config(config)}")
@@ -87,12 +118,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
 
     workdir = Path(args.workdir)
+    swept = swept_columns(plans)
     rows, finals, failed = [], {}, 0
     for name, config in configs:
         start = time.perf_counter()
         try:
-            final = trainer.train(config, workdir / name)
+            final = trainer.train(config, workdir / name, verbose=args.verbose)
         except (ValueError, OSError, FloatingPointError) as e:
+            if args.verbose:
+                traceback.print_exception(e)
             failed += 1
             took = reporting.elapsed(time.perf_counter() - start)
             print(f"{name}: failed after {took}: {' '.join(str(e).split())}", flush=True)
@@ -101,8 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}: {reporting.summary(final)} ({took})", flush=True)
         finals[name] = final
         if "stopped_at" not in final:
-            rows.append(reporting.results_row(config, final))
-    table = "\n".join([reporting.RESULTS_HEADER, *rows])
+            rows.append(reporting.results_row(config, final, swept))
+    table = "\n".join([reporting.results_header(swept), *rows])
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "results.md").write_text(table + "\n")
     (workdir / "results.json").write_text(json.dumps(finals, indent=2))

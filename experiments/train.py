@@ -41,9 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             import jax
 
             jax.distributed.initialize()
-        final = trainer.train(config, args.workdir)
+        final = trainer.train(config, args.workdir, verbose=args.verbose)
     except (ValueError, OSError, FloatingPointError) as e:
-        return cli.report(parser.prog, e)
+        return cli.report(parser.prog, e, cli.wants_verbose(argv))
     print(json.dumps(final, indent=2))
     return 0
 

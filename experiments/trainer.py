@@ -24,7 +24,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
 from experiments import data, reporting
-from experiments.checkpoints import Checkpointer, prepare_workdir, restore_latest
+from experiments.checkpoints import (
+    Checkpointer,
+    WriteError,
+    orbax_logs_held,
+    prepare_workdir,
+    restore_latest,
+    write_error,
+)
 from experiments.tasks import TASKS, Task, build_task
 from experiments.validation import validate
 from linattn_jax import models
@@ -225,15 +232,19 @@ class Run:
     end: int
 
 
-def train(config: ConfigDict, workdir: str | Path) -> dict:
+def train(config: ConfigDict, workdir: str | Path, *, verbose: bool = False) -> dict:
     """Trains (resuming from ``workdir``'s latest checkpoint) and returns the final
     evaluation, also written to ``workdir/final.json`` and ``final.md``.
+
+    ``verbose``: let orbax's logs of a failed save or restore through (a traceback per
+    writer thread), and chain each error to its cause; by default each failure is one line.
 
     Raises:
       ValueError: a config that cannot run, or a workdir holding a run of another
         config (before any compute, and before the workdir is touched).
-      OSError: the workdir or a checkpoint cannot be written (at once, or at the
-        first save).
+      OSError: the workdir, a checkpoint or a metrics file cannot be written (at once,
+        at the first save, or, for a disk that fills later, at the next save), in one
+        line naming the step, the workdir and the free space on its disk.
       FloatingPointError: the loss became non-finite; every checkpoint kept gives a
         finite loss at its next step.
     """
@@ -247,23 +258,43 @@ def train(config: ConfigDict, workdir: str | Path) -> dict:
     sharder.replicate(model, optimizer)
 
     options = ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True)
-    with ocp.CheckpointManager(workdir / "checkpoints", options=options) as manager:
-        target = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
-        start, restored = restore_latest(manager, target, workdir)
+    manager = checkpoints = None
+    try:
+        # Orbax logs each unreadable checkpoint it lists: held, and dropped if none is
+        # readable (restore_latest's error says so).
+        with orbax_logs_held(verbose):
+            manager = ocp.CheckpointManager(workdir / "checkpoints", options=options)
+            target = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+            start, restored = restore_latest(manager, target, workdir, verbose=verbose)
         if restored is not None:
             nnx.update(model, restored["model"])
             nnx.update(optimizer, restored["optimizer"])
             logging.info("resuming %s from step %d", workdir, start)
         end = config.steps if config.stop_at <= 0 else min(config.stop_at, config.steps)
-        _loop(Run(config, task, model, optimizer, sharder, manager, workdir, start, end))
+        checkpoints = Checkpointer(manager, workdir, verbose=verbose)
+        _loop(
+            Run(config, task, model, optimizer, sharder, manager, workdir, start, end), checkpoints
+        )
+        checkpoints.close()
+    except BaseException:
+        # A save in flight may fail as well: its error must not replace this one.
+        if checkpoints is None and manager is not None:
+            checkpoints = Checkpointer(manager, workdir, verbose=verbose)
+        if checkpoints is not None:
+            checkpoints.abandon()
+        raise
     if end < config.steps:
         return {"stopped_at": end}
     final = evaluate(model, task, config, sharder) | {"step": config.steps}
     if config.task == "text_lm":
         final["sample"] = sample_text(model, config)
-    (workdir / "final.json").write_text(json.dumps(final, indent=2))
-    (workdir / "final.md").write_text(reporting.results_row(config, final) + "\n")
-    reporting.plot_metrics(workdir)
+    try:
+        (workdir / "final.json").write_text(json.dumps(final, indent=2))
+        (workdir / "final.md").write_text(reporting.results_row(config, final) + "\n")
+        reporting.plot_metrics(workdir)
+    except OSError as e:
+        what = f"the final evaluation (step {config.steps}) to {workdir}"
+        raise write_error(what, workdir, e) from (e if verbose else None)
     return final
 
 
@@ -298,14 +329,18 @@ def _check_next_step(run: Run, done: int) -> None:
         )
 
 
-def _loop(run: Run) -> None:
-    """Steps ``run.start + 1`` to ``run.end``, logging, evaluating and saving at the
-    config's cadence."""
+def _loop(run: Run, checkpoints: Checkpointer) -> None:
+    """Steps ``run.start + 1`` to ``run.end``, logging, evaluating and saving (through
+    ``checkpoints``) at the config's cadence.
+
+    Raises:
+      OSError: a write to the workdir failed, in one line naming the step.
+    """
     from tqdm.auto import tqdm
 
     config, task = run.config, run.task
     schedule = learning_rate(config)
-    checkpoints = Checkpointer(run.manager)
+    done = run.start
     bar = tqdm(
         range(run.start, run.end),
         initial=run.start,
@@ -346,7 +381,13 @@ def _loop(run: Run) -> None:
                 if done % config.checkpoint_every == 0 or done == run.end:
                     _check_next_step(run, done)
                     checkpoints.save(done, run.model, run.optimizer)
-            checkpoints.wait(run.end)
+            checkpoints.wait()
+    except WriteError:
+        raise
+    except OSError as e:  # metrics.jsonl or TensorBoard's events, on a full disk
+        name = Path(e.filename).name if getattr(e, "filename", None) else "the metrics"
+        what = f"{name} to {run.workdir} at step {done}"
+        raise write_error(what, run.workdir, e) from (e if checkpoints.verbose else None)
     finally:
         bar.close()
 

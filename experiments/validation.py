@@ -1,7 +1,8 @@
 """Whether a config can run, decided before any compute: one row per field of what
-its value must be (``FIELDS``), rules that tie fields together (``RULES``), the
-fields each attention kind reads (a field a kind does not read is not checked), and
-which fields a workdir's run may resume under new values of (``RESUMABLE``).
+its value must be (``FIELDS``, every field checked whatever the attention kind), rules
+that tie fields together (``RULES``), the fields each attention kind reads, and which
+fields a workdir's run may resume under new values of (``RESUMABLE``, plus the fields
+its kind does not read).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from linattn_jax.layers import registry
 # Per attention kind: read from the library's one registry (linattn_jax.layers.registry).
 # ============================================================================
 
-# The model fields each attention kind reads (the others are not checked for it).
+# The model fields each attention kind reads (a change of another does not block a resume).
 ATTENTION_FIELDS = {kind: spec.options for kind, spec in registry.KINDS.items()}
 KIND_FIELDS = {field for fields in ATTENTION_FIELDS.values() for field in fields}
 # The kinds whose layers split one sequence over devices (--config.mesh.sequence=N).
@@ -32,7 +33,8 @@ SEQUENCE_PARALLEL = tuple(kind for kind, spec in registry.KINDS.items() if spec.
 RANDOM_OR_LEARNED = feature_maps.NEEDS_CONSTRUCTION
 
 
-def _feature_map_names() -> tuple[str, ...]:
+def feature_map_names() -> tuple[str, ...]:
+    """The values ``model.feature_map`` takes: the registered maps and those a layer builds."""
     return tuple(feature_maps.names()) + RANDOM_OR_LEARNED
 
 
@@ -221,18 +223,16 @@ def validate(config: ConfigDict) -> None:
     if config.get("task") not in TASKS:
         raise ValueError(f"task must be one of {tuple(TASKS)}, got {config.get('task')!r}")
     fields = flatten(config)
-    used = ATTENTION_FIELDS.get(fields.get("model.attention"), ())
     for name, (ok, expected) in FIELDS.items():
         if name not in fields:
             continue  # another task's section
-        short = name.removeprefix("model.")
-        if name.startswith("model.") and short in KIND_FIELDS and short not in used:
-            continue  # a field this attention kind does not read
+        # Every field, whatever the attention kind: a bad value the kind ignores today
+        # would break a rerun under another kind, and is as likely a typo.
         if not ok(fields[name]):
             raise ValueError(f"{name} must be {expected}, got {fields[name]!r}")
-    if "feature_map" in used and fields["model.feature_map"] not in _feature_map_names():
+    if "model.feature_map" in fields and fields["model.feature_map"] not in feature_map_names():
         raise ValueError(
-            f"model.feature_map must be one of {_feature_map_names()}, "
+            f"model.feature_map must be one of {feature_map_names()}, "
             f"got {fields['model.feature_map']!r}"
         )
     for rule in RULES:
@@ -266,12 +266,18 @@ RESUMABLE = (
 
 
 def config_changes(stored: dict, config: ConfigDict) -> list[str]:
-    """The fields outside ``RESUMABLE`` where ``config`` differs from ``stored``."""
+    """The fields outside ``RESUMABLE`` where ``config`` differs from ``stored``, but for
+    the model fields that neither run's attention kind reads (they change nothing)."""
     old, new = flatten(stored), flatten(config)
+    kinds = {old.get("model.attention"), new.get("model.attention")}
+    read = {field for kind in kinds for field in ATTENTION_FIELDS.get(kind, KIND_FIELDS)}
     changes = []
     for name in sorted(old.keys() | new.keys()):
         if any(name == p or name.startswith(p + ".") for p in RESUMABLE):
             continue
+        short = name.removeprefix("model.")
+        if name.startswith("model.") and short in KIND_FIELDS and short not in read:
+            continue  # no kind here reads it
         before, now = old.get(name, "<absent>"), new.get(name, "<absent>")
         if before != now:
             changes.append(f"{name}={before!r} there, {now!r} now")

@@ -42,8 +42,8 @@ def test_one_override_syntax_and_print_config(main, capsys):
 @pytest.mark.parametrize(
     "main,flags",
     [
-        (train.main, ["--config", "--workdir", "--print_config", "--multihost"]),
-        (sweep.main, ["--config", "--workdir", "--print_config", "--sweep"]),
+        (train.main, ["--config", "--workdir", "--print_config", "--verbose", "--multihost"]),
+        (sweep.main, ["--config", "--workdir", "--print_config", "--verbose", "--sweep"]),
     ],
     ids=["train", "sweep"],
 )
@@ -64,6 +64,10 @@ def test_help_describes_every_flag(main, flags, capsys):
             ["--config.model.widht=3"],
             r"unknown config field 'model.widht' \(did you mean 'model.width'\?\)",
         ),
+        (
+            ["--config.optim.learning_rate=3"],
+            r"unknown config field 'optim.learning_rate' \(did you mean 'optim.lr'\?\)",
+        ),
         (["--config.model.width=abc"], r"model.width must be an integer, got 'abc'"),
         (["--config.optim.grad_clip=-1"], r"optim.grad_clip must be a number > 0, got -1.0"),
         (["--config.model.width"], r"--config.model.width needs a value"),
@@ -83,6 +87,42 @@ def test_a_misspelt_sweep_field_is_one_line(tmp_path, capsys):
     assert sweep.main(argv) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "did you mean 'model.width'" in err
+
+
+@pytest.mark.parametrize("main", [train.main, sweep.main], ids=["train", "sweep"])
+def test_verbose_shows_the_traceback_above_the_one_line(main, tmp_path, capsys):
+    argv = ["--config", MQAR, "--workdir", str(tmp_path / "run"), "--config.optim.b2=1.5"]
+    assert main([*argv, "--verbose"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "Traceback (most recent call last):" and len(err) > 3, err
+    assert re.fullmatch(r".*: error: optim.b2 must be a number in \[0, 1\), got 1.5", err[-1])
+
+
+def test_a_misspelt_attention_kind_in_a_sweep_is_named(tmp_path, capsys):
+    argv = ["--config", MQAR, "--workdir", str(tmp_path), "--sweep", "attention=gla,deltanett"]
+    assert sweep.main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert re.search(
+        r"--sweep attention=deltanett is neither an attention kind \(.*\) nor a feature map "
+        r"\(.*\) \(did you mean 'deltanet'\?\)$",
+        err,
+    ), err
+    assert "model.feature_map" not in err
+
+
+def test_a_sweeps_table_shows_the_swept_fields(tmp_path, monkeypatch, capsys):
+    def fake_train(config, workdir, **_):
+        return {"loss": config.optim.lr, "accuracy": 0.5, "step": config.steps}
+
+    monkeypatch.setattr(trainer, "train", fake_train)
+    argv = ["--config", MQAR, "--workdir", str(tmp_path), "--config.steps=3"]
+    assert sweep.main([*argv, "--sweep", "optim.lr=0.001,0.003", "--sweep", "model.width=16"]) == 0
+    header, rule, *rows = (tmp_path / "results.md").read_text().splitlines()
+    assert header.startswith("| optim.lr | task | attention |"), header  # width has its column
+    assert rule.count("|") == header.count("|")
+    assert [row.split(" | ")[0] for row in rows] == ["| 0.001", "| 0.003"]
+    assert all("| 16x2 |" in row for row in rows)
 
 
 # -- plots ---------------------------------------------------------------------

@@ -63,7 +63,7 @@ BAD = [
     ("optim.weight_decay=-5", "optim.weight_decay"),
     ("optim.lr=-1", "optim.lr"),
     ("stop_at=-3", "stop_at"),
-    ("model.chunk_size=0", "model.chunk_size"),
+    ("model.chunk_size=-1", "model.chunk_size"),  # 0: the family's default
     ("model.decay=foo", "model.decay"),
     ("model.decay=1.5", "model.decay"),
     ("model.dtype=float33", "model.dtype"),
@@ -100,8 +100,9 @@ def test_every_attention_kind_has_a_row_of_fields():
     assert set(validation.ATTENTION_FIELDS) == set(layers.ATTENTION_KINDS)
 
 
-def test_a_bad_field_of_an_unused_attention_part_is_not_checked(tmp_path):
-    # Softmax attention reads no feature map: an unused default stays harmless.
+def test_the_defaults_of_fields_a_kind_ignores_are_valid(tmp_path):
+    # Softmax attention reads no feature map or chunk size; their defaults pass the checks
+    # every field gets (issue 29: bad values fail whatever the kind).
     validation.validate(
         tiny_config(MQAR, "seq_len=32", "model.attention=softmax", "model.chunk_size=0")
     )
@@ -221,16 +222,20 @@ def test_a_full_disk_fails_at_the_first_save_in_one_line(tmp_path):
                     "--config.progress=false"]
         runpy.run_module("experiments.train", run_name="__main__")
     """)
-    env = os.environ | {"JAX_PLATFORMS": "cpu"}
+    # Not the tests' compilation cache: its entries would be written truncated.
+    env = os.environ | {"JAX_PLATFORMS": "cpu", "JAX_ENABLE_COMPILATION_CACHE": "false"}
     out = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=os.getcwd()
     )
     assert out.returncode == 1, out.stderr[-3000:]
-    # No traceback of ours (orbax's writer threads may still print their own).
-    assert "experiments/" not in out.stderr, out.stderr[-3000:]
-    errors = [line for line in out.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1, out.stderr[-3000:]
-    assert re.search(r"checkpoint step 2 to .*: File too large$", errors[0]), errors[0]
+    # One line: no traceback of ours, nor of orbax's writer threads (issue 29).
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr[-3000:]
+    assert re.search(
+        r"checkpoint step 2 to .*: File too large \(.* free on the disk of .*\); no checkpoint "
+        r"was kept",
+        lines[0],
+    ), lines[0]
     assert _rows(tmp_path) == [1, 2]  # stopped at the first save
 
 
@@ -252,3 +257,138 @@ def test_a_torn_metrics_line_does_not_break_the_plots(tmp_path):
     assert (run / "curves.png").stat().st_size > 0
     sweep.plot(tmp_path, [("run", config)])
     assert (tmp_path / "results.png").stat().st_size > 0
+
+
+# -- issue 29 ------------------------------------------------------------------
+
+
+def _train_cli(tmp_path, *extra, before="", cache=True):
+    """``python -m experiments.train`` on a tiny MQAR run in ``tmp_path``, in a subprocess
+    (stderr as a terminal sees it), after the Python lines ``before``; ``cache=False``: not
+    through the tests' compilation cache (a process that limits file sizes would write
+    its entries truncated)."""
+    script = textwrap.dedent(before) + textwrap.dedent(f"""
+        import runpy, sys
+        sys.argv = ["train", "--config", {MQAR!r}, "--workdir", {str(tmp_path)!r},
+                    "--config.steps=20", "--config.checkpoint_every=2", "--config.log_every=1",
+                    "--config.eval_every=100", "--config.seq_len=32", "--config.batch_size=4",
+                    "--config.model.width=16", "--config.model.depth=1",
+                    "--config.progress=false", *{list(extra)!r}]
+        runpy.run_module("experiments.train", run_name="__main__")
+    """)
+    env = os.environ | {"JAX_PLATFORMS": "cpu"}
+    if not cache:
+        env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    return subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=os.getcwd()
+    )
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_a_later_save_is_one_line_naming_the_step(tmp_path):
+    # The disk fills after the first checkpoint: the writes of step 4's save fail inside
+    # orbax's writer threads (a file-size limit makes them fail as on a full disk).
+    out = _train_cli(
+        tmp_path,
+        before="""
+        import resource, signal
+        from experiments import checkpoints
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        save = checkpoints.Checkpointer.save
+        def fill_the_disk_after_the_first_save(self, step, *args):
+            if step > 2:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
+            return save(self, step, *args)
+        checkpoints.Checkpointer.save = fill_the_disk_after_the_first_save
+        """,
+        cache=False,
+    )
+    assert out.returncode == 1, out.stderr[-3000:]
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr[-3000:]  # no thread's traceback either
+    assert re.fullmatch(
+        rf".*: error: could not write checkpoint step 4 to {re.escape(str(tmp_path))}/checkpoints: "
+        rf"File too large \(\S+ \S*B free on the disk of {re.escape(str(tmp_path))}\); the last "
+        r"checkpoint kept is step 2 \(free some space, then rerun to resume from it\)",
+        lines[0],
+    ), lines[0]
+
+
+@pytest.mark.slow
+def test_a_full_disk_names_the_failed_save_not_the_next(tmp_path, monkeypatch):
+    # Orbax saves in the background: step 4's save fails with ENOSPC after it started, and
+    # shows only when the next save (step 6) or the end waits for it.
+    import errno
+    import shutil
+
+    import orbax.checkpoint as ocp
+
+    failing = []
+    save, wait = ocp.CheckpointManager.save, ocp.CheckpointManager.wait_until_finished
+
+    def save_that_fills_the_disk(self, step, *args, **kwargs):
+        if step == 4:
+            failing.append(step)
+            return True  # started; fails in the background
+        return save(self, step, *args, **kwargs)
+
+    def wait_that_reports_it(self):
+        if failing:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.directory / "4"))
+        return wait(self)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save_that_fills_the_disk)
+    monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", wait_that_reports_it)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=3 * 2**20))
+    config = tiny_config(MQAR, "seq_len=32", "steps=8")
+    with pytest.raises(OSError) as info:
+        trainer.train(config, tmp_path)
+    assert str(info.value) == (
+        f"could not write checkpoint step 4 to {tmp_path}/checkpoints: No space left on device "
+        f"(3.0 MiB free on the disk of {tmp_path}); the last checkpoint kept is step 2 (free "
+        f"some space, then rerun to resume from it)"
+    )
+    assert _rows(tmp_path) == [2, 4, 6]  # step 6's save waited for step 4's
+
+
+def test_every_field_is_checked_whatever_the_kind():
+    for kind, bad in [
+        ("deltanet", "model.method=fast"),
+        ("kda", "model.feature_map=nope"),
+        ("softmax", "model.decay=foo"),
+        ("gla", "model.num_features=-1"),
+    ]:
+        config = tiny_config(MQAR, "seq_len=32", f"model.attention={kind}", bad)
+        field = bad.split("=")[0]
+        with pytest.raises(ValueError, match=rf"^{re.escape(field)} must be .*, got "):
+            validation.validate(config)
+
+
+def test_a_field_the_kind_ignores_does_not_block_a_resume(tmp_path):
+    from experiments.checkpoints import prepare_workdir
+
+    run = lambda *extra: tiny_config(MQAR, "seq_len=32", "model.attention=deltanet", *extra)
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)  # a run to resume
+    prepare_workdir(run(), tmp_path)
+    # DeltaNet reads no feature map, method or decay: changing them resumes ...
+    ignored = run("model.feature_map=taylor", "model.method=scan", "model.decay=0.5")
+    assert (
+        validation.config_changes(json.loads((tmp_path / "config.json").read_text()), ignored) == []
+    )
+    prepare_workdir(ignored, tmp_path)
+    # ... but a field it reads still refuses.
+    with pytest.raises(ValueError, match=r"model.chunk_size=8 there, 4 now"):
+        prepare_workdir(run("model.chunk_size=4"), tmp_path)
+
+
+@pytest.mark.slow
+def test_no_readable_checkpoint_is_one_line(tmp_path):
+    trainer.train(tiny_config(MQAR, "seq_len=32", "steps=4"), tmp_path)  # saves 2 and 4
+    for path in (tmp_path / "checkpoints").rglob("*"):
+        if path.is_file():
+            os.truncate(path, 0)  # a disk that lost them
+    out = _train_cli(tmp_path, "--config.steps=6", "--config.model.chunk_size=8")
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert len(out.stderr.splitlines()) == 1, out.stderr[-3000:]
+    assert re.search(r"error: no checkpoint in .* is readable \(step 4: ", out.stderr)

@@ -106,6 +106,8 @@ def make_feature_map(feature_map, heads: int, d: int, *, num_features, max_lengt
 
     ``kw``: ``rngs`` and ``param_dtype``. Raises on an unknown name or bad options.
     """
+    if not (isinstance(feature_map, str) or callable(feature_map)):
+        fm.get(feature_map)  # raises, naming what feature_map must be (not "unhashable")
     # Validated whatever the map; like max_length, ignored by maps they do not apply to
     # (an experiment passes one set of options to every map it sweeps).
     if num_features is not None:

@@ -133,6 +133,9 @@ class LinearAttention(nnx.Module):
         if chunk_size is not None:
             checks.check_int("chunk_size", chunk_size, 1)
         check_dropout_rate(dropout_rate)
+        checks.check_bool("causal", causal)
+        checks.check_bool("normalize", normalize)
+        checks.check_number("eps", eps, 0)
         if feature_dim is not None:
             checks.check_int("feature_dim", feature_dim, 1)
         if method not in additive.METHODS:

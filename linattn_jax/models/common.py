@@ -27,3 +27,23 @@ def check_tokens(tokens: jax.Array, vocab_size: int) -> None:
         )
         raise ValueError(f"tokens must be int [batch, length], got {got}")
     check_ids(tokens, vocab_size, "tokens")
+
+
+def check_state(state, depth: int, batch: int) -> None:
+    """A model's decoding ``state``: None, or ``model.init_state(batch)``'s list of one
+    state per block, each for this batch (every array in it leads with the batch axis);
+    else a ValueError naming what it got."""
+    if state is None:
+        return
+    expected = f"state must be model.init_state({batch})'s"
+    sequence = isinstance(state, list | tuple) and not hasattr(state, "_fields")  # not a NamedTuple
+    if not sequence or len(state) != depth:
+        got = f"a {type(state).__name__}" + (f" of {len(state)}" if sequence else "")
+        raise ValueError(f"{expected} (one state per block: {depth}), got {got}")
+    for i, block_state in enumerate(state):
+        for leaf in jax.tree.leaves(block_state):
+            if getattr(leaf, "ndim", 0) and leaf.shape[0] != batch:
+                raise ValueError(
+                    f"{expected} (one state per block for a batch of {batch}), got state[{i}] "
+                    f"for a batch of {leaf.shape[0]}"
+                )

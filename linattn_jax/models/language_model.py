@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax.models import sampling
-from linattn_jax.models.common import check_tokens, make_blocks
+from linattn_jax.models.common import check_state, check_tokens, make_blocks
 
 
 class LanguageModel(nnx.Module):
@@ -96,6 +96,7 @@ class LanguageModel(nnx.Module):
             holding ids outside ``[0, vocab_size)``.
         """
         check_tokens(tokens, self.vocab_size)
+        check_state(state, len(self.blocks), tokens.shape[0])
         x = self.embed(tokens)
         states = [None] * len(self.blocks) if state is None else state
         new_states = []

@@ -12,7 +12,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from linattn_jax.ops.checks import describe
+
 GREEDY_BELOW = 1e-6  # temperatures below it sample greedily: logits / T would overflow
+INT32 = (-(2**31), 2**31 - 1)  # the range of the token ids generate writes (int32)
 
 
 def generate(
@@ -60,6 +63,10 @@ def generate(
     if eos_id is not None and not 0 <= eos_id < model.vocab_size:
         raise ValueError(f"eos_id must be None or in [0, {model.vocab_size}), got {eos_id}")
     pad_id = None if pad_id is None else _int_arg("pad_id", pad_id)
+    if pad_id is not None and not INT32[0] <= pad_id <= INT32[1]:
+        raise ValueError(f"pad_id must be an int in [{INT32[0]}, {INT32[1]}] (int32), got {pad_id}")
+    if rng is not None:
+        check_rng(rng)
     if prompt_mask is not None:
         _check_prompt_mask(prompt_mask, (b, t))
     if steps == 0:
@@ -104,6 +111,18 @@ def _float_arg(name: str, value) -> float:
         return float(value)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{name} must be a number, got {value!r}") from error
+
+
+def check_rng(rng) -> None:
+    """A PRNG key: a typed key (``jax.random.key``) or a raw uint32 one
+    (``jax.random.PRNGKey``), one key, not a batch of them; or a ValueError."""
+    typed = isinstance(rng, jax.Array) and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    raw = isinstance(rng, jax.Array) and rng.dtype == jnp.uint32 and rng.ndim == 1
+    if not ((typed and rng.ndim == 0) or raw):
+        raise ValueError(
+            "rng must be a PRNG key (jax.random.key(seed) or jax.random.PRNGKey(seed)), got "
+            f"{describe(rng)}"
+        )
 
 
 def _pad(pad_id: int | None, eos_id: int | None) -> int:

@@ -257,3 +257,110 @@ def parse_decay(decay, heads: int) -> Array | None:
     if not np.all((gamma > 0) & (gamma <= 1)):
         raise ValueError(f"decay must lie in (0, 1], got {decay!r}")
     return jnp.broadcast_to(jnp.asarray(gamma), (heads,))
+
+
+# ----------------------------------------------------------------------------
+# The public functions' options (issue 29): each check names the argument, what it
+# must be and what it got, in one line, before anything is traced.
+# ----------------------------------------------------------------------------
+
+
+def describe(value) -> str:
+    """``value`` in a few words for a one-line message: an array (or a tracer, or a
+    ``ShapeDtypeStruct``) by its dtype and shape, anything else by its ``repr``, on one
+    line and at most 80 characters."""
+    if hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, np.generic):
+        return f"an array {value.dtype}[{', '.join(map(str, value.shape))}]"
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_bool(name: str, value) -> None:
+    """A Python (or numpy) bool, or a ValueError naming ``name``: a string such as ``'no'``
+    would otherwise count as True."""
+    if not isinstance(value, bool | np.bool_):
+        raise ValueError(f"{name} must be True or False, got {describe(value)}")
+
+
+def _is_number(value) -> bool:
+    """A real number, or a 0-d array of one (a tracer included); not a bool."""
+    if isinstance(value, bool | np.bool_):
+        return False
+    if isinstance(value, int | float | np.integer | np.floating):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return (
+        getattr(value, "shape", None) == ()
+        and dtype is not None
+        and (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
+    )
+
+
+def check_number(name: str, value, minimum: float | None = None) -> None:
+    """A finite real number (a Python or numpy scalar, or a 0-d array), at least ``minimum``
+    when given and concrete, or a ValueError naming ``name``."""
+    ok = _is_number(value)
+    if ok and is_concrete(value):
+        x = float(np.asarray(value))
+        ok = np.isfinite(x) and (minimum is None or x >= minimum)
+    if not ok:
+        bound = "" if minimum is None else f" >= {minimum:g}"
+        raise ValueError(f"{name} must be a finite number{bound}, got {describe(value)}")
+
+
+def check_decay_value(decay) -> None:
+    """``decay=``: None, or real numbers (a scalar or one per head); its shape and range are
+    ``log_decay``'s to check. Refuses bools and strings, which JAX would take or reject
+    with a message of its own."""
+    if decay is None:
+        return
+    dtype = getattr(decay, "dtype", None)
+    if dtype is None and not isinstance(decay, str | bytes):
+        try:
+            dtype = np.asarray(decay).dtype
+        except (TypeError, ValueError):
+            dtype = None
+    numeric = dtype is not None and (
+        jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+    )
+    if not numeric or isinstance(decay, bool | np.bool_):
+        raise ValueError(
+            f"decay must be None, a number in (0, 1] or one per head [heads], got {describe(decay)}"
+        )
+
+
+def check_same_dtype(*named) -> None:
+    """``(name, array)`` pairs of one dtype (q and k meet in every dot product), or a
+    ValueError naming them and their dtypes."""
+    dtypes = {name: x.dtype for name, x in named}
+    if len(set(dtypes.values())) > 1:
+        got = " and ".join(f"{name} {dtype}" for name, dtype in dtypes.items())
+        raise ValueError(f"{' and '.join(dtypes)} must have the same dtype, got {got}")
+
+
+def check_features(out, x) -> None:
+    """A feature map's output for input ``x [..., d]``: an array ``[..., f]`` with the same
+    leading axes, or a ValueError describing what the map returned."""
+    shape = getattr(out, "shape", None)
+    if shape is None or not hasattr(out, "dtype") or tuple(shape[:-1]) != tuple(x.shape[:-1]):
+        raise ValueError(
+            f"feature_map must map [..., d] to an array [..., f], got {describe(out)} for "
+            f"inputs {tuple(x.shape)}"
+        )
+
+
+def check_batch_axis(mesh, axis_name: str, batch_axis: str | None, b: int) -> None:
+    """A sequence-parallel call's ``batch_axis``: another axis than ``axis_name``, whose
+    devices divide the batch ``b`` (checked before ``shard_map`` would refuse it)."""
+    if batch_axis is None:
+        return
+    if batch_axis == axis_name:
+        raise ValueError(
+            f"batch_axis={batch_axis!r} must differ from axis_name={axis_name!r} (the axis "
+            f"that splits the sequence)"
+        )
+    devices = mesh.shape[batch_axis]
+    if b % devices:
+        raise ValueError(
+            f"batch b={b} must be divisible by the {devices} devices of batch_axis {batch_axis!r}"
+        )

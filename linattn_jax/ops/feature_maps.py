@@ -98,13 +98,14 @@ def get(feature_map: str | FeatureMap) -> FeatureMap:
     if isinstance(feature_map, str) and feature_map in _REGISTRY:
         return _REGISTRY[feature_map]
     hint = ""
-    if feature_map in NEEDS_CONSTRUCTION:
+    if isinstance(feature_map, str) and feature_map in NEEDS_CONSTRUCTION:
         hint = (
             f" ({feature_map!r} has parameters or positions: build it with "
             f"linattn_jax.feature_maps.{feature_map}(...) or use the Flax layer)"
         )
     raise ValueError(
-        f"feature_map must be one of {names()} or a callable, got {feature_map!r}{hint}"
+        f"feature_map must be one of {names()} or a callable, got "
+        f"{checks.describe(feature_map)}{hint}"
     )
 
 
@@ -114,8 +115,11 @@ def feature_dim(feature_map: str | FeatureMap, head_dim: int, heads: int = 1) ->
     x = jax.ShapeDtypeStruct((1, heads, head_dim), jnp.float32)
     if getattr(phi, "needs_positions", False):
         positions = jax.ShapeDtypeStruct((1,), jnp.int32)
-        return jax.eval_shape(phi, x, positions).shape[-1]
-    return jax.eval_shape(phi, x).shape[-1]
+        out = jax.eval_shape(phi, x, positions)
+    else:
+        out = jax.eval_shape(phi, x)
+    checks.check_features(out, x)
+    return out.shape[-1]
 
 
 def accumulation_dtype(dtype) -> jnp.dtype:

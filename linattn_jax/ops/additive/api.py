@@ -34,7 +34,13 @@ import jax.numpy as jnp
 from linattn_jax.ops import checks, chunking, feature_maps
 from linattn_jax.ops.additive import recurrent
 from linattn_jax.ops.additive.chunked import run_chunks
-from linattn_jax.ops.additive.inputs import check_normalize, chunk_kernel, features, finish
+from linattn_jax.ops.additive.inputs import (
+    check_normalize,
+    check_options,
+    chunk_kernel,
+    features,
+    finish,
+)
 from linattn_jax.ops.additive.state import State, as_internal, zeros
 from linattn_jax.typing import Array, FeatureMap, Float
 
@@ -83,6 +89,7 @@ def noncausal(
     """
     b, t, h, _ = checks.check_qkv(q, k, v, causal=False)
     s_len = k.shape[1]
+    check_options(q, k, normalize=normalize, eps=eps)
     check_normalize(feature_map, normalize)
     key_mask = checks.token_mask("key_mask", key_mask, b, s_len)
     query_mask = checks.token_mask("query_mask", query_mask, b, t)
@@ -177,6 +184,7 @@ def causal(
         concrete; under ``jit`` they are clamped (``checks.log_decay``).
     """
     b, t, h, _ = checks.check_qkv(q, k, v, causal=True)
+    check_options(q, k, normalize=normalize, eps=eps, return_state=return_state, decay=decay)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if chunk_size is not None:

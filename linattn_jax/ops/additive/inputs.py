@@ -59,12 +59,8 @@ def features(
     else:
         remat = jax.checkpoint(phi) if feature_maps.is_registered(phi) else phi
         phi_q, phi_k = remat(q), remat(k)
-    for name, x, y in [("phi(q)", phi_q, q), ("phi(k)", phi_k, k)]:
-        if x.shape[:-1] != y.shape[:-1]:
-            raise ValueError(
-                f"feature_map must map [..., d] to [..., f]; {name} has shape {x.shape} "
-                f"for input {y.shape}"
-            )
+    checks.check_features(phi_q, q)
+    checks.check_features(phi_k, k)
     if phi_q.shape[-1] != phi_k.shape[-1]:
         raise ValueError(
             f"feature_map gave different feature dims for q and k: {phi_q.shape} vs {phi_k.shape}"
@@ -103,6 +99,16 @@ def kernel_from_dots(phi, g):
     return getattr(phi, "kernel_from_dots", None)
 
 
+def check_options(q, k, *, normalize, eps, return_state=False, decay=None) -> None:
+    """The options the additive forms share: q and k of one dtype, bool ``normalize`` and
+    ``return_state``, a number ``eps >= 0`` and a numeric ``decay`` (or None)."""
+    checks.check_same_dtype(("q", q), ("k", k))
+    checks.check_bool("normalize", normalize)
+    checks.check_number("eps", eps, 0)
+    checks.check_bool("return_state", return_state)
+    checks.check_decay_value(decay)
+
+
 def check_normalize(feature_map, normalize: bool, *, name: str | None = None) -> None:
     """Refuses the combinations of feature map and ``normalize`` that give wrong answers.
 
@@ -118,10 +124,15 @@ def check_normalize(feature_map, normalize: bool, *, name: str | None = None) ->
             "normalize=True cancels: use normalize=True"
         )
     if normalize and getattr(phi, "signed", False):
-        if name is None:
-            name = feature_map if isinstance(feature_map, str) else getattr(phi, "__name__", phi)
+        name = feature_map if name is None else name
+        # A name as given; a map by its function's or class's name, never its arrays.
+        label = (
+            f"feature_map={name!r}"
+            if isinstance(name, str)
+            else f"feature_map {getattr(name, '__name__', None) or type(name).__name__}"
+        )
         raise ValueError(
-            f"feature_map={name!r} has a signed kernel: the denominator phi(q)^T Z "
+            f"{label} has a signed kernel: the denominator phi(q)^T Z "
             "can be zero or change sign, so normalize=True can divide by about zero; use "
             "normalize=False (an RMSNorm per head then keeps the output's scale)"
         )

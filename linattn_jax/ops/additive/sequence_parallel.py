@@ -75,7 +75,9 @@ def sequence_parallel(
         divide, or any error of ``causal``.
     """
     b, t, h, _ = checks.check_qkv(q, k, v, causal=True)
+    inputs.check_options(q, k, normalize=normalize, eps=eps, return_state=return_state, decay=decay)
     mesh = checks.check_mesh(mesh, axis_name, batch_axis, t)
+    checks.check_batch_axis(mesh, axis_name, batch_axis, b)
     shards = mesh.shape[axis_name]
     if chunk_size is not None:
         checks.check_chunk_size(chunk_size)

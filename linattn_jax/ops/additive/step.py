@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from linattn_jax.ops import checks, feature_maps
 from linattn_jax.ops.additive import recurrent
-from linattn_jax.ops.additive.inputs import check_normalize, features, finish
+from linattn_jax.ops.additive.inputs import check_normalize, check_options, features, finish
 from linattn_jax.ops.additive.state import State, as_internal
 from linattn_jax.typing import Array, FeatureMap, Float
 
@@ -51,6 +51,7 @@ def step(
       ValueError: on mismatched shapes, a bad state, decay or gate.
     """
     b, h, _ = checks.check_step_qkv(q, k, v)
+    check_options(q, k, normalize=normalize, eps=eps, decay=decay)
     positions = None
     if position is not None:
         checks.check_shape("position", position, (b,), "[batch]")

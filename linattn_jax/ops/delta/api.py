@@ -50,7 +50,7 @@ import jax.numpy as jnp
 
 from linattn_jax.ops import checks, chunking, feature_maps
 from linattn_jax.ops.delta import chunked, recurrent
-from linattn_jax.ops.delta.state import State, as_internal, check_beta
+from linattn_jax.ops.delta.state import State, as_internal, check_beta, check_options
 from linattn_jax.typing import Array, Float
 
 METHODS = ("chunked", "scan")
@@ -108,6 +108,7 @@ def causal(
         concrete), decay, gate, mask, segment ids or state.
     """
     b, t, h, dk = checks.check_qkv(q, k, v, causal=True)
+    check_options(q, k, decay=decay, scale=scale, return_state=return_state)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if chunk_size is not None:

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from linattn_jax.ops import checks, feature_maps
 from linattn_jax.ops.delta.api import causal
-from linattn_jax.ops.delta.state import State, as_internal, check_beta
+from linattn_jax.ops.delta.state import State, as_internal, check_beta, check_options
 from linattn_jax.typing import Array, Float
 
 
@@ -71,7 +71,9 @@ def sequence_parallel(
     """
     b, t, h, dk = checks.check_qkv(q, k, v, causal=True)
     dv = v.shape[-1]
+    check_options(q, k, decay=decay, scale=scale, return_state=return_state)
     mesh = checks.check_mesh(mesh, axis_name, batch_axis, t)
+    checks.check_batch_axis(mesh, axis_name, batch_axis, b)
     shards = mesh.shape[axis_name]
     # Validates everything else on the global arrays before tracing the shards (beta's
     # range and the state here: eval_shape sees neither's values).

@@ -38,9 +38,21 @@ def check_beta(beta, shape: tuple[int, ...], layout: str, key_mask=None) -> None
         beta = np.asarray(beta)
         if key_mask is not None:
             beta = np.where(np.asarray(key_mask)[..., None], beta, 0.0)
+        nan = int(np.sum(np.isnan(beta)))
+        if nan:
+            raise ValueError(f"beta must lie in [0, 2], got NaN in {nan} of {beta.size} values")
         lo, hi = float(np.min(beta)), float(np.max(beta))
         if not (lo >= 0.0 and hi <= 2.0):
             raise ValueError(f"beta must lie in [0, 2], got values in [{lo}, {hi}]")
+
+
+def check_options(q, k, *, decay=None, scale=1.0, return_state=False) -> None:
+    """The options the delta-rule forms share: q and k of one dtype, a numeric ``decay``
+    (or None), a number ``scale`` and a bool ``return_state``."""
+    checks.check_same_dtype(("q", q), ("k", k))
+    checks.check_decay_value(decay)
+    checks.check_number("scale", scale)
+    checks.check_bool("return_state", return_state)
 
 
 def as_internal(state: State | None, b: int, h: int, dk: int, dv: int, dtype) -> Array:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from linattn_jax.ops import checks, feature_maps
 from linattn_jax.ops.delta import recurrent
-from linattn_jax.ops.delta.state import State, as_internal, check_beta
+from linattn_jax.ops.delta.state import State, as_internal, check_beta, check_options
 from linattn_jax.typing import Array, Float
 
 
@@ -45,6 +45,7 @@ def step(
       ValueError: on mismatched shapes, a bad beta, decay, gate or state.
     """
     b, h, dk = checks.check_step_qkv(q, k, v)
+    check_options(q, k, decay=decay, scale=scale)
     check_beta(beta, (b, h), "[batch, heads]")
     dtype = feature_maps.accumulation_dtype(q.dtype)
     g = checks.step_log_decay(decay, gate, b, h, dtype, channels=dk, channel_name="key_dim")
