@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from linattn_jax.ops import checks, feature_maps
 from linattn_jax.ops.delta.api import causal
-from linattn_jax.ops.delta.state import State, as_internal, check_beta
+from linattn_jax.ops.delta.state import State, as_internal, check_beta, check_qkv
 from linattn_jax.typing import Array, Float
 
 
@@ -47,21 +47,22 @@ def sequence_parallel(
     one device; gradients by autodiff.
 
     Args:
-      q, k, v, beta: ``[b, t, h, dk]``, ``[b, t, h, dk]``, ``[b, t, h, dv]``, ``[b, t, h]``
-        (global arrays); t must be divisible by the size of ``axis_name``.
+      q, k, v, beta: ``[b, t, h, dk]``, ``[b, t, h, dk]``, ``[b, t, hv, dv]``, ``[b, t, hv]``
+        (global arrays; ``hv`` a multiple of ``h``, grouped value heads as in ``causal``);
+        t must be divisible by the size of ``axis_name``.
       axis_name: the mesh axis that splits the sequence.
       mesh: the mesh; the current one (``jax.set_mesh``) when None.
       batch_axis: an optional mesh axis that splits the batch too (a 2-D mesh).
       chunk_size, initial_state, return_state, decay, gate, scale: as in ``causal``.
 
     Returns:
-      ``out [b, t, h, dv]``, or ``(out, DeltaRuleState)`` when ``return_state``.
+      ``out [b, t, hv, dv]``, or ``(out, DeltaRuleState)`` when ``return_state``.
 
     Raises:
       ValueError: an axis not in the mesh, a length the axis size does not
         divide, or any error of ``causal``.
     """
-    b, t, h, dk = checks.check_qkv(q, k, v, causal=True)
+    (b, t, _, dk), h = check_qkv(q, k, v)  # h: the value heads, each with its own state
     dv = v.shape[-1]
     mesh = checks.check_mesh(mesh, axis_name, batch_axis, t)
     shards = mesh.shape[axis_name]
