@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from linattn_jax.models.common import check_tokens, make_blocks
+from linattn_jax.layers.norms import RMSNorm
+from linattn_jax.models import stack
+from linattn_jax.models.common import check_tokens
 from linattn_jax.ops import checks
 
 
@@ -18,7 +21,8 @@ class SequenceClassifier(nnx.Module):
     Args:
       vocab_size, width, depth, num_heads: as in ``LanguageModel``.
       num_classes: output classes.
-      attention: a kind of ``layers.ATTENTION_KINDS`` (``layers.registry``).
+      attention, kind_options, zero_centred_norm, scan_layers, remat: as in
+        ``LanguageModel`` (a layout of kinds, options per kind, ...).
       **block_kwargs: passed to every ``TransformerBlock``.
     """
 
@@ -30,8 +34,12 @@ class SequenceClassifier(nnx.Module):
         depth: int,
         num_heads: int,
         *,
-        attention: str = "linear",
+        attention: str | Sequence[str] = "linear",
+        kind_options: Mapping[str, Mapping] | None = None,
         mlp_ratio: int = 4,
+        zero_centred_norm: bool = False,
+        scan_layers: bool = False,
+        remat: str = "none",
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -39,19 +47,26 @@ class SequenceClassifier(nnx.Module):
     ):
         self.vocab_size = vocab_size
         self.embed = nnx.Embed(vocab_size, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.blocks = make_blocks(
+        self.blocks, self.layout, self.period = stack.make_blocks(
             depth,
             width,
             num_heads,
             attention=attention,
+            kind_options=kind_options,
+            scan_layers=scan_layers,
+            remat=remat,
             causal=False,
             mlp_ratio=mlp_ratio,
+            zero_centred_norm=zero_centred_norm,
             rngs=rngs,
             dtype=dtype,
             param_dtype=param_dtype,
             **block_kwargs,
         )
-        self.norm = nnx.RMSNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.remat = remat
+        self.norm = RMSNorm(
+            width, zero_centred=zero_centred_norm, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
         self.head = nnx.Linear(width, num_classes, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, *, key_mask: jax.Array | None = None) -> jax.Array:
@@ -60,8 +75,7 @@ class SequenceClassifier(nnx.Module):
         key_mask = checks.token_mask("key_mask", key_mask, *tokens.shape)
         mask = jnp.ones(tokens.shape, bool) if key_mask is None else key_mask
         x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x, key_mask=mask)
+        x = stack.run_blocks(self.blocks, x, period=self.period, remat=self.remat, key_mask=mask)
         x = self.norm(x)
         # A select, not a product: whatever a padded row holds (NaN too) reaches nothing.
         total = jnp.sum(checks.where_token(mask, x), axis=1)
