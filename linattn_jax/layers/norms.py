@@ -58,7 +58,8 @@ class RMSNorm(nnx.RMSNorm):
             raise ValueError("a zero-centred RMSNorm takes no mask")
         y = x.astype(jnp.float32)
         y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + self.epsilon)
-        y = y * (1.0 + self.scale[...].astype(jnp.float32))
+        scale = 1.0 + self.scale[...].astype(jnp.float32)
+        y = y * scale.reshape((1,) * (y.ndim - 1) + scale.shape)
         return y.astype(self.dtype or x.dtype)
 
 

@@ -49,7 +49,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float
     [b, t]`` (int), in float32, returned in ``x``'s dtype."""
     half = rotary_dim // 2
     inv_freq = 1.0 / theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, t, half]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq[None, None]  # [b, t, half]
     cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
     y = x.astype(jnp.float32)
     x1, x2, rest = y[..., :half], y[..., half:rotary_dim], y[..., rotary_dim:]
