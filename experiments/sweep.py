@@ -5,8 +5,9 @@
 
 ``--sweep field=v1,v2,...`` takes any config field; several ``--sweep`` flags
 make their product. ``attention=`` is a shorthand: an attention kind other than
-``linear`` (``softmax``, ``gla``, ``deltanet``, ``gated_deltanet``, ``kda``) selects
-that kind, any other value is linear attention with that feature map.
+``linear`` (``softmax``, ``gla``, ``deltanet``, ``gated_deltanet``, ``kda``) or a layout
+(``"3 gated_deltanet : 1 softmax"``, a hybrid) selects that, any other value is linear
+attention with that feature map.
 ``--config.<field>=<value>`` applies to every run (as in ``experiments.train``).
 Each run gets its own workdir (and resumes from it when re-run) and prints one
 line as it finishes; the table goes to ``<workdir>/results.md`` and the plot to
@@ -29,6 +30,7 @@ from experiments import cli, reporting, trainer
 from experiments.configuration import override
 from experiments.validation import validate
 from linattn_jax import layers
+from linattn_jax.layers import registry
 
 
 def expand(assignment: str) -> list[list[str]]:
@@ -40,9 +42,10 @@ def expand(assignment: str) -> list[list[str]]:
     runs = []
     for value in values.split(","):
         if name == "attention":
+            kind = value in layers.ATTENTION_KINDS and value != "linear"
             runs.append(
                 [f"model.attention={value}"]
-                if value in layers.ATTENTION_KINDS and value != "linear"
+                if kind or registry.is_layout(value)
                 else ["model.attention=linear", f"model.feature_map={value}"]
             )
         else:
@@ -52,7 +55,8 @@ def expand(assignment: str) -> list[list[str]]:
 
 def run_name(overrides: list[str]) -> str:
     """``["model.attention=linear", "model.feature_map=elu"]`` -> ``"linear_elu"``."""
-    return "_".join(o.split("=", 1)[1] for o in overrides).replace("/", "-") or "base"
+    name = "_".join(o.split("=", 1)[1] for o in overrides).replace("/", "-")
+    return name.replace(" ", "").replace(":", "-") or "base"  # a layout: "3kda-1softmax"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

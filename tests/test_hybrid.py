@@ -25,7 +25,7 @@ V, W, H, B, T = 29, 16, 2, 2, 12
 TWO = jax.device_count() == 2
 SOFTMAX = dict(
     rope=True, num_kv_heads=1, head_dim=8, partial_rotary_factor=0.5, qk_norm=True,
-    zero_centred_norm=True, output_gate=True, max_length=32,
+    zero_centred_qk_norm=True, output_gate=True, max_length=32,
 )  # fmt: skip
 HYBRID = dict(
     attention="gated_deltanet : softmax",

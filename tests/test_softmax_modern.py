@@ -104,7 +104,7 @@ OPTIONS = {
     "rope": dict(rope=True, rope_theta=100.0),
     "partial_rope": dict(rope=True, partial_rotary_factor=0.5, head_dim=8),
     "qk_norm": dict(qk_norm=True),
-    "qk_norm_zero_centred": dict(qk_norm=True, zero_centred_norm=True),
+    "qk_norm_zero_centred": dict(qk_norm=True, zero_centred_qk_norm=True),
     "output_gate": dict(output_gate=True),
     "window": dict(sliding_window=3),
     "qwen_next": dict(
@@ -113,7 +113,7 @@ OPTIONS = {
         rope=True,
         partial_rotary_factor=0.25,
         qk_norm=True,
-        zero_centred_norm=True,
+        zero_centred_qk_norm=True,
         output_gate=True,
     ),  # fmt: skip
 }
@@ -131,7 +131,7 @@ def _randomise(layer, seed=5):
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_layer_equals_float64_reference(name):
     layer = _randomise(_layer(**OPTIONS[name]))
-    x, zc = _x(), OPTIONS[name].get("zero_centred_norm", False)
+    x, zc = _x(), OPTIONS[name].get("zero_centred_qk_norm", False)
     np.testing.assert_allclose(layer(x), reference(layer, x, zero_centred=zc), atol=2e-5)
     mask = helpers.key_mask(3, B, T).at[1, :3].set(False)
     seg = helpers.segment_ids(4, B, T, p=0.3)

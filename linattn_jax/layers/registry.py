@@ -32,6 +32,10 @@ class AttentionKind:
         (``sequence_axis=``).
       takes_max_length: whether its layer takes ``max_length=``, the longest sequence it
         will see (cosFormer's reweighting, softmax's KV cache).
+      section: the experiment config's section of the family's own layer options
+        (``model.<section>.<option>``: ``"softmax"``, ``"delta"``), or None.
+      section_options: the options read from that section (``num_heads`` there overrides
+        the model's for this kind's layers).
     """
 
     layer: Callable[..., nnx.Module]
@@ -41,6 +45,8 @@ class AttentionKind:
     options: tuple[str, ...] = ()
     sequence_parallel: bool = True
     takes_max_length: bool = False
+    section: str | None = None
+    section_options: tuple[str, ...] = ()
 
 
 _LINEAR_OPTIONS = (
@@ -53,6 +59,20 @@ _LINEAR_OPTIONS = (
     "num_features",
     "feature_dim",
 )
+_SOFTMAX_OPTIONS = (
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rope",
+    "rope_theta",
+    "partial_rotary_factor",
+    "qk_norm",
+    "zero_centred_qk_norm",
+    "output_gate",
+    "sliding_window",
+)
+_DELTA_OPTIONS = ("num_heads", "num_v_heads", "head_dim", "value_head_dim", "conv_size")
+_DELTA = dict(section="delta", section_options=_DELTA_OPTIONS)
 _frozen = MappingProxyType
 
 KINDS: Mapping[str, AttentionKind] = _frozen(
@@ -61,7 +81,12 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
             LinearAttention, "linear attention", options=_LINEAR_OPTIONS, takes_max_length=True
         ),
         "softmax": AttentionKind(
-            SoftmaxAttention, "softmax attention", sequence_parallel=False, takes_max_length=True
+            SoftmaxAttention,
+            "softmax attention",
+            sequence_parallel=False,
+            takes_max_length=True,
+            section="softmax",
+            section_options=_SOFTMAX_OPTIONS,
         ),
         "gla": AttentionKind(
             LinearAttention,
@@ -76,15 +101,21 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
             "DeltaNet",
             fixed=_frozen({"variant": "deltanet"}),
             options=("chunk_size",),
+            **_DELTA,
         ),
         "gated_deltanet": AttentionKind(
             DeltaRuleAttention,
             "Gated DeltaNet",
             fixed=_frozen({"variant": "gated_deltanet"}),
             options=("chunk_size",),
+            **_DELTA,
         ),
         "kda": AttentionKind(
-            DeltaRuleAttention, "KDA", fixed=_frozen({"variant": "kda"}), options=("chunk_size",)
+            DeltaRuleAttention,
+            "KDA",
+            fixed=_frozen({"variant": "kda"}),
+            options=("chunk_size",),
+            **_DELTA,
         ),
     }
 )

@@ -67,7 +67,7 @@ class SoftmaxAttention(nnx.Module):
       partial_rotary_factor, rotary_dim: rotate only the first ``rotary_dim`` (or
         ``int(head_dim * factor)``) channels of each head; default all.
       qk_norm: an RMSNorm over each head's q and k, before RoPE (Qwen3, Qwen3-Next).
-      zero_centred_norm: those RMSNorms in the ``x * (1 + w)`` form (``layers.norms``).
+      zero_centred_qk_norm: those RMSNorms in the ``x * (1 + w)`` form (``layers.norms``).
       output_gate: gated attention (Qiu et al. 2025; Qwen3-Next): ``q_proj`` also makes a
         gate per head and channel (laid out ``[q_h | gate_h]`` per head) and the output is
         ``attention * sigmoid(gate)`` before ``out_proj``.
@@ -99,7 +99,7 @@ class SoftmaxAttention(nnx.Module):
         partial_rotary_factor: float | None = None,
         rotary_dim: int | None = None,
         qk_norm: bool = False,
-        zero_centred_norm: bool = False,
+        zero_centred_qk_norm: bool = False,
         output_gate: bool = False,
         sliding_window: int | None = None,
         rngs: nnx.Rngs,
@@ -115,7 +115,7 @@ class SoftmaxAttention(nnx.Module):
         h, kv, hd = check_heads(width, num_heads, num_kv_heads, head_dim)
         check_dropout_rate(dropout_rate)
         check_flags(rope=rope, qk_norm=qk_norm, output_gate=output_gate, causal=causal)
-        check_flags(zero_centred_norm=zero_centred_norm)
+        check_flags(zero_centred_qk_norm=zero_centred_qk_norm)
         if sliding_window is not None:
             checks.check_int("sliding_window", sliding_window, 1)
         self.width, self.num_heads, self.num_kv_heads, self.head_dim = width, h, kv, hd
@@ -131,7 +131,7 @@ class SoftmaxAttention(nnx.Module):
         self.k_proj, self.v_proj = linear(width, kv * hd), linear(width, kv * hd)
         self.out_proj = linear(h * hd, width)
         norm = lambda: RMSNorm(
-            hd, zero_centred=zero_centred_norm, dtype=jnp.float32, param_dtype=param_dtype,
+            hd, zero_centred=zero_centred_qk_norm, dtype=jnp.float32, param_dtype=param_dtype,
             rngs=rngs,
         )  # fmt: skip
         self.q_norm, self.k_norm = (
