@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from experiments import recall, sweep, trainer
+from experiments.bench import cli, compile_time
 from experiments.configuration import load_config, override
 from experiments.tasks import build_task
 from experiments.validation import validate
@@ -108,3 +109,20 @@ def test_recall_has_a_hybrid_kind_whose_state_is_the_mean_over_its_layers():
     assert (kind, width, run.model.attention) == ("hybrid", 32, "gated_deltanet : softmax")
     # One Gated DeltaNet state (1 head, 32 x 32) and one KV cache at the test length 128.
     assert recall.state_floats(run) == (32 * 32 + 2 * 128 * 32) // 2
+
+
+@pytest.mark.slow
+def test_compile_benchmark_times_unrolled_and_scanned_depths(tmp_path):
+    suite, args = cli.parse(["compile", "--depths", "2", "--out", str(tmp_path)])
+    assert (suite, args.config, args.depths) == ("compile", "configs/hybrid.py:small", "2")
+    tiny = ["model.width=16", "model.delta.head_dim=8", "model.delta.value_head_dim=8"]
+    tiny += ["model.softmax.head_dim=8", "model.attention=gated_deltanet", "batch_size=2"]
+    with jax.numpy_dtype_promotion("standard"):
+        rows = compile_time.measure(args.config, [2], tiny)
+    assert [(r["depth"], r["scan_layers"], r["layers_in_program"]) for r in rows] == [
+        (2, False, 2),
+        (2, True, 1),
+    ]
+    assert all(r["lower_s"] > 0 and r["compile_s"] > 0 for r in rows)
+    text = compile_time.write(rows, args.config, tmp_path)
+    assert "| 2 | scanned | 1 |" in text and (tmp_path / "compile.csv").exists()
