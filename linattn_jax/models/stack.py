@@ -4,8 +4,9 @@ own options, run layer by layer or as a scan over the depth, with optional remat
 Unrolled (default), ``blocks`` is an ``nnx.List`` of ``depth`` ``TransformerBlock``s. With
 ``scan_layers=True`` the layout's period ``p`` (1 for one kind; 4 for ``"3 gated_deltanet
 : 1 softmax"``) sets the scan's step: ``blocks`` holds ``p`` blocks whose parameters are
-stacked ``depth / p`` deep (``nnx.split_rngs`` and ``nnx.vmap`` make them, ``nnx.scan``
-runs them), so the program holds ``p`` blocks whatever the depth. Block ``j`` of the scanned
+stacked ``depth / p`` deep (``nnx.split_rngs`` and ``nnx.vmap`` make them, a
+``jax.lax.scan`` over their split state runs them), so the program holds ``p`` blocks
+whatever the depth. Block ``j`` of the scanned
 stack at index ``i`` is layer ``i * p + j`` of the unrolled one. Decoding states follow the
 same layout: one per layer, or ``p`` states stacked ``depth / p`` deep.
 """
