@@ -38,6 +38,30 @@ def base() -> ConfigDict:
     c.model.mlp_ratio = 4
     c.model.short_conv = 0  # causal depthwise convolution before attention (language models)
     c.model.dtype = "float32"
+    c.model.mlp = "gelu"  # or "swiglu"
+    c.model.mlp_hidden = 0  # the MLP's hidden width (0: mlp_ratio * width)
+    c.model.zero_centred_norm = False  # RMSNorms as x * (1 + w) (Qwen3-Next, Qwen3.5)
+    c.model.scan_layers = False  # scan over the layout's period (compile time flat in depth)
+    c.model.remat = "none"  # "none", "full" or "dots_saveable"
+    # Softmax layers' own options (model.attention "softmax" or a layout with it); 0: default.
+    c.model.softmax = ConfigDict()
+    c.model.softmax.num_heads = 0  # 0: model.num_heads
+    c.model.softmax.num_kv_heads = 0  # GQA (0: num_heads)
+    c.model.softmax.head_dim = 0  # 0: width / num_heads
+    c.model.softmax.rope = False
+    c.model.softmax.rope_theta = 10000.0
+    c.model.softmax.partial_rotary_factor = 1.0
+    c.model.softmax.qk_norm = False
+    c.model.softmax.zero_centred_qk_norm = False
+    c.model.softmax.output_gate = False  # gated attention: out * sigmoid(gate)
+    c.model.softmax.sliding_window = 0  # 0: none
+    # Delta-rule layers' own options (deltanet, gated_deltanet, kda); 0: default.
+    c.model.delta = ConfigDict()
+    c.model.delta.num_heads = 0  # key heads (0: model.num_heads)
+    c.model.delta.num_v_heads = 0  # grouped value heads (0: num_heads)
+    c.model.delta.head_dim = 0  # dk (0: width / num_heads)
+    c.model.delta.value_head_dim = 0  # dv (0: dk)
+    c.model.delta.conv_size = 4
 
     c.optim = ConfigDict()
     c.optim.lr = 1e-3

@@ -48,6 +48,8 @@ KINDS = {
     "deltanet": {"attention": "deltanet"},
     "gated_deltanet": {"attention": "gated_deltanet"},
     "kda": {"attention": "kda"},
+    # A hybrid: the 2-layer models of the grid alternate the two (Qwen3-Next's is 3:1).
+    "hybrid": {"attention": "gated_deltanet : softmax"},
 }
 LABELS = {
     "softmax": "softmax attention",
@@ -59,6 +61,7 @@ LABELS = {
     "deltanet": "DeltaNet",
     "gated_deltanet": "Gated DeltaNet",
     "kda": "KDA",
+    "hybrid": "Gated DeltaNet : softmax, 1:1",
 }
 
 
@@ -116,7 +119,8 @@ def finished(config: ConfigDict, workdir: Path) -> dict | None:
 
 
 def state_floats(config: ConfigDict) -> int:
-    """Floats of attention state per layer for one sequence at the longest test length."""
+    """Floats of attention state per layer for one sequence at the longest test length (a
+    hybrid's: the mean over its layers)."""
     return _state_floats(config.to_json(sort_keys=True))
 
 
@@ -125,15 +129,18 @@ def _state_floats(config_json: str) -> int:
     config = ConfigDict(json.loads(config_json))
     length = max(t for t, _ in mqar_shapes(config, "eval"))
     model = trainer.build_model(config)
-    attention = model.blocks[0].attention
-    cache = jax.eval_shape(lambda: attention.init_state(1, length))
-    if isinstance(cache, layers.KVCache):
-        held = (cache.k, cache.v)
-    elif isinstance(cache, layers.LinearAttentionCache) and not attention.normalize:
-        held = cache.state.s  # no denominator: Z is never read
-    else:
-        held = cache.state
-    return sum(x.size for x in jax.tree.leaves(held))
+    total = 0
+    for block in model.blocks:
+        attention = block.attention
+        cache = jax.eval_shape(lambda attention=attention: attention.init_state(1, length))
+        if isinstance(cache, layers.KVCache):
+            held = (cache.k, cache.v)
+        elif isinstance(cache, layers.LinearAttentionCache) and not attention.normalize:
+            held = cache.state.s  # no denominator: Z is never read
+        else:
+            held = cache.state
+        total += sum(x.size for x in jax.tree.leaves(held))
+    return total // len(model.blocks)
 
 
 def best_points(config: ConfigDict, finals: dict[str, dict]) -> list[dict]:

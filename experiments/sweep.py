@@ -5,8 +5,9 @@
 
 ``--sweep field=v1,v2,...`` takes any config field; several ``--sweep`` flags
 make their product. ``attention=`` is a shorthand: an attention kind other than
-``linear`` (``softmax``, ``gla``, ``deltanet``, ``gated_deltanet``, ``kda``) selects
-that kind, any other value is linear attention with that feature map.
+``linear`` (``softmax``, ``gla``, ``deltanet``, ``gated_deltanet``, ``kda``) or a layout
+(``"3 gated_deltanet : 1 softmax"``, a hybrid) selects that, any other value is linear
+attention with that feature map.
 ``--config.<field>=<value>`` applies to every run (as in ``experiments.train``).
 Each run gets its own workdir (and resumes from it when re-run) and prints one
 line as it finishes; the table goes to ``<workdir>/results.md`` and the plot to
@@ -30,6 +31,7 @@ from ml_collections import ConfigDict
 from experiments import cli, reporting, trainer, validation
 from experiments.configuration import override
 from linattn_jax import layers
+from linattn_jax.layers import registry
 
 
 def expand(assignment: str) -> list[list[str]]:
@@ -42,9 +44,10 @@ def expand(assignment: str) -> list[list[str]]:
     for value in values.split(","):
         if name == "attention":
             _check_attention(value)
+            kind = value in layers.ATTENTION_KINDS and value != "linear"
             runs.append(
                 [f"model.attention={value}"]
-                if value in layers.ATTENTION_KINDS and value != "linear"
+                if kind or registry.is_layout(value)
                 else ["model.attention=linear", f"model.feature_map={value}"]
             )
         else:
@@ -53,10 +56,10 @@ def expand(assignment: str) -> list[list[str]]:
 
 
 def _check_attention(value: str) -> None:
-    """``attention=``'s value: an attention kind or a feature map, or a ValueError naming
-    both lists and the closest of their names."""
+    """``attention=``'s value: an attention kind, a layout of kinds or a feature map, or a
+    ValueError naming both lists and the closest of their names."""
     maps = validation.feature_map_names()
-    if value in layers.ATTENTION_KINDS or value in maps:
+    if value in layers.ATTENTION_KINDS or value in maps or registry.is_layout(value):
         return
     close = difflib.get_close_matches(value, (*layers.ATTENTION_KINDS, *maps), n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -83,7 +86,8 @@ def swept_columns(plans: list[list[str]]) -> tuple[str, ...]:
 
 def run_name(overrides: list[str]) -> str:
     """``["model.attention=linear", "model.feature_map=elu"]`` -> ``"linear_elu"``."""
-    return "_".join(o.split("=", 1)[1] for o in overrides).replace("/", "-") or "base"
+    name = "_".join(o.split("=", 1)[1] for o in overrides).replace("/", "-")
+    return name.replace(" ", "").replace(":", "-") or "base"  # a layout: "3kda-1softmax"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -53,23 +53,32 @@ _OPTION = {
     "decay": lambda d: None if d in ("", None) else (d if d == "retnet" else float(d)),
     "num_features": lambda n: n or None,
     "feature_dim": lambda n: n or None,
+    "mlp_hidden": lambda n: n or None,
 }
 
 
 def build_model(config: ConfigDict, mesh: Mesh | None = None) -> nnx.Module:
-    """The config's model (its task's kind and vocabulary); ``mesh`` for sequence parallelism."""
+    """The config's model (its task's kind and vocabulary); ``mesh`` for sequence parallelism.
+
+    ``model.attention`` is one kind or a layout (``"3 gated_deltanet : 1 softmax"``); each
+    kind of it reads the fields its registry entry names (``model.<name>`` and
+    ``model.<section>.<name>``).
+    """
     m, spec = config.model, TASKS[config.task]
+    kind_options = {
+        kind: _kind_options(kind, config) for kind in registry.parse_layout(m.attention, m.depth)
+    }
     kwargs = dict(
         attention=m.attention,
+        kind_options=kind_options,
         mlp_ratio=m.mlp_ratio,
         rngs=nnx.Rngs(config.seed),
         dtype=jnp.dtype(m.dtype),
     )
-    # Each kind's own options: the fields its registry entry names, as the layer takes them.
-    kind = registry.get(m.attention)
-    kwargs.update({name: _OPTION.get(name, _same)(m.get(name)) for name in kind.options})
-    if kind.takes_max_length:
-        kwargs.update(max_length=max(config.seq_len, 1))
+    # Fields newer than a stored config read as absent: the models' defaults.
+    kwargs.update(
+        {k: v for k in _MODEL_FIELDS if (v := _OPTION.get(k, _same)(m.get(k))) is not None}
+    )
     if config.mesh.sequence > 1:
         kwargs.update(sequence_axis="sequence", batch_axis="data", mesh=mesh)
     if spec.kind == "lm":
@@ -84,6 +93,35 @@ def build_model(config: ConfigDict, mesh: Mesh | None = None) -> nnx.Module:
     return models.SequenceClassifier(
         spec.vocab_size(config), spec.num_classes, m.width, m.depth, m.num_heads, **kwargs
     )
+
+
+_MODEL_FIELDS = ("mlp", "mlp_hidden", "zero_centred_norm", "scan_layers", "remat")
+# Section fields where 0 means the layer's default, and RoPE's, read only with rope=true.
+_ZERO_IS_DEFAULT = (
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "num_v_heads",
+    "value_head_dim",
+    "sliding_window",
+)
+_ROPE_ONLY = ("rope_theta", "partial_rotary_factor")
+
+
+def _kind_options(kind: str, config: ConfigDict) -> dict:
+    """The options of ``kind``'s layers: its registry fields, as the layer takes them."""
+    m, spec = config.model, registry.get(kind)
+    options = {name: _OPTION.get(name, _same)(m.get(name)) for name in spec.options}
+    section = m.get(spec.section) if spec.section else None
+    for name in spec.section_options if section is not None else ():
+        value = section.get(name)
+        zero = name in _ZERO_IS_DEFAULT and value == 0
+        if value is None or zero or (name in _ROPE_ONLY and not section.get("rope")):
+            continue
+        options[name] = value
+    if spec.takes_max_length:
+        options.update(max_length=max(config.seq_len, 1))
+    return options
 
 
 def learning_rate(config: ConfigDict) -> optax.Schedule:

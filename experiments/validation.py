@@ -29,6 +29,27 @@ ATTENTION_FIELDS = {kind: spec.options for kind, spec in registry.KINDS.items()}
 KIND_FIELDS = {field for fields in ATTENTION_FIELDS.values() for field in fields}
 # The kinds whose layers split one sequence over devices (--config.mesh.sequence=N).
 SEQUENCE_PARALLEL = tuple(kind for kind, spec in registry.KINDS.items() if spec.sequence_parallel)
+
+
+def _kinds(config: ConfigDict) -> tuple[str, ...]:
+    """The kinds of the config's layers (``model.attention``: a kind or a layout), or ()."""
+    return _kinds_of(config.model.attention)
+
+
+def _kinds_of(attention: Any) -> tuple[str, ...]:
+    try:
+        return tuple(dict.fromkeys(registry.parse_layout(attention, None)))
+    except (ValueError, TypeError):
+        return ()
+
+
+def _layout_ok(value: Any) -> bool:
+    try:
+        return isinstance(value, str) and bool(registry.parse_layout(value))
+    except ValueError:
+        return False
+
+
 # Linear attention's feature maps besides feature_maps.names(): random or learned ones.
 RANDOM_OR_LEARNED = feature_maps.NEEDS_CONSTRUCTION
 
@@ -104,7 +125,10 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "progress": _BOOL,
     "resume": _BOOL,
     "mesh.sequence": _integer(1),
-    "model.attention": _one_of(ATTENTION_FIELDS),
+    "model.attention": (
+        _layout_ok,
+        f"one of {tuple(ATTENTION_FIELDS)} or a layout such as '3 gated_deltanet : 1 softmax'",
+    ),
     "model.method": _one_of(la.METHODS),
     "model.chunk_size": (_integer(0)[0], "an integer >= 0 (0: the family's default)"),
     "model.decay": (_decay_ok, "'', 'retnet' or a number in (0, 1]"),
@@ -118,6 +142,25 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.mlp_ratio": _integer(1),
     "model.short_conv": _integer(0),
     "model.dtype": _one_of(DTYPES),
+    "model.mlp": _one_of(layers.MLPS),
+    "model.mlp_hidden": (_integer(0)[0], "an integer >= 0 (0: mlp_ratio * width)"),
+    "model.zero_centred_norm": _BOOL,
+    "model.scan_layers": _BOOL,
+    "model.remat": _one_of(("none", "full", "dots_saveable")),
+    **{
+        f"model.softmax.{n}": (_integer(0)[0], "an integer >= 0 (0: the default)")
+        for n in ("num_heads", "num_kv_heads", "head_dim", "sliding_window")
+    },
+    "model.softmax.rope": _BOOL,
+    "model.softmax.rope_theta": _number(0, lo_open=True),
+    "model.softmax.partial_rotary_factor": _number(0, 1, lo_open=True, hi_open=False),
+    "model.softmax.qk_norm": _BOOL,
+    "model.softmax.zero_centred_qk_norm": _BOOL,
+    "model.softmax.output_gate": _BOOL,
+    **{
+        f"model.delta.{n}": (_integer(0)[0], "an integer >= 0 (0: the default)")
+        for n in ("num_heads", "num_v_heads", "head_dim", "value_head_dim", "conv_size")
+    },
     "optim.lr": _number(0, lo_open=True),
     "optim.warmup_steps": _integer(0),
     "optim.weight_decay": _number(0),
@@ -154,10 +197,11 @@ def _mesh_rule(config: ConfigDict) -> str | None:
             f"of the data axis"
         )
     if seq_devices > 1:
-        if TASKS[config.task].kind != "lm" or config.model.attention not in SEQUENCE_PARALLEL:
+        # A layout may mix in softmax layers: they run on the sharded sequence under jit.
+        if TASKS[config.task].kind != "lm" or not set(_kinds(config)) & set(SEQUENCE_PARALLEL):
             return (
                 "mesh.sequence > 1 (sequence parallelism) needs a causal language model with "
-                f"attention in {SEQUENCE_PARALLEL}"
+                f"attention in {SEQUENCE_PARALLEL} (or a layout with one of them)"
             )
         if config.seq_len % seq_devices:
             return f"seq_len={config.seq_len} must be divisible by mesh.sequence={seq_devices}"
@@ -189,16 +233,29 @@ def _mqar_rule(config: ConfigDict) -> str | None:
     return None
 
 
+def _heads_rule(config: ConfigDict) -> str | None:
+    """Each kind's heads (its section's ``num_heads`` or the model's) divide the width,
+    unless its section gives ``head_dim``."""
+    m = config.model
+    for kind in _kinds(config):
+        section = registry.get(kind).section
+        own = m.get(section) if section else None
+        heads_field = f"model.{section}.num_heads" if own and own.get("num_heads") else None
+        heads = own.get("num_heads") if heads_field else m.num_heads
+        if own and own.get("head_dim"):
+            continue
+        if m.width % heads:
+            name = heads_field or "model.num_heads"
+            return f"{name}={heads} must divide model.width={m.width} (or set a head_dim)"
+    return None
+
+
 RULES: list[Callable[[ConfigDict], str | None]] = [
-    lambda c: (
-        f"model.num_heads={c.model.num_heads} must divide model.width={c.model.width}"
-        if c.model.width % c.model.num_heads
-        else None
-    ),
+    _heads_rule,
     lambda c: (
         f"model.feature_map={c.model.feature_map!r} needs model.normalize=true (its per-query "
         f"stabilising shift cancels only when normalised), got model.normalize=false"
-        if c.model.attention == "linear"
+        if "linear" in _kinds(c)
         and not c.model.normalize
         and _requires_normalize(c.model.feature_map)
         else None
@@ -269,8 +326,12 @@ def config_changes(stored: dict, config: ConfigDict) -> list[str]:
     """The fields outside ``RESUMABLE`` where ``config`` differs from ``stored``, but for
     the model fields that neither run's attention kind reads (they change nothing)."""
     old, new = flatten(stored), flatten(config)
-    kinds = {old.get("model.attention"), new.get("model.attention")}
-    read = {field for kind in kinds for field in ATTENTION_FIELDS.get(kind, KIND_FIELDS)}
+    read = set()
+    for attention in (old.get("model.attention"), new.get("model.attention")):
+        kinds = _kinds_of(attention)
+        read |= (
+            {field for kind in kinds for field in ATTENTION_FIELDS[kind]} if kinds else KIND_FIELDS
+        )
     changes = []
     for name in sorted(old.keys() | new.keys()):
         if any(name == p or name.startswith(p + ".") for p in RESUMABLE):

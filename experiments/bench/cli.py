@@ -1,8 +1,8 @@
 """The command line of ``python -m experiments.benchmark``: one subcommand per suite
-(``forms``, ``recurrences``, ``decode``, ``comm``, ``train-step``), each taking only
-its own flags, and the flat command line without a subcommand, which takes every
-flag and runs the suite that ``--recurrences``, ``--decode``, ``--comm`` or
-``--train-steps`` names (the forms when none does).
+(``forms``, ``recurrences``, ``decode``, ``comm``, ``train-step``, ``compile``), each
+taking only its own flags, and the flat command line without a subcommand, which takes
+every flag and runs the suite that ``--recurrences``, ``--decode``, ``--comm`` or
+``--train-steps`` names (the forms when none does; ``compile`` is a subcommand only).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from experiments.bench import comm, decode, forms, recurrences, train_step
+from experiments.bench import comm, compile_time, decode, forms, recurrences, train_step
 from experiments.bench.timing import MALLOC_ENV, restart_with
 
 DESCRIPTION = "Speed and memory of every attention form, as CSV, a markdown table and a plot."
@@ -36,6 +36,7 @@ FLAGS = {
         default=TRAIN_CONFIG,
         help=f"the experiment config whose model is timed (default {TRAIN_CONFIG})",
     ),
+    "--depths": dict(default="2,4,8,16", help="compile's model depths, comma-separated"),
     "--out": dict(default="bench_out", help="the folder the results are written to"),
 }
 
@@ -70,6 +71,18 @@ SUITES = {
         "Taylor features (with and without feature_dim 16)",
         ("--config", "--repeats"),
     ),
+    "compile": (
+        compile_time,
+        f"compile time of a training step of CONFIG's model (default {compile_time.CONFIG}) "
+        "against --depths, its layers unrolled and scanned",
+        (
+            (
+                "--config",
+                dict(default=compile_time.CONFIG, help=f"default {compile_time.CONFIG}"),
+            ),
+            "--depths",
+        ),
+    ),
 }
 # The flat command line's suite flags, in the order they win: (attribute, suite).
 PICKS = (("comm", "comm"), ("train_steps", "train-step"), ("recurrences", "recurrences"))
@@ -77,8 +90,10 @@ PICKS += (("decode", "decode"),)
 
 
 def _add(parser: argparse.ArgumentParser, flags) -> None:
+    """Each flag of FLAGS, or ``(flag, what this suite changes in it)``."""
     for flag in flags:
-        parser.add_argument(flag, **FLAGS[flag])
+        flag, own = flag if isinstance(flag, tuple) else (flag, {})
+        parser.add_argument(flag, **(FLAGS[flag] | own))
 
 
 def make_parser() -> argparse.ArgumentParser:

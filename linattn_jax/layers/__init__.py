@@ -1,9 +1,10 @@
 """The layers floor: Flax NNX modules that own parameters and call ``linattn_jax.ops``.
 
 One file per layer kind (``linear``, ``delta``, ``softmax``), the pieces they share
-(``conv``, ``gates``, ``feature_maps``, ``common``), the dispatch between a decoding step,
-the sequence-parallel form and the full-sequence form written once (``recurrent``), the
-blocks (``blocks``), and ONE registry of attention kinds (``registry``).
+(``conv``, ``gates``, ``feature_maps``, ``norms``, ``rope``, ``common``), the dispatch
+between a decoding step, the sequence-parallel form and the full-sequence form written
+once (``recurrent``), the blocks (``blocks``), and ONE registry of attention kinds
+(``registry``).
 
 Every layer takes ``*, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32`` like Flax's
 own: parameters live in ``param_dtype``, computation runs in ``dtype`` (the input's when
@@ -12,7 +13,8 @@ passed in and returned explicitly (``layer.init_state(batch)``, ``state=``,
 ``return_state=True``).
 """
 
-from linattn_jax.layers.blocks import MLP, BlockState, TransformerBlock
+from linattn_jax.layers import norms, rope
+from linattn_jax.layers.blocks import MLP, MLPS, BlockState, SwiGLU, TransformerBlock
 from linattn_jax.layers.conv import CausalConv1D
 from linattn_jax.layers.delta import VARIANTS, DeltaRuleAttention, DeltaRuleCache
 from linattn_jax.layers.feature_maps import (
@@ -23,6 +25,7 @@ from linattn_jax.layers.feature_maps import (
 )
 from linattn_jax.layers.gates import ChannelGate, HeadGate, MambaGate
 from linattn_jax.layers.linear import GATES, LinearAttention, LinearAttentionCache
+from linattn_jax.layers.norms import GatedRMSNorm, RMSNorm
 from linattn_jax.layers.recurrent import SequenceSharding, run_causal
 from linattn_jax.layers.registry import ATTENTION_KINDS, KINDS, AttentionKind, make_attention
 from linattn_jax.layers.softmax import LINEAR_ONLY_OPTIONS, KVCache, SoftmaxAttention
@@ -34,6 +37,7 @@ __all__ = [
     "KINDS",
     "LINEAR_ONLY_OPTIONS",
     "MLP",
+    "MLPS",
     "RANDOM_FEATURES",
     "VARIANTS",
     "AttentionKind",
@@ -42,16 +46,21 @@ __all__ = [
     "ChannelGate",
     "DeltaRuleAttention",
     "DeltaRuleCache",
+    "GatedRMSNorm",
     "HeadGate",
     "HedgehogFeatureMap",
     "KVCache",
     "LinearAttention",
     "LinearAttentionCache",
     "MambaGate",
+    "RMSNorm",
     "RandomProjection",
     "SequenceSharding",
     "SoftmaxAttention",
+    "SwiGLU",
     "TransformerBlock",
     "make_attention",
+    "norms",
+    "rope",
     "run_causal",
 ]

@@ -1,4 +1,4 @@
-"""The blocks models stack: a pre-norm transformer block and its MLP."""
+"""The blocks models stack: a pre-norm transformer block and its MLPs (GELU, SwiGLU)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax.layers import registry
-from linattn_jax.layers.common import check_width
 from linattn_jax.layers.conv import CausalConv1D
+from linattn_jax.layers.norms import RMSNorm
 from linattn_jax.ops import checks
+
+MLPS = ("gelu", "swiglu")
 
 
 class MLP(nnx.Module):
-    """``Linear -> gelu -> Linear`` with hidden width ``hidden``."""
+    """``Linear -> gelu -> Linear`` with hidden width ``hidden`` (with biases)."""
 
     def __init__(
         self, width: int, hidden: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32
@@ -25,6 +27,23 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(jax.nn.gelu(self.up(x)))
+
+
+class SwiGLU(nnx.Module):
+    """``down(SiLU(gate(x)) * up(x))`` with hidden width ``hidden``, no biases (Shazeer 2020;
+    Llama's and Qwen's MLP: ``gate_proj``, ``up_proj``, ``down_proj``)."""
+
+    def __init__(
+        self, width: int, hidden: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32
+    ):
+        linear = lambda n_in, n_out: nnx.Linear(
+            n_in, n_out, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
+        self.gate_proj, self.up_proj = linear(width, hidden), linear(width, hidden)
+        self.down_proj = linear(hidden, width)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class BlockState(NamedTuple):
@@ -44,6 +63,11 @@ class TransformerBlock(nnx.Module):
         ``"linear"``, ``"softmax"``, ``"gla"``, ``"deltanet"``, ``"gated_deltanet"`` or
         ``"kda"``.
       mlp_ratio: the MLP's hidden width over ``width``.
+      mlp: ``"gelu"`` (default: ``MLP``) or ``"swiglu"`` (``SwiGLU``).
+      mlp_hidden: the MLP's hidden width (overrides ``mlp_ratio``; Qwen's
+        ``intermediate_size``).
+      zero_centred_norm: the block's two RMSNorms in the ``x * (1 + w)`` form
+        (``layers.norms.RMSNorm``; Qwen3-Next, Qwen3.5).
       short_conv: kernel size of a causal depthwise convolution before attention
         (``CausalConv1D``, which does not reach across ``segment_ids``; 0: none);
         causal blocks only.
@@ -60,19 +84,28 @@ class TransformerBlock(nnx.Module):
         *,
         attention: str = "linear",
         mlp_ratio: int = 4,
+        mlp: str = "gelu",
+        mlp_hidden: int | None = None,
+        zero_centred_norm: bool = False,
         short_conv: int = 0,
         rngs: nnx.Rngs,
         dtype=None,
         param_dtype=jnp.float32,
         **attention_kwargs,
     ):
-        check_width(width, num_heads)
+        checks.check_sizes(width=width, num_heads=num_heads)  # the layer checks the rest
         checks.check_int("mlp_ratio", mlp_ratio, 1)
+        if mlp not in MLPS:
+            raise ValueError(f"mlp must be one of {MLPS}, got {mlp!r}")
+        hidden = mlp_ratio * width if mlp_hidden is None else mlp_hidden
+        checks.check_int("mlp_hidden", hidden, 1)
         checks.check_int("short_conv", short_conv, 0)
         registry.get(attention)
         if short_conv and not attention_kwargs.get("causal", True):
             raise ValueError("short_conv is causal: use it in causal blocks only")
-        norm = lambda: nnx.RMSNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        norm = lambda: RMSNorm(
+            width, zero_centred=zero_centred_norm, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
         self.attention_norm, self.mlp_norm = norm(), norm()
         self.conv = nnx.data(
             CausalConv1D(width, short_conv, rngs=rngs, param_dtype=param_dtype)
@@ -88,7 +121,8 @@ class TransformerBlock(nnx.Module):
             param_dtype=param_dtype,
             **attention_kwargs,
         )
-        self.mlp = MLP(width, mlp_ratio * width, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        mlp_class = SwiGLU if mlp == "swiglu" else MLP
+        self.mlp = mlp_class(width, hidden, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.width = width
 
     def init_state(self, batch: int, max_length: int | None = None) -> BlockState:

@@ -79,6 +79,11 @@ def project_qkv(layer, x, inputs_k, inputs_v, key_mask, query_mask):
     if query_mask is None:
         query_mask = jnp.ones((b, t), bool) if cross and key_mask is not None else key_mask
     x = checks.where_token(query_mask, x)
-    heads = lambda proj, y, mask: split_heads(proj(checks.where_token(mask, y)), layer.num_heads)
-    qkv = (heads(layer.q_proj, x, None), heads(layer.k_proj, inputs_k, key_mask))
-    return x, (*qkv, heads(layer.v_proj, inputs_v, key_mask)), key_mask, query_mask
+    kv_heads = getattr(layer, "num_kv_heads", layer.num_heads)  # fewer with GQA
+    heads = lambda proj, y, mask, n: split_heads(proj(checks.where_token(mask, y)), n)
+    q = heads(layer.q_proj, x, None, layer.num_heads)
+    k, v = (
+        heads(p, y, key_mask, kv_heads)
+        for p, y in [(layer.k_proj, inputs_k), (layer.v_proj, inputs_v)]
+    )
+    return x, (q, k, v), key_mask, query_mask

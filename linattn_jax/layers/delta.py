@@ -13,7 +13,8 @@ Kautz and Hatamizadeh, ICLR 2025, "Gated Delta Networks"; FLA's layers)::
 ``"deltanet"`` has no gate, ``"gated_deltanet"`` one log-decay per head,
 ``"kda"`` (Kimi Delta Attention) one per key channel, ``W_a`` then a low-rank
 projection ``width -> gate_rank -> h * dk`` and ``dt_bias`` one per channel.
-The state is ``h * dk * dv`` floats per layer, float32 whatever ``dtype``.
+The state is ``hv * dk * dv`` floats per layer (``hv = num_v_heads``), float32 whatever
+``dtype``.
 
 Decoding, as for the other layers::
 
@@ -40,6 +41,7 @@ from linattn_jax.layers.common import (
 )
 from linattn_jax.layers.conv import CausalConv1D
 from linattn_jax.layers.gates import MambaGate
+from linattn_jax.layers.norms import GatedRMSNorm
 from linattn_jax.layers.recurrent import SequenceSharding, run_causal
 from linattn_jax.ops import checks, delta
 
@@ -50,9 +52,10 @@ class DeltaRuleCache(NamedTuple):
     """A ``DeltaRuleAttention`` layer's decoding state.
 
     Attributes:
-      state: the delta rule's state, ``s [b, h, dk, dv]``, float32.
+      state: the delta rule's state, ``s [b, hv, dk, dv]``, float32 (``hv``: the value
+        heads, ``num_v_heads``).
       conv: the short convolution's last ``conv_size - 1`` inputs,
-        ``[b, conv_size - 1, 2 h dk + h dv]`` float32 (the q, k and v projections,
+        ``[b, conv_size - 1, 2 h dk + hv dv]`` float32 (the q, k and v projections,
         concatenated), or None without a convolution.
     """
 
@@ -71,7 +74,13 @@ class DeltaRuleAttention(nnx.Module):
 
     Args:
       width: model width (input and output features).
-      num_heads: heads h; must divide ``width``; dk = dv = width / h.
+      num_heads: heads h (of q and k); must divide ``width`` unless ``head_dim`` is given.
+      head_dim: dk, the channels of each q and k head (default ``width / h``).
+      value_head_dim: dv, the channels of each value head (default ``expand_v * dk``).
+      expand_v: dv over dk when ``value_head_dim`` is None (FLA's ``expand_v``; default 1).
+      num_v_heads: value heads hv, a multiple of h (default h): grouped value heads, each
+        group of ``hv / h`` sharing one q and k head (Qwen3-Next: 16 key heads, 32 value
+        heads), each with its own beta, gate, state and output.
       variant: ``"deltanet"`` (Yang et al. 2024), ``"gated_deltanet"`` (default;
         Yang, Kautz and Hatamizadeh 2025: one Mamba2-style log-decay per head and
         token) or ``"kda"`` (Kimi Linear 2025: one per key channel).
@@ -114,6 +123,10 @@ class DeltaRuleAttention(nnx.Module):
         width: int,
         num_heads: int,
         *,
+        head_dim: int | None = None,
+        value_head_dim: int | None = None,
+        expand_v: float = 1,
+        num_v_heads: int | None = None,
         variant: str = "gated_deltanet",
         conv_size: int = 4,
         output_gate: bool = True,
@@ -130,7 +143,9 @@ class DeltaRuleAttention(nnx.Module):
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
     ):
-        check_width(width, num_heads)
+        h, hv, dk, dv = check_dims(
+            width, num_heads, head_dim, value_head_dim, expand_v, num_v_heads
+        )
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
         if method not in delta.METHODS:
@@ -150,9 +165,8 @@ class DeltaRuleAttention(nnx.Module):
             if variant != "kda":
                 raise ValueError(f"gate_rank is KDA's (variant='kda'), got variant={variant!r}")
             checks.check_int("gate_rank", gate_rank, 1)
-        h = num_heads
-        d = width // h
-        self.width, self.num_heads, self.key_dim, self.value_dim = width, h, d, d
+        self.width, self.num_heads, self.key_dim, self.value_dim = width, h, dk, dv
+        self.num_v_heads = hv
         self.variant, self.causal = variant, causal
         self.method, self.chunk_size = method, chunk_size
         if sequence_axis is not None and not causal:
@@ -161,27 +175,27 @@ class DeltaRuleAttention(nnx.Module):
             None if sequence_axis is None else SequenceSharding(sequence_axis, batch_axis, mesh)
         )
         self.beta_max = 2.0 if allow_negative_eigenvalues else 1.0
-        self.scale = 1.0 / math.sqrt(d)
+        self.scale = 1.0 / math.sqrt(dk)
         options = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         linear = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, **options)
-        self.q_proj, self.k_proj = linear(width, h * d), linear(width, h * d)
-        self.v_proj = linear(width, h * d)
-        self.beta_proj = linear(width, h)
+        self.q_proj, self.k_proj = linear(width, h * dk), linear(width, h * dk)
+        self.v_proj = linear(width, hv * dv)
+        self.beta_proj = linear(width, hv)
         self.conv = nnx.data(
-            CausalConv1D(3 * h * d, conv_size, rngs=rngs, param_dtype=param_dtype)
+            CausalConv1D(2 * h * dk + hv * dv, conv_size, rngs=rngs, param_dtype=param_dtype)
             if conv_size
             else None
         )
         gate = None
         if variant == "gated_deltanet":
-            gate = MambaGate(width, h, **options)
+            gate = MambaGate(width, hv, **options)
         elif variant == "kda":
-            gate = MambaGate(width, h, d, d if gate_rank is None else gate_rank, **options)
+            gate = MambaGate(width, hv, dk, dk if gate_rank is None else gate_rank, **options)
         self.gate = nnx.data(gate)
-        self.g_proj = nnx.data(linear(width, h * d) if output_gate else None)
+        self.g_proj = nnx.data(linear(width, hv * dv) if output_gate else None)
         # In float32 whatever dtype (Flax's RMSNorm would promote bfloat16 with float32).
-        self.output_norm = nnx.RMSNorm(d, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
-        self.out_proj = linear(h * d, width)
+        self.output_norm = GatedRMSNorm(dv, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
+        self.out_proj = linear(hv * dv, width)
         # Last: its RNG stream (rate > 0) must not shift the parameters' initialisation.
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs if dropout_rate > 0 else None)
 
@@ -190,7 +204,7 @@ class DeltaRuleAttention(nnx.Module):
         del max_length
         if not self.causal:
             raise ValueError("decoding needs a causal layer (causal=True)")
-        state = delta.init_state(batch, self.num_heads, self.key_dim, self.value_dim)
+        state = delta.init_state(batch, self.num_v_heads, self.key_dim, self.value_dim)
         return DeltaRuleCache(state, None if self.conv is None else self.conv.init_state(batch))
 
     def __call__(
@@ -233,8 +247,10 @@ class DeltaRuleAttention(nnx.Module):
         if self.conv is not None:
             past = None if state is None else state.conv
             qkv, conv_state = self.conv(qkv, past, segment_ids, key_mask)
-        q, k, v = (split_heads(y, self.num_heads) for y in jnp.split(jax.nn.silu(qkv), 3, axis=-1))
-        q, k = _l2_normalize(q), _l2_normalize(k)
+        hk = self.num_heads * self.key_dim
+        q, k, v = jnp.split(jax.nn.silu(qkv), [hk, 2 * hk], axis=-1)
+        q, k = (_l2_normalize(split_heads(y, self.num_heads)) for y in (q, k))
+        v = split_heads(v, self.num_v_heads)
         beta = self.beta_max * jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
         out, s = run_causal(
             delta,
@@ -251,9 +267,39 @@ class DeltaRuleAttention(nnx.Module):
             gate=None if self.gate is None else self.gate(x),
             options=dict(scale=self.scale),
         )
-        out = self.output_norm(out.astype(jnp.float32)).astype(qkv.dtype)
-        if self.g_proj is not None:
-            out = out * jax.nn.silu(split_heads(self.g_proj(x), self.num_heads)).astype(out.dtype)
+        g = None if self.g_proj is None else split_heads(self.g_proj(x), self.num_v_heads)
+        out = self.output_norm(out.astype(jnp.float32), g).astype(qkv.dtype)
         out = self.dropout(out, deterministic=deterministic, rngs=rngs)
-        y = self.out_proj(out.reshape(b, t, self.num_heads * self.value_dim))
+        y = self.out_proj(out.reshape(b, t, self.num_v_heads * self.value_dim))
         return (y, DeltaRuleCache(s, conv_state)) if return_state else y
+
+
+def check_dims(width, num_heads, head_dim, value_head_dim, expand_v, num_v_heads):
+    """``(h, hv, dk, dv)`` of a ``DeltaRuleAttention``, checked."""
+    if head_dim is None:
+        check_width(width, num_heads)
+        head_dim = width // num_heads
+    else:
+        checks.check_sizes(width=width, num_heads=num_heads)
+        checks.check_int("head_dim", head_dim, 1)
+    if value_head_dim is None:
+        ok = isinstance(expand_v, int | float) and not isinstance(expand_v, bool) and expand_v > 0
+        if not ok or head_dim * expand_v != int(head_dim * expand_v):
+            raise ValueError(
+                f"expand_v must be a number > 0 making head_dim * expand_v an int (head_dim="
+                f"{head_dim}), got {expand_v!r}"
+            )
+        value_head_dim = int(head_dim * expand_v)
+    elif expand_v != 1:
+        raise ValueError(
+            f"give value_head_dim or expand_v, not both; got value_head_dim={value_head_dim} "
+            f"and expand_v={expand_v}"
+        )
+    checks.check_int("value_head_dim", value_head_dim, 1)
+    num_v_heads = num_heads if num_v_heads is None else num_v_heads
+    checks.check_int("num_v_heads", num_v_heads, 1)
+    if num_v_heads % num_heads:
+        raise ValueError(
+            f"num_v_heads must be a multiple of num_heads={num_heads}, got {num_v_heads}"
+        )
+    return num_heads, num_v_heads, head_dim, value_head_dim

@@ -5,7 +5,8 @@ kind is one entry here plus its layer file (``docs/development.md``)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -31,6 +32,10 @@ class AttentionKind:
         (``sequence_axis=``).
       takes_max_length: whether its layer takes ``max_length=``, the longest sequence it
         will see (cosFormer's reweighting, softmax's KV cache).
+      section: the experiment config's section of the family's own layer options
+        (``model.<section>.<option>``: ``"softmax"``, ``"delta"``), or None.
+      section_options: the options read from that section (``num_heads`` there overrides
+        the model's for this kind's layers).
     """
 
     layer: Callable[..., nnx.Module]
@@ -40,6 +45,8 @@ class AttentionKind:
     options: tuple[str, ...] = ()
     sequence_parallel: bool = True
     takes_max_length: bool = False
+    section: str | None = None
+    section_options: tuple[str, ...] = ()
 
 
 _LINEAR_OPTIONS = (
@@ -52,6 +59,20 @@ _LINEAR_OPTIONS = (
     "num_features",
     "feature_dim",
 )
+_SOFTMAX_OPTIONS = (
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rope",
+    "rope_theta",
+    "partial_rotary_factor",
+    "qk_norm",
+    "zero_centred_qk_norm",
+    "output_gate",
+    "sliding_window",
+)
+_DELTA_OPTIONS = ("num_heads", "num_v_heads", "head_dim", "value_head_dim", "conv_size")
+_DELTA = dict(section="delta", section_options=_DELTA_OPTIONS)
 _frozen = MappingProxyType
 
 KINDS: Mapping[str, AttentionKind] = _frozen(
@@ -60,7 +81,12 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
             LinearAttention, "linear attention", options=_LINEAR_OPTIONS, takes_max_length=True
         ),
         "softmax": AttentionKind(
-            SoftmaxAttention, "softmax attention", sequence_parallel=False, takes_max_length=True
+            SoftmaxAttention,
+            "softmax attention",
+            sequence_parallel=False,
+            takes_max_length=True,
+            section="softmax",
+            section_options=_SOFTMAX_OPTIONS,
         ),
         "gla": AttentionKind(
             LinearAttention,
@@ -75,15 +101,21 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
             "DeltaNet",
             fixed=_frozen({"variant": "deltanet"}),
             options=("chunk_size",),
+            **_DELTA,
         ),
         "gated_deltanet": AttentionKind(
             DeltaRuleAttention,
             "Gated DeltaNet",
             fixed=_frozen({"variant": "gated_deltanet"}),
             options=("chunk_size",),
+            **_DELTA,
         ),
         "kda": AttentionKind(
-            DeltaRuleAttention, "KDA", fixed=_frozen({"variant": "kda"}), options=("chunk_size",)
+            DeltaRuleAttention,
+            "KDA",
+            fixed=_frozen({"variant": "kda"}),
+            options=("chunk_size",),
+            **_DELTA,
         ),
     }
 )
@@ -114,3 +146,59 @@ def make_attention(kind: str, width: int, num_heads: int, **options: Any) -> nnx
         if name in options and options[name] != value:
             raise ValueError(f"{kind}'s {name} is {value!r}, got {name}={options[name]!r}")
     return spec.layer(width, num_heads, **{**spec.defaults, **options, **spec.fixed})
+
+
+_PART = re.compile(r"^\s*(?:(\d+)\s*)?([a-z_]+)\s*$")
+
+
+def is_layout(attention: Any) -> bool:
+    """Whether ``attention`` names several layers (a list of kinds or a pattern with
+    ``:``), not one kind for all."""
+    return not isinstance(attention, str) or ":" in attention
+
+
+def parse_layout(attention: str | Sequence[str], depth: int | None = None) -> tuple[str, ...]:
+    """The kind of each layer: ``attention`` is one kind (every layer), a list of ``depth``
+    kinds, or a pattern such as ``"3 gated_deltanet : 1 softmax"`` (Qwen3-Next's
+    ``full_attention_interval`` 4; Kimi Linear's ``"3 kda : 1 softmax"``) repeated from the
+    first layer on and cut at ``depth`` (layer ``i`` is the pattern's ``i mod period``).
+
+    With ``depth`` None, the pattern's one period (or the list) is returned.
+
+    Raises:
+      ValueError: an unknown kind, a malformed pattern, or a list not of ``depth`` kinds.
+    """
+    if isinstance(attention, str) and ":" not in attention:
+        get(attention)
+        return (attention,) * (depth or 1)
+    if isinstance(attention, str):
+        period = []
+        for part in attention.split(":"):
+            match = _PART.match(part)
+            count = int(match.group(1) or 1) if match else 0
+            if count < 1:
+                raise ValueError(
+                    f"attention pattern must look like '3 gated_deltanet : 1 softmax' (a count "
+                    f">= 1 and a kind per part), got {attention!r}"
+                )
+            get(match.group(2))
+            period += [match.group(2)] * count
+        kinds = tuple(period)
+        return kinds if depth is None else tuple(kinds[i % len(kinds)] for i in range(depth))
+    kinds = tuple(attention)
+    if not kinds:
+        raise ValueError("attention must name at least one kind, got an empty list")
+    for kind in kinds:
+        get(kind)
+    if depth is not None and len(kinds) != depth:
+        raise ValueError(f"attention must list depth={depth} kinds, got {len(kinds)}: {kinds}")
+    return kinds
+
+
+def layout_period(kinds: Sequence[str]) -> int:
+    """The shortest ``p`` with ``kinds`` the first ``p`` kinds repeated (``len(kinds) / p``
+    times): the layers a scan over the depth groups into one step."""
+    n = len(kinds)
+    return next(
+        p for p in range(1, n + 1) if n % p == 0 and tuple(kinds) == tuple(kinds[:p]) * (n // p)
+    )

@@ -1,4 +1,5 @@
-"""Multi-head softmax attention with a KV cache: the like-for-like baseline."""
+"""Multi-head softmax attention with a KV cache: the like-for-like baseline, and the
+attention layer of today's hybrids (GQA, RoPE, QK-norm, gated output, sliding window)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from linattn_jax.layers import rope as rope_lib
 from linattn_jax.layers.common import (
     check_decoding,
     check_dropout_rate,
@@ -15,6 +17,7 @@ from linattn_jax.layers.common import (
     positions,
     project_qkv,
 )
+from linattn_jax.layers.norms import RMSNorm
 from linattn_jax.ops import checks
 
 LINEAR_ONLY_OPTIONS = frozenset(
@@ -29,11 +32,12 @@ class KVCache(NamedTuple):
     """A ``SoftmaxAttention`` layer's decoding state: keys and values seen so far.
 
     Attributes:
-      k: ``[b, max_length, h, d]``.
-      v: ``[b, max_length, h, d]``.
+      k: ``[b, max_length, num_kv_heads, head_dim]`` (after RoPE, when the layer has it).
+      v: ``[b, max_length, num_kv_heads, head_dim]``.
       position: ``[b]`` int32, the number of tokens written (the next slot).
       mask: ``[b, max_length]`` bool, True at slots holding a real key (written,
-        and not masked out by the ``key_mask`` of the call that wrote it).
+        and not masked out by the ``key_mask`` of the call that wrote it); their count is
+        the RoPE position of the next token.
     """
 
     k: jax.Array
@@ -44,13 +48,34 @@ class KVCache(NamedTuple):
 
 class SoftmaxAttention(nnx.Module):
     """Multi-head softmax attention (``jax.nn.dot_product_attention``), same call as
-    ``LinearAttention``, with a KV cache for decoding; for like-for-like comparisons.
+    ``LinearAttention``, with a KV cache for decoding; and the options of today's models
+    (Qwen3-Next's and Qwen3.5's gated attention: GQA, RoPE 0.25, QK-norm, output gate).
+
+    The defaults are the plain baseline: as many KV heads as heads, ``head_dim = width /
+    num_heads``, no position encoding, no norms, no gate, no window.
 
     Args:
       width: model width (input and output features).
       num_heads: heads; must divide ``width``.
       causal: causal (decoder) or non-causal (encoder) attention.
       max_length: the KV cache's length (decoding only).
+      num_kv_heads: key and value heads (GQA; 1: MQA), dividing ``num_heads``; each serves
+        ``num_heads / num_kv_heads`` query heads. The KV cache holds these only.
+      head_dim: channels per head (default ``width / num_heads``; any int otherwise).
+      rope: rotary position embeddings on q and k (``layers.rope``): positions count the
+        real tokens of each row (``key_mask``), restart at each segment (``segment_ids``)
+        and continue from a KV cache's real tokens.
+      rope_theta: RoPE's base (default 10000; Qwen3-Next: 1e7).
+      partial_rotary_factor: rotate only the first ``int(head_dim * factor)`` channels of
+        each head; default all.
+      rotary_dim: rotate only the first ``rotary_dim`` channels (instead of a factor).
+      qk_norm: an RMSNorm over each head's q and k, before RoPE (Qwen3, Qwen3-Next).
+      zero_centred_qk_norm: those RMSNorms in the ``x * (1 + w)`` form (``layers.norms``).
+      output_gate: gated attention (Qiu et al. 2025; Qwen3-Next): ``q_proj`` also makes a
+        gate per head and channel (laid out ``[q_h | gate_h]`` per head) and the output is
+        ``attention * sigmoid(gate)`` before ``out_proj``.
+      sliding_window: each query sees itself and the ``sliding_window - 1`` tokens (slots)
+        before it (and, non-causal, after it); None: all.
       dropout_rate: dropout on the attention's output, as in ``LinearAttention``.
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
@@ -58,6 +83,11 @@ class SoftmaxAttention(nnx.Module):
       **linear_options: ``LinearAttention``'s own options (``LINEAR_ONLY_OPTIONS``),
         accepted and ignored so that one set of options builds either kind; any
         other keyword raises ``TypeError``.
+
+    Raises:
+      ValueError: a head count, ``head_dim``, ``sliding_window`` or RoPE size that is not a
+        positive int (or does not divide), a RoPE option without ``rope=True``, a flag that
+        is not a bool.
     """
 
     def __init__(
@@ -68,6 +98,16 @@ class SoftmaxAttention(nnx.Module):
         causal: bool = True,
         max_length: int = 4096,
         dropout_rate: float = 0.0,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        rope: bool = False,
+        rope_theta: float | None = None,
+        partial_rotary_factor: float | None = None,
+        rotary_dim: int | None = None,
+        qk_norm: bool = False,
+        zero_centred_qk_norm: bool = False,
+        output_gate: bool = False,
+        sliding_window: int | None = None,
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -78,14 +118,32 @@ class SoftmaxAttention(nnx.Module):
         unknown = sorted(set(linear_options) - LINEAR_ONLY_OPTIONS)
         if unknown:
             raise TypeError(f"SoftmaxAttention got unexpected keyword arguments {unknown}")
-        check_width(width, num_heads)
+        h, kv, hd = check_heads(width, num_heads, num_kv_heads, head_dim)
         check_dropout_rate(dropout_rate)
-        self.width, self.num_heads, self.head_dim = width, num_heads, width // num_heads
-        self.causal, self.max_length = causal, max_length
-        linear = lambda: nnx.Linear(
-            width, width, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        check_flags(rope=rope, qk_norm=qk_norm, output_gate=output_gate, causal=causal)
+        check_flags(zero_centred_qk_norm=zero_centred_qk_norm)
+        if sliding_window is not None:
+            checks.check_int("sliding_window", sliding_window, 1)
+        self.width, self.num_heads, self.num_kv_heads, self.head_dim = width, h, kv, hd
+        self.causal, self.max_length, self.sliding_window = causal, max_length, sliding_window
+        self.rotary_dim, self.rope_theta = check_rope(
+            rope, hd, rope_theta, partial_rotary_factor, rotary_dim
         )
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (linear() for _ in range(4))
+        self.output_gate = output_gate
+        linear = lambda n_in, n_out: nnx.Linear(
+            n_in, n_out, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
+        self.q_proj = linear(width, h * hd * (2 if output_gate else 1))
+        self.k_proj, self.v_proj = linear(width, kv * hd), linear(width, kv * hd)
+        self.out_proj = linear(h * hd, width)
+        norm = lambda: RMSNorm(
+            hd, zero_centred=zero_centred_qk_norm, dtype=jnp.float32, param_dtype=param_dtype,
+            rngs=rngs,
+        )  # fmt: skip
+        self.q_norm, self.k_norm = (
+            nnx.data(norm() if qk_norm else None),
+            nnx.data(norm() if qk_norm else None),
+        )
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs if dropout_rate > 0 else None)
 
     def init_state(self, batch: int, max_length: int | None = None) -> KVCache:
@@ -93,8 +151,7 @@ class SoftmaxAttention(nnx.Module):
         if not self.causal:
             raise ValueError("decoding needs a causal layer (causal=True)")
         n = max_length or self.max_length
-        shape = (batch, n, self.num_heads, self.head_dim)
-        zeros = jnp.zeros(shape)
+        zeros = jnp.zeros((batch, n, self.num_kv_heads, self.head_dim))
         return KVCache(
             zeros, zeros, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, n), jnp.bool_)
         )
@@ -118,7 +175,10 @@ class SoftmaxAttention(nnx.Module):
         With a ``state``, ``x`` is written to the cache after the tokens already
         there; keys masked out by ``key_mask`` stay masked for every later call.
         ``inputs_k``, ``inputs_v``, ``query_mask``, ``deterministic`` and ``rngs`` as
-        in ``LinearAttention`` (cross-attention for non-causal layers).
+        in ``LinearAttention`` (cross-attention for non-causal layers). Without a cache
+        no ``[t, t]`` mask is built unless ``segment_ids`` need one (causality and the
+        window are ``dot_product_attention``'s own, a ``key_mask`` broadcasts from
+        ``[b, 1, 1, s]``); with one, the mask is ``[b, 1, t, max_length]``.
 
         Raises:
           ValueError: the tokens would not fit in the cache (``t`` longer than it,
@@ -130,45 +190,131 @@ class SoftmaxAttention(nnx.Module):
             self, x, inputs_k, inputs_v, key_mask, query_mask
         )
         b, t, _ = x.shape
-        if segment_ids is not None and k.shape[1] != t:
-            raise ValueError("segment_ids needs self-attention (no inputs_k / inputs_v)")
-        allowed = jnp.ones((b, t, k.shape[1]), bool)
-        if key_mask is not None:
-            allowed = allowed & key_mask[:, None, :]
         if segment_ids is not None:
-            allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
-        if self.causal:
-            allowed = allowed & jnp.tril(jnp.ones((1, t, t), bool))
+            if k.shape[1] != t:
+                raise ValueError("segment_ids needs self-attention (no inputs_k / inputs_v)")
+            checks.segment_resets(segment_ids, b, t, jnp.float32)  # validates
+        dtype = q.dtype
+        gate = None
+        if self.output_gate:
+            q, gate = jnp.split(q, 2, axis=-1)
+        # Scores and softmax in float32, like linear attention's sums.
+        q, k, v = (y.astype(jnp.float32) for y in (q, k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         new_state = None
         if state is not None or return_state:
             if segment_ids is not None:
                 raise ValueError("SoftmaxAttention takes no segment_ids with a KV cache")
-            if state is None:
-                state = self.init_state(b, max(t, self.max_length))
-            n = state.k.shape[1]
-            overflow = check_cache_room(state.position, t, n)
-            write = jax.vmap(
-                lambda cache, new, i: jax.lax.dynamic_update_slice_in_dim(
-                    cache, new.astype(cache.dtype), i, axis=0
-                )
-            )
-            k_all, v_all = write(state.k, k, state.position), write(state.v, v, state.position)
-            real = jnp.ones((b, t), bool) if key_mask is None else key_mask
-            mask = write(state.mask, real, state.position)  # padding stays masked from now on
-            query_pos = positions(state.position, b, t)  # [b, t]
-            allowed = jnp.arange(n)[None, None, :] <= query_pos[:, :, None]
-            allowed = allowed & mask[:, None, :]
-            k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
-            new_state = KVCache(k_all, v_all, state.position + t, mask)
-        # Scores and softmax in float32, like linear attention's sums.
-        f32 = lambda a: a.astype(jnp.float32)
-        out = jax.nn.dot_product_attention(f32(q), f32(k), f32(v), mask=allowed[:, None])
-        if new_state is not None:  # a write past the cache's end overwrote its last slots
+            out, new_state, overflow = attend_cached(self, q, k, v, key_mask, state)
             out = jnp.where(overflow[:, None, None, None], jnp.nan, out)
+        else:
+            cross = inputs_k is not None or inputs_v is not None
+            out = attend_full(self, q, k, v, key_mask, segment_ids, cross)
         out = checks.where_token(query_mask, out)  # a padded query's output is 0
-        out = self.dropout(out.astype(q.dtype), deterministic=deterministic, rngs=rngs)
-        y = self.out_proj(out.reshape(b, t, self.width))
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate.astype(jnp.float32))
+        out = self.dropout(out.astype(dtype), deterministic=deterministic, rngs=rngs)
+        y = self.out_proj(out.reshape(b, t, self.num_heads * self.head_dim))
         return (y, new_state) if return_state else y
+
+
+def _rope(layer, x: jax.Array, positions: jax.Array) -> jax.Array:
+    if layer.rotary_dim is None:
+        return x
+    return rope_lib.apply_rope(x, positions, layer.rotary_dim, layer.rope_theta)
+
+
+def attend_full(layer, q, k, v, key_mask, segment_ids, cross: bool):
+    """``SoftmaxAttention`` over this call's keys only (no cache): ``[b, t, h, hd]`` float32."""
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    if not cross:  # q and k share the positions
+        pos = rope_lib.token_positions(b, t, key_mask=key_mask, segment_ids=segment_ids)
+        q, k = _rope(layer, q, pos), _rope(layer, k, pos)
+    else:
+        q = _rope(layer, q, rope_lib.token_positions(b, t))
+        k = _rope(layer, k, rope_lib.token_positions(b, s, key_mask=key_mask))
+    mask = None if key_mask is None else key_mask[:, None, None, :]
+    if segment_ids is not None:
+        same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+        mask = same if mask is None else mask & same
+    window = None
+    if layer.sliding_window is not None:
+        window = (layer.sliding_window - 1, 0 if layer.causal else layer.sliding_window - 1)
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=layer.causal, local_window_size=window
+    )
+
+
+def attend_cached(layer, q, k, v, key_mask, state):
+    """``SoftmaxAttention`` over a KV cache after writing this call's keys to it:
+    ``(out [b, t, h, hd] float32, the new KVCache, [b] rows that overflowed)``."""
+    b, t = q.shape[:2]
+    if state is None:
+        state = layer.init_state(b, max(t, layer.max_length))
+    n = state.k.shape[1]
+    checks.check_shape(
+        "state.k", state.k, (b, n, layer.num_kv_heads, layer.head_dim),
+        "[batch, max_length, num_kv_heads, head_dim]",
+    )  # fmt: skip
+    overflow = check_cache_room(state.position, t, n)
+    held = jnp.sum(state.mask, axis=1, dtype=jnp.int32)  # the real tokens before
+    pos = rope_lib.token_positions(b, t, key_mask=key_mask, start=held)
+    q, k = _rope(layer, q, pos), _rope(layer, k, pos)
+    write = jax.vmap(
+        lambda cache, new, i: jax.lax.dynamic_update_slice_in_dim(
+            cache, new.astype(cache.dtype), i, axis=0
+        )
+    )
+    k_all, v_all = write(state.k, k, state.position), write(state.v, v, state.position)
+    real = jnp.ones((b, t), bool) if key_mask is None else key_mask
+    mask = write(state.mask, real, state.position)  # padding stays masked from now on
+    query_slot = positions(state.position, b, t)[:, :, None]  # [b, t, 1]
+    slots = jnp.arange(n)[None, None, :]
+    allowed = (slots <= query_slot) & mask[:, None, :]
+    if layer.sliding_window is not None:
+        allowed = allowed & (slots > query_slot - layer.sliding_window)
+    f32 = lambda a: a.astype(jnp.float32)
+    out = jax.nn.dot_product_attention(q, f32(k_all), f32(v_all), mask=allowed[:, None])
+    return out, KVCache(k_all, v_all, state.position + t, mask), overflow
+
+
+def check_heads(width, num_heads, num_kv_heads, head_dim) -> tuple[int, int, int]:
+    """``(num_heads, num_kv_heads, head_dim)`` checked (``head_dim`` by default
+    ``width / num_heads``, which must then divide)."""
+    if head_dim is None:
+        check_width(width, num_heads)
+        head_dim = width // num_heads
+    else:
+        checks.check_sizes(width=width, num_heads=num_heads)
+        checks.check_int("head_dim", head_dim, 1)
+    if num_kv_heads is None:
+        num_kv_heads = num_heads
+    checks.check_int("num_kv_heads", num_kv_heads, 1)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
+    return num_heads, num_kv_heads, head_dim
+
+
+def check_flags(**flags) -> None:
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
+
+
+def check_rope(rope, head_dim, theta, factor, rotary_dim) -> tuple[int | None, float]:
+    """``(rotary_dim or None without RoPE, theta)``; RoPE's options need ``rope=True``."""
+    if not rope:
+        given = {"rope_theta": theta, "partial_rotary_factor": factor, "rotary_dim": rotary_dim}
+        given = {name: value for name, value in given.items() if value is not None}
+        if given:
+            raise ValueError(f"{sorted(given)} need rope=True, got rope=False with {given}")
+        return None, 10000.0
+    if theta is None:
+        theta = 10000.0
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
+        raise ValueError(f"rope_theta must be a number > 0, got {theta!r}")
+    return rope_lib.rotary_dim(head_dim, factor, rotary_dim), float(theta)
 
 
 def check_cache_room(position: jax.Array, t: int, n: int) -> jax.Array:

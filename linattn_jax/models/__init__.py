@@ -1,10 +1,11 @@
 """The models floor: complete models over ``linattn_jax.layers``, and sampling.
 
 ``LanguageModel`` (causal; ``generate``), ``SequenceClassifier`` (non-causal encoder),
+``stack`` (their blocks: a layout of kinds, unrolled or scanned),
 and ``sampling`` (``generate``, the public ``decode_loop``, ``sample_logits``).
 """
 
-from linattn_jax.models import sampling
+from linattn_jax.models import sampling, stack
 from linattn_jax.models.classifier import SequenceClassifier
 from linattn_jax.models.language_model import LanguageModel
 from linattn_jax.models.sampling import decode_loop, generate, sample_logits
@@ -16,4 +17,5 @@ __all__ = [
     "generate",
     "sample_logits",
     "sampling",
+    "stack",
 ]

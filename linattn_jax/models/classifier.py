@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from linattn_jax.models.common import check_tokens, make_blocks
+from linattn_jax.layers.norms import RMSNorm
+from linattn_jax.models import stack
+from linattn_jax.models.common import check_tokens
 from linattn_jax.ops import checks
 
 
@@ -21,8 +24,12 @@ class SequenceClassifier(nnx.Module):
       width: model width.
       depth: number of blocks.
       num_heads: heads per block; must divide ``width``.
-      attention: any registered kind, one of ``layers.ATTENTION_KINDS``
-        (``layers.registry.KINDS``); the blocks are non-causal (``causal=False``).
+      attention: a kind of ``layers.ATTENTION_KINDS`` or a layout, as in ``LanguageModel``;
+        the blocks are non-causal (``causal=False``).
+      kind_options: as in ``LanguageModel``.
+      zero_centred_norm: as in ``LanguageModel``.
+      scan_layers: as in ``LanguageModel``.
+      remat: as in ``LanguageModel``.
       mlp_ratio: each block's MLP hidden width over ``width``.
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
@@ -38,8 +45,12 @@ class SequenceClassifier(nnx.Module):
         depth: int,
         num_heads: int,
         *,
-        attention: str = "linear",
+        attention: str | Sequence[str] = "linear",
+        kind_options: Mapping[str, Mapping] | None = None,
         mlp_ratio: int = 4,
+        zero_centred_norm: bool = False,
+        scan_layers: bool = False,
+        remat: str = "none",
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -47,19 +58,26 @@ class SequenceClassifier(nnx.Module):
     ):
         self.vocab_size = vocab_size
         self.embed = nnx.Embed(vocab_size, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.blocks = make_blocks(
+        self.blocks, self.layout, self.period = stack.make_blocks(
             depth,
             width,
             num_heads,
             attention=attention,
+            kind_options=kind_options,
+            scan_layers=scan_layers,
+            remat=remat,
             causal=False,
             mlp_ratio=mlp_ratio,
+            zero_centred_norm=zero_centred_norm,
             rngs=rngs,
             dtype=dtype,
             param_dtype=param_dtype,
             **block_kwargs,
         )
-        self.norm = nnx.RMSNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.remat = remat
+        self.norm = RMSNorm(
+            width, zero_centred=zero_centred_norm, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
         self.head = nnx.Linear(width, num_classes, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, *, key_mask: jax.Array | None = None) -> jax.Array:
@@ -68,8 +86,7 @@ class SequenceClassifier(nnx.Module):
         key_mask = checks.token_mask("key_mask", key_mask, *tokens.shape)
         mask = jnp.ones(tokens.shape, bool) if key_mask is None else key_mask
         x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x, key_mask=mask)
+        x = stack.run_blocks(self.blocks, x, period=self.period, remat=self.remat, key_mask=mask)
         x = self.norm(x)
         # A select, not a product: whatever a padded row holds (NaN too) reaches nothing.
         total = jnp.sum(checks.where_token(mask, x), axis=1)

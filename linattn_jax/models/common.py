@@ -1,18 +1,11 @@
-"""What the models share: their stack of blocks and the check of their token ids."""
+"""What the models share: the check of their token ids (their stack of blocks: ``stack``)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from linattn_jax.layers import TransformerBlock
 from linattn_jax.models.sampling import check_ids
-
-
-def make_blocks(depth: int, width: int, num_heads: int, **kwargs) -> nnx.List:
-    """``depth`` independently initialised ``TransformerBlock``s."""
-    return nnx.List([TransformerBlock(width, num_heads, **kwargs) for _ in range(depth)])
 
 
 def check_tokens(tokens: jax.Array, vocab_size: int) -> None:

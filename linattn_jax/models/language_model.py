@@ -3,14 +3,16 @@ output; ``generate`` samples from it (``linattn_jax.models.sampling``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from linattn_jax.models import sampling
-from linattn_jax.models.common import check_state, check_tokens, make_blocks
+from linattn_jax.layers.norms import RMSNorm
+from linattn_jax.models import sampling, stack
+from linattn_jax.models.common import check_state, check_tokens
 
 
 class LanguageModel(nnx.Module):
@@ -21,16 +23,24 @@ class LanguageModel(nnx.Module):
       width: model width.
       depth: number of blocks.
       num_heads: heads per block; must divide ``width``.
-      attention: any registered kind, one of ``layers.ATTENTION_KINDS``
-        (``layers.registry.KINDS``: ``"linear"``, ``"softmax"``, ``"gla"``,
-        ``"deltanet"``, ``"gated_deltanet"``, ``"kda"``).
+      attention: a kind of ``layers.ATTENTION_KINDS`` (``layers.registry.KINDS``) for every
+        layer, or a layout: a list of ``depth`` kinds, or a pattern repeated over the depth
+        such as ``"3 gated_deltanet : 1 softmax"`` (``registry.parse_layout``).
+      kind_options: options per kind, ``{"softmax": {"rope": True, ...}, ...}``, given to
+        that kind's blocks over ``block_kwargs`` (``num_heads`` there overrides the model's).
       tie_embeddings: share the embedding with the output projection.
       mlp_ratio: each block's MLP hidden width over ``width``.
       short_conv: kernel of a causal depthwise convolution before each attention (0: none).
+      zero_centred_norm: every RMSNorm of the blocks and the final one in the ``x * (1 + w)``
+        form (``layers.norms.RMSNorm``; Qwen3-Next, Qwen3.5).
+      scan_layers: run the depth as a scan over the layout's period (``models.stack``): one
+        compiled period whatever the depth; the parameters are stacked.
+      remat: ``"none"``, ``"full"`` (recompute each block in the backward pass) or
+        ``"dots_saveable"`` (keep the matmuls' outputs, recompute the rest).
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
       param_dtype: the parameters' dtype, as in Flax.
-      **block_kwargs: passed to every ``TransformerBlock`` (``feature_map``, ...).
+      **block_kwargs: passed to every ``TransformerBlock`` (``feature_map``, ``mlp``, ...).
     """
 
     def __init__(
@@ -40,10 +50,14 @@ class LanguageModel(nnx.Module):
         depth: int,
         num_heads: int,
         *,
-        attention: str = "linear",
+        attention: str | Sequence[str] = "linear",
+        kind_options: Mapping[str, Mapping] | None = None,
         tie_embeddings: bool = True,
         mlp_ratio: int = 4,
         short_conv: int = 0,
+        zero_centred_norm: bool = False,
+        scan_layers: bool = False,
+        remat: str = "none",
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -51,20 +65,27 @@ class LanguageModel(nnx.Module):
     ):
         self.vocab_size = vocab_size
         self.embed = nnx.Embed(vocab_size, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.blocks = make_blocks(
+        self.blocks, self.layout, self.period = stack.make_blocks(
             depth,
             width,
             num_heads,
             attention=attention,
+            kind_options=kind_options,
+            scan_layers=scan_layers,
+            remat=remat,
             causal=True,
             mlp_ratio=mlp_ratio,
             short_conv=short_conv,
+            zero_centred_norm=zero_centred_norm,
             rngs=rngs,
             dtype=dtype,
             param_dtype=param_dtype,
             **block_kwargs,
         )
-        self.norm = nnx.RMSNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.depth, self.remat = depth, remat
+        self.norm = RMSNorm(
+            width, zero_centred=zero_centred_norm, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
         self.head = nnx.data(
             None
             if tie_embeddings
@@ -74,8 +95,9 @@ class LanguageModel(nnx.Module):
         )
 
     def init_state(self, batch: int, max_length: int | None = None) -> list:
-        """One decoding state per block (``max_length``: softmax's KV cache length)."""
-        return [block.init_state(batch, max_length) for block in self.blocks]
+        """One decoding state per block, each its own kind's (``max_length``: softmax's KV
+        cache length); with ``scan_layers``, one per block of the period, stacked."""
+        return stack.init_states(self.blocks, self.depth, self.period, batch, max_length)
 
     def __call__(
         self,
@@ -98,15 +120,18 @@ class LanguageModel(nnx.Module):
         check_tokens(tokens, self.vocab_size)
         check_state(state, len(self.blocks), tokens.shape[0])
         x = self.embed(tokens)
-        states = [None] * len(self.blocks) if state is None else state
-        new_states = []
-        for block, s in zip(self.blocks, states, strict=True):
-            x = block(
-                x, segment_ids=segment_ids, key_mask=key_mask, state=s, return_state=return_state
-            )
-            if return_state:
-                x, s = x
-                new_states.append(s)
+        x = stack.run_blocks(
+            self.blocks,
+            x,
+            period=self.period,
+            remat=self.remat,
+            key_mask=key_mask,
+            segment_ids=segment_ids,
+            state=state,
+            return_state=return_state,
+        )
+        if return_state:
+            x, new_states = x
         x = self.norm(x)
         logits = self.embed.attend(x) if self.head is None else self.head(x)
         logits = logits.astype(jnp.float32)

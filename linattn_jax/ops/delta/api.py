@@ -50,7 +50,14 @@ import jax.numpy as jnp
 
 from linattn_jax.ops import checks, chunking, feature_maps
 from linattn_jax.ops.delta import chunked, recurrent
-from linattn_jax.ops.delta.state import State, as_internal, check_beta, check_options
+from linattn_jax.ops.delta.state import (
+    State,
+    as_internal,
+    check_beta,
+    check_options,
+    check_qkv,
+    repeat_heads,
+)
 from linattn_jax.typing import Array, Float
 
 METHODS = ("chunked", "scan")
@@ -59,8 +66,8 @@ METHODS = ("chunked", "scan")
 def causal(
     q: Float[Array, "b t h d"],
     k: Float[Array, "b t h d"],
-    v: Float[Array, "b t h v"],
-    beta: Float[Array, "b t h"],
+    v: Float[Array, "b t hv v"],
+    beta: Float[Array, "b t hv"],
     *,
     method: str = "chunked",
     chunk_size: int | None = None,
@@ -77,8 +84,11 @@ def causal(
     Args:
       q: queries ``[b, t, h, dk]``.
       k: keys ``[b, t, h, dk]`` (L2-normalised in the usual recipe).
-      v: values ``[b, t, h, dv]``.
-      beta: writing strengths ``[b, t, h]``, in [0, 2] (usually [0, 1]).
+      v: values ``[b, t, hv, dv]``; ``hv`` is ``h`` or a multiple of it (grouped value
+        heads: value head ``j`` reads the q and k of head ``j // (hv // h)``, as Qwen3-Next's
+        32 value heads over 16 key heads; q and k are repeated one chunk at a time inside
+        the scan, never over the whole sequence).
+      beta: writing strengths ``[b, t, hv]``, in [0, 2] (usually [0, 1]).
       method: ``"chunked"`` (default, fast) or ``"scan"`` (one step per token).
       chunk_size: tokens per chunk (``"chunked"``) or per recomputed block of the
         backward pass (``"scan"``); any length works. None: 64, or 16 with a
@@ -89,15 +99,15 @@ def causal(
         the state untouched (beta 0, no decay) and its own output is 0, whatever
         its q, k, v, beta and gate hold.
       segment_ids: optional int ``[b, t]``; the state resets wherever the id changes.
-      decay: optional fixed decay ``gamma`` in (0, 1], a scalar or one per head ``[h]``,
+      decay: optional fixed decay ``gamma`` in (0, 1], a scalar or one per head ``[hv]``,
         multiplying the state before each token's update (combines with ``gate``).
-      gate: optional log-decays, values <= 0: ``[b, t, h]`` (one per head, Gated
-        DeltaNet) or ``[b, t, h, dk]`` (one per key channel, KDA). ``-inf`` zeroes
+      gate: optional log-decays, values <= 0: ``[b, t, hv]`` (one per head, Gated
+        DeltaNet) or ``[b, t, hv, dk]`` (one per key channel, KDA). ``-inf`` zeroes
         the state (a full reset).
       scale: multiplies q (the layers pass their recipe's scale).
 
     Returns:
-      ``out [b, t, h, dv]`` in the dtype of ``v``, or ``(out, state)`` when
+      ``out [b, t, hv, dv]`` in the dtype of ``v``, or ``(out, state)`` when
       ``return_state``; ``state`` is a float32 ``State`` (``DeltaRuleState``). For bfloat16
       (float16) ``q`` the chunked form's output products read their operands in that
       dtype, with float32 accumulation (see the module's docstring).
@@ -107,27 +117,36 @@ def causal(
         method, ``chunk_size < 1``, a bad beta (shape, or values outside [0, 2] when
         concrete), decay, gate, mask, segment ids or state.
     """
-    b, t, h, dk = checks.check_qkv(q, k, v, causal=True)
+    (b, t, h, dk), hv = check_qkv(q, k, v)
     check_options(q, k, decay=decay, scale=scale, return_state=return_state)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if chunk_size is not None:
         checks.check_chunk_size(chunk_size)
     key_mask = checks.token_mask("key_mask", key_mask, b, t)
-    check_beta(beta, (b, t, h), "[batch, length, heads]", key_mask)
+    check_beta(beta, (b, t, hv), "[batch, length, heads]", key_mask)
     dtype, out_dtype = feature_maps.accumulation_dtype(q.dtype), v.dtype
     operands = chunking.operand_dtype(q.dtype)
-    g = checks.log_decay(decay, gate, b, t, h, dtype, channels=dk, key_mask=key_mask)
+    g = checks.log_decay(decay, gate, b, t, hv, dtype, channels=dk, key_mask=key_mask)
     resets = None if segment_ids is None else checks.segment_resets(segment_ids, b, t, dtype)
     q, k, v, beta = (checks.where_token(key_mask, x) for x in (q, k, v, beta))
     heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
     q, k, v, beta = (heads_first(x.astype(dtype)) for x in (q * scale, k, v, beta))
-    state = as_internal(initial_state, b, h, dk, v.shape[-1], dtype)
+    state = as_internal(initial_state, b, hv, dk, v.shape[-1], dtype)
     if method == "scan":
         body = recurrent.scan_body
     else:
         body = functools.partial(chunked.chunk_body, dtype=operands)
+    if hv != h:
+        body = functools.partial(_grouped, body, hv // h)
     chunk_size = checks.default_chunk_size(chunk_size, g)
     out, state = chunking.scan(body, state, (q, k, v, beta, g, resets), chunk_size, t)
     out = jnp.swapaxes(out, 1, 2).astype(out_dtype)
     return (out, State(state)) if return_state else out
+
+
+def _grouped(body, groups: int, s: Array, x) -> tuple[Array, Array]:
+    """``body`` on a chunk whose q and k (heads first) serve ``groups`` value heads each:
+    they are repeated here, one chunk at a time (their gradient sums over the group)."""
+    q, k, *rest = x
+    return body(s, (repeat_heads(q, groups, 1), repeat_heads(k, groups, 1), *rest))

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from linattn_jax.ops import checks, feature_maps
 from linattn_jax.ops.delta.api import causal
-from linattn_jax.ops.delta.state import State, as_internal, check_beta, check_options
+from linattn_jax.ops.delta.state import State, as_internal, check_beta, check_options, check_qkv
 from linattn_jax.typing import Array, Float
 
 
@@ -50,8 +50,9 @@ def sequence_parallel(
       q: queries ``[b, t, h, dk]`` (a global array); t must be divisible by the size
         of ``axis_name``.
       k: keys ``[b, t, h, dk]``.
-      v: values ``[b, t, h, dv]``.
-      beta: writing strengths ``[b, t, h]``.
+      v: values ``[b, t, hv, dv]`` (``hv`` a multiple of ``h``: grouped value heads, as in
+        ``causal``).
+      beta: writing strengths ``[b, t, hv]``.
       axis_name: the mesh axis that splits the sequence.
       mesh: the mesh; the current one (``jax.set_mesh``) when None.
       batch_axis: an optional mesh axis that splits the batch too (a 2-D mesh).
@@ -63,13 +64,13 @@ def sequence_parallel(
       scale: as in ``causal``.
 
     Returns:
-      ``out [b, t, h, dv]``, or ``(out, DeltaRuleState)`` when ``return_state``.
+      ``out [b, t, hv, dv]``, or ``(out, DeltaRuleState)`` when ``return_state``.
 
     Raises:
       ValueError: an axis not in the mesh, a length the axis size does not
         divide, or any error of ``causal``.
     """
-    b, t, h, dk = checks.check_qkv(q, k, v, causal=True)
+    (b, t, _, dk), h = check_qkv(q, k, v)  # h: the value heads, each with its own state
     dv = v.shape[-1]
     check_options(q, k, decay=decay, scale=scale, return_state=return_state)
     mesh = checks.check_mesh(mesh, axis_name, batch_axis, t)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -28,6 +30,36 @@ def init_state(batch: int, heads: int, key_dim: int, value_dim: int) -> State:
     """The empty state: ``s`` zeros ``[batch, heads, key_dim, value_dim]``, float32."""
     checks.check_sizes(batch=batch, heads=heads, key_dim=key_dim, value_dim=value_dim)
     return State(s=jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32))
+
+
+def check_qkv(q, k, v, *, step: bool = False) -> tuple[tuple[int, ...], int]:
+    """``(q.shape, value heads)`` of the delta rule's q, k ``[b, (t,) h, dk]`` and v
+    ``[b, (t,) hv, dv]``, checked (``checks.check_qkv`` / ``check_step_qkv``).
+
+    ``hv`` may be a multiple of ``h`` (grouped value heads, Qwen3-Next's 16 key heads and 32
+    value heads): value head ``j`` reads the q and k of head ``j // (hv // h)``.
+    """
+    check = checks.check_step_qkv if step else functools.partial(checks.check_qkv, causal=True)
+    rank = 3 if step else 4
+    ranks = [len(getattr(x, "shape", ())) for x in (q, k, v)]
+    if ranks != [rank] * 3 or v.shape[-2] == q.shape[-2]:
+        return check(q, k, v), v.shape[-2]
+    checks.check_same(("q", q), ("k", k), axes=(0, rank - 2), what="batch and heads")
+    h, hv = q.shape[-2], v.shape[-2]
+    if hv % h:
+        raise ValueError(
+            f"v's heads must be a multiple of q and k's (grouped value heads), got {hv} value "
+            f"heads for {h} query and key heads (q {q.shape}, v {v.shape})"
+        )
+    # v with each group's heads side by side: the usual checks, and their messages, apply.
+    folded = jax.ShapeDtypeStruct((*v.shape[:-2], h, v.shape[-1] * (hv // h)), v.dtype)
+    return check(q, k, folded), hv
+
+
+def repeat_heads(x: Array, groups: int, axis: int) -> Array:
+    """``x`` with each head repeated ``groups`` times along ``axis`` (``[h] -> [h * groups]``,
+    head ``i`` at ``i * groups ... i * groups + groups - 1``)."""
+    return x if groups == 1 else jnp.repeat(x, groups, axis=axis)
 
 
 def check_beta(beta, shape: tuple[int, ...], layout: str, key_mask=None) -> None:

@@ -1,0 +1,79 @@
+"""The RMSNorms of the blocks and layers: Flax's, its zero-centred form (Qwen3-Next and
+Qwen3.5: ``x * (1 + w)`` with ``w`` from zeros, so weight decay pulls the gain towards 1,
+not 0) and the gated RMSNorm of the delta-rule layers' output (``norm(o) * SiLU(gate)``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class RMSNorm(nnx.RMSNorm):
+    """``nnx.RMSNorm`` over the last axis, or its zero-centred form.
+
+    ``zero_centred=False``: ``nnx.RMSNorm`` itself (``x / rms(x) * w``, ``w`` from ones).
+    ``zero_centred=True``: ``x / rms(x) * (1 + w)`` with ``w`` from zeros, computed in
+    float32 and returned in ``dtype`` (the input's when None), as Qwen3-Next's RMSNorm.
+    The parameter is ``scale`` either way, and the two initialise to the same function.
+
+    Args:
+      num_features: the normalised (last) axis' size.
+      zero_centred: the ``1 + w`` form.
+      epsilon: added to the mean square.
+      dtype, param_dtype, rngs: as in ``nnx.RMSNorm``.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        zero_centred: bool = False,
+        epsilon: float = 1e-6,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        if not isinstance(zero_centred, bool):
+            raise ValueError(f"zero_centred must be True or False, got {zero_centred!r}")
+        init = nnx.initializers.zeros if zero_centred else nnx.initializers.ones
+        super().__init__(
+            num_features,
+            epsilon=epsilon,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            scale_init=init,
+            rngs=rngs,
+        )
+        self.zero_centred = zero_centred
+
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        """``x [..., num_features]`` normalised (``mask`` as in ``nnx.RMSNorm``, which alone
+        takes it)."""
+        if not self.zero_centred:
+            return super().__call__(x, mask)
+        if mask is not None:
+            raise ValueError("a zero-centred RMSNorm takes no mask")
+        y = x.astype(jnp.float32)
+        y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + self.epsilon)
+        scale = 1.0 + self.scale[...].astype(jnp.float32)
+        y = y * scale.reshape((1,) * (y.ndim - 1) + scale.shape)
+        return y.astype(self.dtype or x.dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """``RMSNorm(x) * SiLU(gate)``: the output norm of Gated DeltaNet and KDA (FLA's
+    ``FusedRMSNormGated``, Qwen3-Next's ``RMSNormGated``), per head.
+
+    Args: as ``RMSNorm``.
+    """
+
+    def __call__(self, x: jax.Array, gate: jax.Array | None = None) -> jax.Array:
+        """``x [..., d]`` normalised, times ``SiLU(gate [..., d])`` in the gate's dtype when
+        a gate is given (the plain ``RMSNorm`` when None)."""
+        y = super().__call__(x)
+        if gate is None:
+            return y
+        return y.astype(gate.dtype) * jax.nn.silu(gate)

@@ -1,0 +1,179 @@
+"""The models' stack of blocks: one attention kind per layer (a layout), each kind with its
+own options, run layer by layer or as a scan over the depth, with optional remat.
+
+Unrolled (default), ``blocks`` is an ``nnx.List`` of ``depth`` ``TransformerBlock``s. With
+``scan_layers=True`` the layout's period ``p`` (1 for one kind; 4 for ``"3 gated_deltanet
+: 1 softmax"``) sets the scan's step: ``blocks`` holds ``p`` blocks whose parameters are
+stacked ``depth / p`` deep (``nnx.split_rngs`` and ``nnx.vmap`` make them, a
+``jax.lax.scan`` over their split state runs them), so the program holds ``p`` blocks
+whatever the depth. Block ``j`` of the scanned
+stack at index ``i`` is layer ``i * p + j`` of the unrolled one. Decoding states follow the
+same layout: one per layer, or ``p`` states stacked ``depth / p`` deep.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from linattn_jax.layers import TransformerBlock, registry
+from linattn_jax.ops import checks
+
+REMAT = ("none", "full", "dots_saveable")
+_POLICIES = {"full": None, "dots_saveable": jax.checkpoint_policies.dots_saveable}
+
+
+def check_options(
+    kind_options: Mapping[str, Mapping] | None, remat: str = "none", scan_layers: bool = False
+) -> dict[str, dict]:
+    """``kind_options`` as a dict per kind, checked with ``remat`` and ``scan_layers``."""
+    if remat not in REMAT:
+        raise ValueError(f"remat must be one of {REMAT}, got {remat!r}")
+    if not isinstance(scan_layers, bool):
+        raise ValueError(f"scan_layers must be True or False, got {scan_layers!r}")
+    if kind_options is not None and not isinstance(kind_options, Mapping):
+        raise ValueError(f"kind_options must be a dict of kind -> options, got {kind_options!r}")
+    options = dict(kind_options or {})
+    for kind, value in options.items():
+        registry.get(kind)
+        if not isinstance(value, Mapping):
+            raise ValueError(f"kind_options[{kind!r}] must be a dict of options, got {value!r}")
+    return {kind: dict(value) for kind, value in options.items()}
+
+
+def make_blocks(
+    depth: int,
+    width: int,
+    num_heads: int,
+    *,
+    attention: str | Sequence[str] = "linear",
+    kind_options: Mapping[str, Mapping] | None = None,
+    scan_layers: bool = False,
+    remat: str = "none",
+    rngs: nnx.Rngs,
+    **kwargs: Any,
+) -> tuple[nnx.List, tuple[str, ...], int | None]:
+    """``(blocks, the kind of each layer, the scan's period or None unrolled)``.
+
+    ``kwargs`` go to every block; ``kind_options[kind]`` to that kind's blocks over them (a
+    ``num_heads`` there overrides the model's for that kind).
+
+    Raises:
+      ValueError: a bad depth, layout (``registry.parse_layout``), ``kind_options`` or
+        ``remat``.
+    """
+    checks.check_int("depth", depth, 1)
+    kinds = registry.parse_layout(attention, depth)
+    options = check_options(kind_options, remat, scan_layers)
+
+    def block(kind: str, rngs: nnx.Rngs) -> TransformerBlock:
+        own = {**kwargs, **options.get(kind, {})}
+        heads = own.pop("num_heads", num_heads)
+        return TransformerBlock(width, heads, attention=kind, rngs=rngs, **own)
+
+    if not scan_layers:
+        return nnx.List([block(kind, rngs) for kind in kinds]), kinds, None
+    period = registry.layout_period(kinds)
+    stacked = []
+    for kind in kinds[:period]:
+        make = nnx.vmap(functools.partial(block, kind), in_axes=(0,), out_axes=0)
+        stacked.append(nnx.split_rngs(splits=depth // period)(make)(rngs))
+    return nnx.List(stacked), kinds, period
+
+
+def init_states(blocks, depth: int, period: int | None, batch: int, max_length: int | None):
+    """One decoding state per layer (unrolled), or per block of the period, stacked
+    ``depth / period`` deep (scanned)."""
+    states = [block.init_state(batch, max_length) for block in blocks]
+    if period is None:
+        return states
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (depth // period, *x.shape)), states)
+
+
+def run_blocks(
+    blocks,
+    x: jax.Array,
+    *,
+    period: int | None,
+    remat: str = "none",
+    key_mask: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    state: list | None = None,
+    return_state: bool = False,
+):
+    """``x [b, t, width]`` through every layer: ``x`` (and the new states when
+    ``return_state``). ``state``: ``init_states``' layout, or None."""
+
+    def call(block, x, s):
+        if s is None and not return_state:
+            return block(x, key_mask=key_mask, segment_ids=segment_ids), None
+        return block(x, key_mask=key_mask, segment_ids=segment_ids, state=s, return_state=True)
+
+    if remat != "none":
+        # Inside a scan, CSE cannot merge the recomputation away (JAX's advice).
+        checkpoint = functools.partial(
+            jax.checkpoint, policy=_POLICIES[remat], prevent_cse=period is None
+        )
+        call = functools.partial(_checkpointed, call, checkpoint)
+
+    def through(blocks, x, states):
+        new = []
+        for block, s in zip(blocks, states, strict=True):
+            x, s = call(block, x, s)
+            new.append(s)
+        return x, new
+
+    states = [None] * len(blocks) if state is None else list(state)
+    run = through if period is None else functools.partial(_scanned, through)
+    x, new = run(blocks, x, states)
+    return (x, new) if return_state else x
+
+
+# Not nnx.remat / nnx.scan: they refuse modules made at another trace level, as in
+# generate's decoding while_loop, which calls the model it closes over. These run the pure
+# function of the modules' state (nnx.split / nnx.merge) and write back what is not a
+# parameter (dropout's RNG counts).
+
+
+def _split(module):
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    merged = lambda params, rest: nnx.merge(graphdef, params, rest)
+    return merged, params, rest
+
+
+def _write_back(module, rest) -> None:
+    if jax.tree.leaves(rest):
+        nnx.update(module, rest)
+
+
+def _checkpointed(call, checkpoint, block, x, s):
+    """``call(block, x, s)`` under ``checkpoint`` (``jax.checkpoint`` with a policy)."""
+    merge, params, rest = _split(block)
+
+    def pure(params, rest, x, s):
+        merged = merge(params, rest)
+        return call(merged, x, s), nnx.state(merged, nnx.Not(nnx.Param))
+
+    out, rest = checkpoint(pure)(params, rest, x, s)
+    _write_back(block, rest)
+    return out
+
+
+def _scanned(through, blocks, x, states):
+    """``through`` over the stacked blocks by ``jax.lax.scan``, carrying ``x``."""
+    merge, params, rest = _split(blocks)
+
+    def body(x, layer):
+        params, rest, states = layer
+        merged = merge(params, rest)
+        x, new = through(merged, x, states)
+        return x, (new, nnx.state(merged, nnx.Not(nnx.Param)))
+
+    x, (new, rest) = jax.lax.scan(body, x, (params, rest, states))
+    _write_back(blocks, rest)
+    return x, new

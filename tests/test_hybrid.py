@@ -1,0 +1,233 @@
+"""Hybrid stacks: one attention kind per layer (layouts), each with its own options and cache,
+unrolled or scanned over the depth, with remat; decoding, padding, packing and sequence
+parallelism across the mix.
+
+The sequence-parallel check needs two devices: its launcher re-runs this file in a process
+with ``--xla_force_host_platform_device_count=2``.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+from linattn_jax import layers, models
+from linattn_jax.layers import registry
+from tests import helpers
+
+V, W, H, B, T = 29, 16, 2, 2, 12
+TWO = jax.device_count() == 2
+SOFTMAX = dict(
+    rope=True, num_kv_heads=1, head_dim=8, partial_rotary_factor=0.5, qk_norm=True,
+    zero_centred_qk_norm=True, output_gate=True, max_length=32,
+)  # fmt: skip
+HYBRID = dict(
+    attention="gated_deltanet : softmax",
+    kind_options={"softmax": SOFTMAX, "gated_deltanet": dict(num_v_heads=4, num_heads=2)},
+    mlp="swiglu",
+    zero_centred_norm=True,
+    short_conv=3,
+    chunk_size=4,
+)
+
+
+def _model(depth=2, seed=0, **kw):
+    return models.LanguageModel(V, W, depth, H, rngs=nnx.Rngs(seed), **(HYBRID | kw))
+
+
+def _tokens(seed=1, b=B, t=T):
+    return jax.random.randint(jax.random.PRNGKey(seed), (b, t), 0, V)
+
+
+# Compiled once per model structure and shape: several times faster than running eagerly.
+@nnx.jit
+def _forward(model, tokens, key_mask=None, segment_ids=None):
+    return model(tokens, key_mask=key_mask, segment_ids=segment_ids)
+
+
+@nnx.jit
+def _decode(model, tokens, state, key_mask=None):
+    return model(tokens, key_mask=key_mask, state=state, return_state=True)
+
+
+def _loss(model, tokens):
+    return jnp.mean(jnp.sin(model(tokens)))
+
+
+_loss_and_grads = nnx.jit(nnx.value_and_grad(_loss))
+
+
+def test_layouts():
+    assert registry.parse_layout("3 gated_deltanet : 1 softmax", 6) == (
+        *["gated_deltanet"] * 3, "softmax", "gated_deltanet", "gated_deltanet",
+    )  # fmt: skip
+    assert registry.parse_layout("kda:softmax") == ("kda", "softmax")
+    assert registry.parse_layout(["kda", "softmax"], 2) == ("kda", "softmax")
+    assert registry.parse_layout("softmax", 3) == ("softmax",) * 3
+    assert registry.layout_period(registry.parse_layout("3 kda : 1 softmax", 8)) == 4
+    assert registry.layout_period(["kda", "softmax", "kda"]) == 3
+    for bad, message in [
+        ("3 foo : 1 softmax", r"attention must be one of"),
+        ("0 kda : 1 softmax", r"attention pattern must look like"),
+        ("kda : : softmax", r"attention pattern must look like"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            registry.parse_layout(bad)
+    with pytest.raises(ValueError, match=r"attention must list depth=3 kinds, got 2"):
+        registry.parse_layout(["kda", "softmax"], 3)
+    model = _model(3, attention="gated_deltanet : softmax : kda")
+    assert model.layout == ("gated_deltanet", "softmax", "kda")
+    kinds = [type(b.attention).__name__ for b in model.blocks]
+    assert kinds == ["DeltaRuleAttention", "SoftmaxAttention", "DeltaRuleAttention"]
+    assert model.blocks[0].attention.num_v_heads == 4 and model.blocks[2].attention.num_v_heads == 2
+    assert model.blocks[1].attention.num_kv_heads == 1 and model.blocks[1].attention.rotary_dim == 4
+    with pytest.raises(ValueError, match=r"kind_options\['softmax'\] must be a dict"):
+        _model(kind_options={"softmax": 3})
+    with pytest.raises(ValueError, match=r"remat must be one of"):
+        _model(remat="some")
+
+
+def test_prefill_then_steps_equal_full_forward_with_each_layers_own_cache():
+    model, tokens = _model(), _tokens()
+    full = _forward(model, tokens)
+    state = model.init_state(B, T)
+    assert state[1].attention.k.shape == (B, T, 1, 8)  # the KV cache holds num_kv_heads
+    assert state[0].attention.state.s.shape == (B, 4, 8, 8)  # 4 value heads
+    logits, state = _decode(model, tokens[:, :7], state)
+    outs = [logits]
+    for i in range(7, T):
+        logits, state = _decode(model, tokens[:, i : i + 1], state)
+        outs.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=2e-5, rtol=2e-5)
+
+
+def test_left_padded_batch_equals_each_row_alone():
+    model, tokens = _model(), _tokens(2)
+    mask = jnp.ones((B, 8), bool).at[1, :3].set(False)
+    logits, state = _decode(model, tokens[:, :8], model.init_state(B, T), mask)
+    step, _ = _decode(model, tokens[:, 8:9], state)
+    alone = _forward(model, tokens[1:, 3:9])
+    np.testing.assert_allclose(logits[1, 3:], alone[0, :5], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(step[1], alone[0, 5:], atol=2e-5, rtol=2e-5)
+    out = model.generate(tokens[:, :8], 4, temperature=0.0, prompt_mask=mask)
+    alone = model.generate(tokens[1:, 3:8], 4, temperature=0.0)
+    np.testing.assert_array_equal(out[1, 3:], alone[0])
+
+
+def test_packed_segments_equal_each_segment_alone():
+    model, tokens = _model(), _tokens(3)
+    seg = jnp.array([[0] * 5 + [1] * 7] * B)
+    packed = _forward(model, tokens, segment_ids=seg)
+    np.testing.assert_allclose(packed[:, :5], _forward(model, tokens[:, :5]), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(packed[:, 5:], _forward(model, tokens[:, 5:]), atol=2e-5, rtol=2e-5)
+
+
+def _scanned_copy(unrolled, depth, **kw):
+    """A scanned model holding ``unrolled``'s parameters (layer i * p + j at index i of
+    block j)."""
+    scanned = _model(depth, seed=7, scan_layers=True, **kw)
+    p = scanned.period
+    for j in range(p):
+        per_layer = [nnx.state(unrolled.blocks[i * p + j]) for i in range(depth // p)]
+        nnx.update(scanned.blocks[j], jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer))
+    for name in ("embed", "norm"):
+        nnx.update(getattr(scanned, name), nnx.state(getattr(unrolled, name)))
+    return scanned
+
+
+@pytest.mark.slow
+def test_scanned_layers_equal_unrolled_layers():
+    unrolled, tokens = _model(4), _tokens(4)
+    scanned = _scanned_copy(unrolled, 4)
+    assert scanned.period == 2 and len(scanned.blocks) == 2
+    assert scanned.blocks[1].attention.q_proj.kernel.shape == (2, W, 2 * 2 * 8)
+    expected = _forward(unrolled, tokens)
+    np.testing.assert_allclose(_forward(scanned, tokens), expected, atol=2e-5, rtol=2e-5)
+    (_, g_unrolled), (_, g_scanned) = (
+        _loss_and_grads(unrolled, tokens),
+        _loss_and_grads(scanned, tokens),
+    )
+    helpers.assert_close_normwise(g_scanned["blocks"][1], jax.tree.map(
+        lambda *xs: jnp.stack(xs), g_unrolled["blocks"][1], g_unrolled["blocks"][3]
+    ), rtol=1e-4)  # fmt: skip
+    # Decoding with stacked states: prefill, steps, generate.
+    logits, state = _decode(scanned, tokens[:, :7], scanned.init_state(B, T))
+    assert state[1].attention.k.shape == (2, B, T, 1, 8)
+    for i in range(7, T):
+        step, state = _decode(scanned, tokens[:, i : i + 1], state)
+    np.testing.assert_allclose(step, expected[:, -1:], atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(
+        scanned.generate(tokens[:, :5], 3, temperature=0.0),
+        unrolled.generate(tokens[:, :5], 3, temperature=0.0),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat, scan", [("full", False), ("dots_saveable", True)])
+def test_remat_keeps_the_loss_and_gradients(remat, scan):
+    tokens, plain = _tokens(5), _model()
+    value, grads = _loss_and_grads(plain, tokens)
+    model = _scanned_copy(plain, 2, remat=remat) if scan else _model(remat=remat)
+    got, got_grads = _loss_and_grads(model, tokens)
+    np.testing.assert_allclose(got, value, rtol=1e-5)
+    for i in range(2):  # scanned at depth 2, period 2: each block is stacked 1 deep
+        block = got_grads["blocks"][i]
+        block = jax.tree.map(lambda x: x[0], block) if scan else block
+        helpers.assert_close_normwise(block, grads["blocks"][i], rtol=1e-4)
+    helpers.assert_close_normwise(got_grads["embed"], grads["embed"], rtol=1e-4)
+
+
+def test_gradients_reach_every_parameter():
+    model, tokens = _model(tie_embeddings=False), _tokens(6)
+    _, grads = _loss_and_grads(model, tokens)
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        assert float(jnp.max(jnp.abs(g))) > 0, jax.tree_util.keystr(path)
+
+
+def test_classifier_takes_a_layout_and_scans():
+    kw = dict(attention="gated_deltanet : softmax", rngs=nnx.Rngs(0), chunk_size=4)
+    kw |= dict(kind_options={"softmax": dict(rope=True, num_kv_heads=1)}, mlp="swiglu")
+    tokens, mask = _tokens(7), jnp.ones((B, T), bool).at[0, 9:].set(False)
+    plain = models.SequenceClassifier(V, 3, W, 2, H, **kw)
+    scanned = models.SequenceClassifier(V, 3, W, 4, H, scan_layers=True, remat="full", **kw)
+    assert plain(tokens, key_mask=mask).shape == scanned(tokens, key_mask=mask).shape == (B, 3)
+    assert [b.attention.causal for b in plain.blocks] == [False, False]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(TWO, reason="this is the launcher; the real test runs below")
+def test_in_a_process_with_two_devices():
+    env = os.environ | {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__,
+         "-k", "sequence_parallel or launcher"],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    assert "1 passed" in result.stdout
+
+
+@pytest.mark.skipif(not TWO, reason="needs 2 devices (run by the launcher test)")
+def test_sequence_parallel_mixed_stack_equals_one_device():
+    mesh = Mesh(np.array(jax.devices()), ("seq",))
+    tokens = _tokens(8)
+    single = _model()
+    parallel = _model(sequence_axis="seq", mesh=mesh)  # softmax layers ignore it
+    assert isinstance(parallel.blocks[0].attention.sharding, layers.SequenceSharding)
+    np.testing.assert_allclose(
+        _forward(parallel, tokens), _forward(single, tokens), atol=2e-5, rtol=2e-5
+    )
+    helpers.assert_close_normwise(
+        _loss_and_grads(parallel, tokens)[1]["blocks"][0],
+        _loss_and_grads(single, tokens)[1]["blocks"][0],
+        rtol=1e-4,
+    )
