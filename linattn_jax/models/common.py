@@ -22,10 +22,10 @@ def check_tokens(tokens: jax.Array, vocab_size: int) -> None:
     check_ids(tokens, vocab_size, "tokens")
 
 
-def check_state(state, depth: int, batch: int) -> None:
+def check_state(state, depth: int, batch: int, batch_axis: int = 0) -> None:
     """A model's decoding ``state``: None, or ``model.init_state(batch)``'s list of one
-    state per block, each for this batch (every array in it leads with the batch axis);
-    else a ValueError naming what it got."""
+    state per block, each for this batch (every array in it has the batch on ``batch_axis``:
+    1 for scanned layers, whose states are stacked); else a ValueError naming what it got."""
     if state is None:
         return
     expected = f"state must be model.init_state({batch})'s"
@@ -35,8 +35,8 @@ def check_state(state, depth: int, batch: int) -> None:
         raise ValueError(f"{expected} (one state per block: {depth}), got {got}")
     for i, block_state in enumerate(state):
         for leaf in jax.tree.leaves(block_state):
-            if getattr(leaf, "ndim", 0) and leaf.shape[0] != batch:
+            if getattr(leaf, "ndim", 0) > batch_axis and leaf.shape[batch_axis] != batch:
                 raise ValueError(
                     f"{expected} (one state per block for a batch of {batch}), got state[{i}] "
-                    f"for a batch of {leaf.shape[0]}"
+                    f"for a batch of {leaf.shape[batch_axis]}"
                 )

@@ -118,7 +118,7 @@ class LanguageModel(nnx.Module):
             holding ids outside ``[0, vocab_size)``.
         """
         check_tokens(tokens, self.vocab_size)
-        check_state(state, len(self.blocks), tokens.shape[0])
+        check_state(state, len(self.blocks), tokens.shape[0], 0 if self.period is None else 1)
         x = self.embed(tokens)
         x = stack.run_blocks(
             self.blocks,

@@ -64,14 +64,34 @@ def chunk_body(s: Array, x, *, dtype=None) -> tuple[Array, Array]:
     return chunking.nan_where(spoilt, s), chunking.nan_where(bad, out)
 
 
-def unit_lower_solve(lower: Array, rhs: Array) -> Array:
+def unit_lower_solve(lower: Array, rhs: Array, block: int = 16) -> Array:
     """``(I + lower)^{-1} rhs`` for strictly lower-triangular ``lower [..., c, c]``.
 
-    Forward substitution (XLA's triangular solve, batched over the leading axes). It is
-    backward stable whatever the system's conditioning; the nilpotent product series
-    ``(I + N)(I + N^2)(I + N^4)...`` (matmuls only) cancels catastrophically when beta
-    nears 2 with repeated keys, where the system's entries are +-2 all the way down.
+    Forward substitution: over blocks of ``block`` rows by matmuls with the rows solved
+    before, and row by row inside a block. Substitution is backward stable whatever the
+    system's conditioning; the nilpotent product series ``(I + N)(I + N^2)...`` cancels
+    catastrophically when beta nears 2 with repeated keys (the system's entries are then
+    +-2 all the way down). Elementwise products and small matmuls only: XLA's CPU
+    triangular solve (a LAPACK call) hung inside the chunk scan's gradient.
     """
-    return jax.lax.linalg.triangular_solve(
-        lower, rhs, left_side=True, lower=True, unit_diagonal=True
-    )
+    c = lower.shape[-1]
+    solved = []  # blocks of solved rows, [..., rows, n]
+    for start in range(0, c, block):
+        stop = min(start + block, c)
+        r = rhs[..., start:stop, :]
+        if start:
+            r = r - lower[..., start:stop, :start] @ jnp.concatenate(solved, axis=-2)
+        solved.append(_substitute(lower[..., start:stop, start:stop], r))
+    return jnp.concatenate(solved, axis=-2)
+
+
+def _substitute(lower: Array, rhs: Array) -> Array:
+    """``(I + lower)^{-1} rhs`` row by row (a loop of ``lower.shape[-1]`` steps)."""
+
+    def row(i, x):  # x holds the rows solved so far, zeros after them
+        lower_i = jax.lax.dynamic_index_in_dim(lower, i, axis=-2, keepdims=False)
+        rhs_i = jax.lax.dynamic_index_in_dim(rhs, i, axis=-2, keepdims=False)
+        x_i = rhs_i - jnp.einsum("...j,...jn->...n", lower_i, x)
+        return jax.lax.dynamic_update_index_in_dim(x, x_i, i, axis=-2)
+
+    return jax.lax.fori_loop(0, lower.shape[-1], row, jnp.zeros_like(rhs))
