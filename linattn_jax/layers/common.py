@@ -20,6 +20,16 @@ def check_width(width: int, num_heads: int) -> None:
         raise ValueError(f"num_heads={num_heads} must divide the width {width}")
 
 
+def check_head_dim(width: int, num_heads: int, head_dim: int | None) -> int:
+    """``head_dim``, checked, or (None) ``width / num_heads``, which must then divide."""
+    if head_dim is None:
+        check_width(width, num_heads)
+        return width // num_heads
+    checks.check_sizes(width=width, num_heads=num_heads)
+    checks.check_int("head_dim", head_dim, 1)
+    return head_dim
+
+
 def check_tokens(x: jax.Array, width: int) -> None:
     if x.ndim != 3 or x.shape[-1] != width:
         raise ValueError(f"x must have shape [batch, length, {width}], got {x.shape}")

@@ -35,8 +35,8 @@ from flax import nnx
 from linattn_jax.layers.common import (
     check_decoding,
     check_dropout_rate,
+    check_head_dim,
     check_tokens,
-    check_width,
     split_heads,
 )
 from linattn_jax.layers.conv import CausalConv1D
@@ -276,12 +276,7 @@ class DeltaRuleAttention(nnx.Module):
 
 def check_dims(width, num_heads, head_dim, value_head_dim, expand_v, num_v_heads):
     """``(h, hv, dk, dv)`` of a ``DeltaRuleAttention``, checked."""
-    if head_dim is None:
-        check_width(width, num_heads)
-        head_dim = width // num_heads
-    else:
-        checks.check_sizes(width=width, num_heads=num_heads)
-        checks.check_int("head_dim", head_dim, 1)
+    head_dim = check_head_dim(width, num_heads, head_dim)
     if value_head_dim is None:
         ok = isinstance(expand_v, int | float) and not isinstance(expand_v, bool) and expand_v > 0
         if not ok or head_dim * expand_v != int(head_dim * expand_v):

@@ -13,7 +13,7 @@ from linattn_jax.layers import rope as rope_lib
 from linattn_jax.layers.common import (
     check_decoding,
     check_dropout_rate,
-    check_width,
+    check_head_dim,
     positions,
     project_qkv,
 )
@@ -282,12 +282,7 @@ def attend_cached(layer, q, k, v, key_mask, state):
 def check_heads(width, num_heads, num_kv_heads, head_dim) -> tuple[int, int, int]:
     """``(num_heads, num_kv_heads, head_dim)`` checked (``head_dim`` by default
     ``width / num_heads``, which must then divide)."""
-    if head_dim is None:
-        check_width(width, num_heads)
-        head_dim = width // num_heads
-    else:
-        checks.check_sizes(width=width, num_heads=num_heads)
-        checks.check_int("head_dim", head_dim, 1)
+    head_dim = check_head_dim(width, num_heads, head_dim)
     if num_kv_heads is None:
         num_kv_heads = num_heads
     checks.check_int("num_kv_heads", num_kv_heads, 1)
