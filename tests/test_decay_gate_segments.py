@@ -41,7 +41,7 @@ OPTIONS = ["decay", "scalar_decay", "gate", "decay_and_gate", "segments", "every
 
 
 class CausalOptionsTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
+    # Under jit (the streaming test below calls every form and option without it).
     @parameterized.product(
         method=METHODS,
         option=OPTIONS,
@@ -52,7 +52,7 @@ class CausalOptionsTest(chex.TestCase):
         q, k, v = helpers.qkv(0, B, T, H, D, DV)
         opts = _options(option)
         state = helpers.random_state(7, B, H, D, DV) if with_state else None
-        fn = self.variant(
+        fn = jax.jit(
             lambda q, k, v, s, opts: la.causal_linear_attention(
                 q,
                 k,
