@@ -1,0 +1,28 @@
+"""Pretrained checkpoints in Hugging Face format: Qwen3.5's dense text models (Gated
+DeltaNet hybrids) into a ``LanguageModel`` and back, and text generation from a prompt.
+
+``from_pretrained(path, dtype=None) -> (model, config)`` reads a local directory
+(``config.json``, ``model.safetensors`` or a sharded index; nothing is downloaded),
+``save_pretrained(model, path)`` writes one that ``transformers`` loads. ``qwen3_5`` holds
+the config's mapping and the one weight table; ``safetensors_io`` the streaming reads and
+writes; ``text`` the tokenizer and ``generate_text``.
+"""
+
+from linattn_jax.hf import qwen3_5, safetensors_io
+from linattn_jax.hf.pretrained import (
+    abstract_model,
+    expected_tensors,
+    from_pretrained,
+    save_pretrained,
+)
+from linattn_jax.hf.qwen3_5 import MODEL_TYPES
+
+__all__ = [
+    "MODEL_TYPES",
+    "abstract_model",
+    "expected_tensors",
+    "from_pretrained",
+    "qwen3_5",
+    "safetensors_io",
+    "save_pretrained",
+]
