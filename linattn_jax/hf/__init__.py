@@ -8,7 +8,7 @@ the config's mapping and the one weight table; ``safetensors_io`` the streaming 
 writes; ``text`` the tokenizer and ``generate_text``.
 """
 
-from linattn_jax.hf import qwen3_5, safetensors_io
+from linattn_jax.hf import qwen3_5, safetensors_io, text
 from linattn_jax.hf.pretrained import (
     abstract_model,
     expected_tensors,
@@ -16,13 +16,18 @@ from linattn_jax.hf.pretrained import (
     save_pretrained,
 )
 from linattn_jax.hf.qwen3_5 import MODEL_TYPES
+from linattn_jax.hf.text import eos_id, generate_text, load_tokenizer
 
 __all__ = [
     "MODEL_TYPES",
     "abstract_model",
+    "eos_id",
     "expected_tensors",
     "from_pretrained",
+    "generate_text",
+    "load_tokenizer",
     "qwen3_5",
     "safetensors_io",
     "save_pretrained",
+    "text",
 ]
