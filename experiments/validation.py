@@ -17,7 +17,7 @@ from ml_collections import ConfigDict
 import linattn_jax as la
 from experiments.configuration import flatten
 from experiments.tasks import TASKS, mqar_shapes, parse_mix
-from linattn_jax import feature_maps, layers
+from linattn_jax import feature_maps, hf, layers
 from linattn_jax.layers import registry
 
 # ============================================================================
@@ -124,6 +124,7 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stop_at": (_integer(0)[0], "an integer >= 0 (0: run to `steps`)"),
     "progress": _BOOL,
     "resume": _BOOL,
+    "init_from": ((lambda v: isinstance(v, str)), "a directory (a string; '': none)"),
     "mesh.sequence": _integer(1),
     "model.attention": (
         _layout_ok,
@@ -250,7 +251,33 @@ def _heads_rule(config: ConfigDict) -> str | None:
     return None
 
 
+def _init_from_rule(config: ConfigDict) -> str | None:
+    """A checkpoint to start from: a causal LM task whose tokens it knows, no sequence
+    parallelism, a dtype it loads in; its directory readable (``hf.qwen3_5.read_config``)."""
+    path = config.get("init_from")
+    if not path:
+        return None
+    if TASKS[config.task].kind != "lm" or config.mesh.sequence > 1:
+        return (
+            f"init_from needs a language-model task and mesh.sequence=1, got task={config.task!r}"
+        )
+    if config.model.dtype not in ("float32", "bfloat16"):
+        return f"init_from loads float32 or bfloat16, got model.dtype={config.model.dtype!r}"
+    try:
+        checkpoint = hf.qwen3_5.read_config(path)
+    except ValueError as e:
+        return f"init_from={path!r}: {e}"
+    vocab = TASKS[config.task].vocab_size(config)
+    if vocab > checkpoint["vocab_size"]:
+        return (
+            f"init_from={path!r} knows {checkpoint['vocab_size']} tokens, fewer than the task's "
+            f"{vocab}"
+        )
+    return None
+
+
 RULES: list[Callable[[ConfigDict], str | None]] = [
+    _init_from_rule,
     _heads_rule,
     lambda c: (
         f"model.feature_map={c.model.feature_map!r} needs model.normalize=true (its per-query "

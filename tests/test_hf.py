@@ -26,8 +26,8 @@ from tests.helpers import assert_close_normwise
 
 LOGITS_RTOL = 1e-5  # float32 against float32: the sums' order differs (chunks vs scans)
 # bfloat16 weights and activations against float32 ones: each of the ~25 matmuls rounds to
-# 8 bits of mantissa (2^-8 = 4e-3 relative), the errors adding up in quadrature.
-BF16_RTOL = 3e-2
+# 8 bits of mantissa (2^-8 = 4e-3 relative); measured 6e-3 on the untied model.
+BF16_RTOL = 2e-2
 
 SIZES = dict(
     vocab_size=101,
@@ -237,7 +237,9 @@ def test_real_size_config_maps_every_tensor():
     config = hf.qwen3_5.normalize_config(outer.to_dict())
     assert config["hidden_size"] == 4096 and config["vocab_size"] == 248320
     ours = hf.expected_tensors(config, "model.language_model.")
-    assert sorted(ours) == sorted(k.replace("model.", "model.language_model.", 1) for k in reference)
+    assert sorted(ours) == sorted(
+        k.replace("model.", "model.language_model.", 1) for k in reference
+    )
     model = hf.abstract_model(config, jnp.bfloat16)  # nothing allocated
     assert model.embed.embedding.shape == (248320, 4096)
 
@@ -265,7 +267,9 @@ def _edit_config(path, **fields):
 def test_missing_tensor_is_named(broken):
     name = "model.layers.0.mlp.up_proj.weight"
     _edit_tensors(broken, lambda t: t.pop(name))
-    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.mlp\.up_proj\.weight' is missing"):
+    with pytest.raises(
+        ValueError, match=r"tensor 'model\.layers\.0\.mlp\.up_proj\.weight' is missing"
+    ):
         hf.from_pretrained(broken)
 
 
@@ -311,3 +315,101 @@ def test_missing_files_and_bad_dtype(broken, tmp_path_factory):
         hf.from_pretrained(empty)
     with pytest.raises(ValueError, match=r"dtype must be one of \('float32', 'bfloat16'\)"):
         hf.from_pretrained(broken, jnp.int8)
+
+
+# -- text in, text out ---------------------------------------------------------------------
+
+WORDS = [f"w{i}" for i in range(SIZES["vocab_size"])]
+
+
+@pytest.fixture
+def with_tokenizer(saved, tmp_path):
+    """The untied model's directory with a word-level ``tokenizer.json`` (``w0`` .. ``w100``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    _, path, model, _ = saved("untied")
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    return tmp_path, model
+
+
+PROMPT_IDS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7], [42]]
+
+
+def test_generate_text_is_the_tokens_generate_writes(with_tokenizer):
+    path, model = with_tokenizer
+    tokenizer = hf.load_tokenizer(path)
+    prompts = [" ".join(WORDS[i] for i in ids) for ids in PROMPT_IDS]
+    texts = hf.generate_text(model, tokenizer, prompts, 32)  # greedy
+    t = max(map(len, PROMPT_IDS))  # the same batch as the greedy test: left padded
+    tokens = np.zeros((3, t), np.int32)
+    mask = np.zeros((3, t), bool)
+    for i, ids in enumerate(PROMPT_IDS):
+        tokens[i, t - len(ids) :], mask[i, t - len(ids) :] = ids, True
+    ids = np.asarray(model.generate(jnp.asarray(tokens), 32, temperature=0.0, prompt_mask=mask))
+    assert texts == [" ".join(WORDS[j] for j in row[t:]) for row in ids]
+    assert hf.generate_text(model, tokenizer, prompts[1], 32) == texts[1]  # one prompt alone
+
+
+@pytest.mark.slow  # compiles a second decoding loop (sampling, an EOS)
+def test_generate_command_line_and_sampling(with_tokenizer, capsys):
+    from experiments import generate
+
+    path, model = with_tokenizer
+    tokenizer = hf.load_tokenizer(path)
+    prompt = " ".join(WORDS[i] for i in PROMPT_IDS[1])
+    greedy = hf.generate_text(model, tokenizer, prompt, 32).split()
+    _edit_config(path, eos_token_id=[WORDS.index(greedy[3]), 0])  # the first one counts
+    argv = ["--checkpoint", str(path), "--prompt", prompt, "--steps", "32"]
+    assert generate.main(argv) == 0
+    # The prompt, then its continuation (this word-level tokenizer decodes without spaces
+    # at the ends; Qwen's byte-level one keeps them).
+    assert capsys.readouterr().out == prompt + " ".join(greedy[:3]) + "\n"
+    key = jax.random.key(1)
+    sampled = hf.generate_text(model, tokenizer, prompt, 8, key, temperature=0.8, top_k=5)
+    assert sampled == hf.generate_text(model, tokenizer, prompt, 8, key, temperature=0.8, top_k=5)
+    assert len(sampled.split()) == 8 and set(sampled.split()) <= set(WORDS)
+
+
+def test_text_errors_are_named(with_tokenizer, saved, capsys):
+    from experiments import generate
+
+    path, model = with_tokenizer
+    _, bare, _, _ = saved("untied")
+    with pytest.raises(ValueError, match="has no tokenizer.json"):
+        hf.load_tokenizer(bare)
+    with pytest.raises(ValueError, match="a string or a non-empty list of strings"):
+        hf.generate_text(model, hf.load_tokenizer(path), [], 4)
+    assert generate.main(["--checkpoint", bare, "--prompt", "w1"]) == 2
+    assert "has no tokenizer.json" in capsys.readouterr().err
+
+
+def test_trainer_builds_its_model_from_a_checkpoint(saved, tmp_path):
+    """``--config.init_from=DIR``: the run's model is the checkpoint's."""
+    from experiments import trainer
+    from tests.test_experiments import tiny_config
+
+    _, path, model, _ = saved("untied")
+    config = tiny_config("configs/mqar.py:small", f"init_from={path}")
+    built = trainer.build_model(config)
+    jax.tree.map(np.testing.assert_array_equal, nnx_params(built), nnx_params(model))
+    bad = tiny_config("configs/mqar.py:small", f"init_from={tmp_path}")
+    with pytest.raises(ValueError, match=r"init_from=.* has no config.json"):
+        trainer.train(bad, tmp_path / "bad")
+    wide = tiny_config("configs/mqar.py:small", f"init_from={path}", "mqar.vocab_size=256")
+    with pytest.raises(ValueError, match=r"knows 101 tokens, fewer than the task's 256"):
+        trainer.train(wide, tmp_path / "wide")
+
+
+@pytest.mark.slow  # compiles a training step of the hybrid
+def test_trainer_fine_tunes_from_a_checkpoint(saved, tmp_path):
+    from experiments import trainer
+    from tests.test_experiments import tiny_config
+
+    _, path, model, _ = saved("untied")
+    config = tiny_config("configs/mqar.py:small", f"init_from={path}", "steps=1", "seq_len=32")
+    with jax.numpy_dtype_promotion("standard"):
+        final = trainer.train(config, tmp_path / "run")
+    assert np.isfinite(final["loss"]) and final["step"] == 1

@@ -82,7 +82,9 @@ def from_pretrained(
         prefix = next((p for p in TEXT_PREFIXES if any(n.startswith(p) for n in names)), "model.")
         table = qwen3_5.weight_table(config, prefix)
         wanted = {name for name, _ in table}
-        ignored = qwen3_5.IGNORED_PREFIXES + (("lm_head.",) if config["tie_word_embeddings"] else ())
+        ignored = qwen3_5.IGNORED_PREFIXES + (
+            ("lm_head.",) if config["tie_word_embeddings"] else ()
+        )
         unknown = [n for n in names if n not in wanted and not n.startswith(ignored)]
         if unknown:
             raise ValueError(

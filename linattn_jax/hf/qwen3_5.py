@@ -57,7 +57,9 @@ class Rule:
 
 
 def _rules(*rows) -> tuple[Rule, ...]:
-    return tuple(Rule(hf, (ours,) if isinstance(ours, str) else ours, how) for hf, ours, how in rows)
+    return tuple(
+        Rule(hf, (ours,) if isinstance(ours, str) else ours, how) for hf, ours, how in rows
+    )
 
 
 # The weight table: model-level rows, then each layer's, by its layer type.
@@ -173,7 +175,9 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     """A ``config.json``'s contents as ``read_config`` returns them (see there)."""
     model_type = raw.get("model_type")
     if model_type not in MODEL_TYPES:
-        raise ValueError(f"config.json: model_type must be one of {MODEL_TYPES}, got {model_type!r}")
+        raise ValueError(
+            f"config.json: model_type must be one of {MODEL_TYPES}, got {model_type!r}"
+        )
     config = dict(raw)
     if model_type == "qwen3_5":
         text = raw.get("text_config")
@@ -234,7 +238,9 @@ def check_config(config: Mapping[str, Any]) -> None:
         )
     unknown = sorted(set(layer_types) - set(LAYER_KINDS))
     if unknown:
-        raise ValueError(f"config.json: layer_types must be in {sorted(LAYER_KINDS)}, got {unknown}")
+        raise ValueError(
+            f"config.json: layer_types must be in {sorted(LAYER_KINDS)}, got {unknown}"
+        )
     if config["num_attention_heads"] % config["num_key_value_heads"]:
         raise ValueError(
             f"config.json: num_key_value_heads={config['num_key_value_heads']} must divide "
@@ -328,17 +334,23 @@ def config_from_model(model) -> dict[str, Any]:
 
     def agree(field, value, where):
         if fields.setdefault(field, value) != value:
-            raise ValueError(f"{where}: {field}={value} differs from the other layers' {fields[field]}")
+            raise ValueError(
+                f"{where}: {field}={value} differs from the other layers' {fields[field]}"
+            )
 
     for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):
         where = f"blocks[{i}]"
         if kind not in kinds:
-            raise ValueError(f"{where}: Qwen3.5 has gated_deltanet and softmax layers, got {kind!r}")
+            raise ValueError(
+                f"{where}: Qwen3.5 has gated_deltanet and softmax layers, got {kind!r}"
+            )
         if type(block.mlp).__name__ != "SwiGLU" or block.conv is not None:
             raise ValueError(f"{where}: Qwen3.5's blocks have a SwiGLU MLP and no short_conv")
         for norm in (block.attention_norm, block.mlp_norm):
             if not norm.zero_centred:
-                raise ValueError(f"{where}: Qwen3.5's RMSNorms are zero-centred (zero_centred_norm)")
+                raise ValueError(
+                    f"{where}: Qwen3.5's RMSNorms are zero-centred (zero_centred_norm)"
+                )
         agree("intermediate_size", block.mlp.gate_proj.out_features, where)
         agree("rms_norm_eps", block.attention_norm.epsilon, where)
         a = block.attention

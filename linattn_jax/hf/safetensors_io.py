@@ -109,7 +109,9 @@ def write(
     """
     os.makedirs(path, exist_ok=True)
     limit = None if max_shard_size is None else parse_size(max_shard_size)
-    nbytes = {n: int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for n, (s, d) in shapes.items()}
+    nbytes = {
+        n: int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for n, (s, d) in shapes.items()
+    }
     shards: list[list[str]] = [[]]
     size = 0
     for name in shapes:
