@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
