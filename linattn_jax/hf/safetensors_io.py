@@ -130,7 +130,8 @@ def write(
         del tensors
     stale = os.path.join(path, INDEX)
     if len(files) > 1:
-        weight_map = {name: file for file, names in zip(files, shards, strict=True) for name in names}
+        pairs = zip(files, shards, strict=True)
+        weight_map = {name: file for file, names in pairs for name in names}
         index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}
         with open(stale, "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
