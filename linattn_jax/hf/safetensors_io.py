@@ -69,8 +69,15 @@ class Checkpoint(contextlib.AbstractContextManager):
         return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
 
     def get(self, name: str) -> np.ndarray:
-        """One tensor, in its stored dtype (``ml_dtypes.bfloat16`` for bfloat16)."""
-        return self._handle(self.files[name]).get_tensor(name)
+        """One tensor, in its stored dtype (``ml_dtypes.bfloat16`` for bfloat16), copied out
+        of the file.
+
+        Each read maps the file anew and unmaps it after: pages of a mapping that stays
+        open count in the process's resident memory, so reading every tensor through one
+        long-lived mapping would end holding the whole file twice (mapped and copied).
+        """
+        with safe_open(self.files[name], framework="numpy") as f:
+            return f.get_tensor(name)
 
     def __exit__(self, *exc):
         self._stack.close()

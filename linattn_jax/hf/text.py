@@ -56,8 +56,9 @@ def generate_text(
       prompt: a string, or a list of them.
       steps: the most new tokens per prompt.
       rng: a PRNG key, needed when sampling (``temperature > 0``).
-      temperature, top_k, top_p: as in ``LanguageModel.generate``; ``temperature=0``
-        (the default) is greedy.
+      temperature: as in ``LanguageModel.generate``; ``0`` (the default) is greedy.
+      top_k: as in ``LanguageModel.generate``.
+      top_p: as in ``LanguageModel.generate``.
       eos_id: a row stops after this token (``eos_id(config)`` gives the config's); it is
         not part of the text.
 
