@@ -413,3 +413,33 @@ def test_trainer_fine_tunes_from_a_checkpoint(saved, tmp_path):
     with jax.numpy_dtype_promotion("standard"):
         final = trainer.train(config, tmp_path / "run")
     assert np.isfinite(final["loss"]) and final["step"] == 1
+
+
+def test_mesh_places_each_parameter_with_its_sharding(saved):
+    _, path, _, _ = saved("untied")
+    mesh = jax.make_mesh((1,), ("data",))
+    model, _ = hf.from_pretrained(path, mesh=mesh)
+    for x in jax.tree.leaves(nnx_params(model)):
+        assert isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh
+
+
+def test_save_refuses_a_model_not_of_qwen3_5s_form(tmp_path):
+    from linattn_jax.models import LanguageModel
+
+    model = LanguageModel(16, 8, 1, 2, attention="linear", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"blocks\[0\]: Qwen3.5 has gated_deltanet and softmax"):
+        hf.save_pretrained(model, tmp_path)
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_the_docs_weight_table_lists_every_rule():
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs/guide/pretrained.md").read_text()
+    rules = hf.qwen3_5.MODEL_RULES + hf.qwen3_5.BLOCK_RULES + (hf.qwen3_5.HEAD_RULE,)
+    rules += sum(hf.qwen3_5.LAYER_RULES.values(), ())
+    for rule in rules:  # each row names the tensor, or its sibling (up_proj beside gate_proj)
+        name = rule.hf.removesuffix(".weight").rsplit(".", 1)[-1]
+        assert rule.hf in page or f"`{name}`" in page, rule.hf
+        for ours in rule.ours:
+            assert ours in page or f"`{ours.split('.')[-2]}`" in page, ours
