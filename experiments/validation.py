@@ -349,6 +349,10 @@ RESUMABLE = (
 )
 
 
+# Fields newer than some stored configs: absent there, they held this value.
+ABSENT_IS = {"init_from": ""}
+
+
 def config_changes(stored: dict, config: ConfigDict) -> list[str]:
     """The fields outside ``RESUMABLE`` where ``config`` differs from ``stored``, but for
     the model fields that neither run's attention kind reads (they change nothing)."""
@@ -366,7 +370,8 @@ def config_changes(stored: dict, config: ConfigDict) -> list[str]:
         short = name.removeprefix("model.")
         if name.startswith("model.") and short in KIND_FIELDS and short not in read:
             continue  # no kind here reads it
-        before, now = old.get(name, "<absent>"), new.get(name, "<absent>")
+        absent = ABSENT_IS.get(name, "<absent>")
+        before, now = old.get(name, absent), new.get(name, absent)
         if before != now:
             changes.append(f"{name}={before!r} there, {now!r} now")
     return changes

@@ -443,3 +443,15 @@ def test_the_docs_weight_table_lists_every_rule():
         assert rule.hf in page or f"`{name}`" in page, rule.hf
         for ours in rule.ours:
             assert ours in page or f"`{ours.split('.')[-2]}`" in page, ours
+
+
+def test_a_stored_config_without_init_from_resumes():
+    from experiments import validation
+    from experiments.configuration import load_config
+
+    config = load_config("configs/mqar.py:small")
+    stored = config.to_dict()
+    del stored["init_from"]  # a workdir written before the field existed
+    assert validation.config_changes(stored, config) == []
+    config.init_from = "somewhere"
+    assert validation.config_changes(stored, config) == ["init_from='' there, 'somewhere' now"]
