@@ -205,6 +205,7 @@ def test_multimodal_directory_loads_its_text_model(pair, tmp_path):
     _, path, model, config = pair
     text = {k: v for k, v in config.items() if k not in ("architectures", "dtype")}
     tie = text.pop("tie_word_embeddings")
+    text["tie_word_embeddings"] = not tie  # transformers reads the top-level field
     outer = dict(model_type="qwen3_5", text_config=text, tie_word_embeddings=tie)
     (tmp_path / "config.json").write_text(json.dumps(outer))
     tensors = load_file(os.path.join(path, "model.safetensors"))

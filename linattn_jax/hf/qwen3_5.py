@@ -154,8 +154,9 @@ def to_hf(how: str, xs: list[np.ndarray]) -> np.ndarray:
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """``config.json`` of a Qwen3.5 directory as the text model's config, checked: a
-    ``qwen3_5_text`` config, or a ``qwen3_5`` one's ``text_config`` (with its top-level
-    ``tie_word_embeddings`` and ``eos_token_id`` where the text part has none);
+    ``qwen3_5_text`` config, or a ``qwen3_5`` one's ``text_config`` (with the top-level
+    ``tie_word_embeddings``, which ``transformers`` ties by, and the top-level
+    ``eos_token_id`` where the text part has none);
     ``layer_types`` filled in (every 4th layer full attention) when absent.
 
     Raises:
@@ -183,7 +184,9 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(text, Mapping):
             raise ValueError("config.json: a qwen3_5 config needs a text_config (a dict)")
         config = dict(text)
-        for field in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id"):
+        # transformers ties the image-text model's embeddings by its own (top-level) field.
+        config["tie_word_embeddings"] = raw.get("tie_word_embeddings", False)
+        for field in ("eos_token_id", "bos_token_id", "pad_token_id"):
             if config.get(field) is None and raw.get(field) is not None:
                 config[field] = raw[field]
         config["model_type"] = "qwen3_5_text"
