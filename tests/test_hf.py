@@ -456,3 +456,28 @@ def test_a_stored_config_without_init_from_resumes():
     assert validation.config_changes(stored, config) == []
     config.init_from = "somewhere"
     assert validation.config_changes(stored, config) == ["init_from='' there, 'somewhere' now"]
+
+
+def test_a_model_of_one_kind_saves_and_transformers_loads_it(tmp_path):
+    """Built from options, not loaded: Gated DeltaNet layers only (the attention's sizes in
+    config.json are placeholders, as no layer reads them)."""
+    config = hf.qwen3_5.normalize_config(
+        dict(
+            CONFIGS["untied"],
+            model_type="qwen3_5_text",
+            layer_types=["linear_attention"] * 2,
+            num_hidden_layers=2,
+            head_dim=16,
+            rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.25),
+        )
+    )
+    from linattn_jax.models import LanguageModel
+
+    model = LanguageModel(**hf.qwen3_5.model_options(config), rngs=nnx.Rngs(0))
+    hf.save_pretrained(model, tmp_path, max_shard_size=None)
+    back = Qwen3_5ForCausalLM.from_pretrained(tmp_path)
+    assert back.config.layer_types == ["linear_attention"] * 2
+    loaded, _ = hf.from_pretrained(tmp_path)
+    jax.tree.map(np.testing.assert_array_equal, nnx_params(loaded), nnx_params(model))
+    with pytest.raises(ValueError, match=r"config\['vocab_size'\]=7, but the model has 101"):
+        hf.save_pretrained(model, tmp_path / "bad", dict(config, vocab_size=7))

@@ -18,6 +18,7 @@ from linattn_jax.models import LanguageModel
 
 DTYPES = ("float32", "bfloat16")
 TEXT_PREFIXES = ("model.language_model.", "model.")  # qwen3_5 (multimodal), qwen3_5_text
+UNCHECKED = ("architectures", "dtype", "model_type")  # save_pretrained writes the model's
 
 
 def abstract_model(config: Mapping[str, Any], dtype: Any = jnp.float32) -> LanguageModel:
@@ -140,17 +141,19 @@ def save_pretrained(
         ``config`` whose dimensions differ from the model's (the field named).
     """
     derived = qwen3_5.config_from_model(model)
-    merged = dict(config or {})
+    merged = {**qwen3_5.ABSENT_KIND_SIZES, **(config or {})}
     for field, value in derived.items():
         old = merged.get(field)
         if field == "rope_parameters" and isinstance(old, Mapping):
             for key in ("rope_theta", "partial_rotary_factor"):
                 if key in old and float(old[key]) != float(value[key]):
-                    raise ValueError(f"config rope_parameters.{key}={old[key]}, model {value[key]}")
-            value = {**old, **value}
-        elif config is not None and field in config and field not in ("architectures", "dtype"):
-            if old != value and field != "model_type":
-                raise ValueError(f"config[{field!r}]={old!r}, but the model has {value!r}")
+                    raise ValueError(
+                        f"config['rope_parameters'][{key!r}]={old[key]}, but the model has "
+                        f"{value[key]}"
+                    )
+            value = {**old, **value}  # mrope_section and the like kept
+        elif config is not None and field in config and field not in UNCHECKED and old != value:
+            raise ValueError(f"config[{field!r}]={old!r}, but the model has {value!r}")
         merged[field] = value
     merged = qwen3_5.normalize_config(merged)
     flat = _flat(nnx.state(model, nnx.Param))
@@ -163,7 +166,7 @@ def save_pretrained(
     shapes = {
         name: (
             qwen3_5.hf_shape(rule.how, [flat[p].shape for p in rule.ours]),
-            np.asarray(flat[rule.ours[0]][:0]).dtype,
+            jnp.dtype(flat[rule.ours[0]].dtype),
         )
         for name, rule in table.items()
     }

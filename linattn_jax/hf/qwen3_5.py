@@ -319,9 +319,18 @@ def model_options(config: Mapping[str, Any], dtype: Any = jnp.float32) -> dict[s
     )
 
 
+# The sizes of a kind that a layout lacks (its config.json must still hold them): any valid.
+ABSENT_KIND_SIZES = dict(
+    num_attention_heads=1, num_key_value_heads=1, head_dim=8, linear_num_key_heads=1,
+    linear_num_value_heads=1, linear_key_head_dim=8, linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)  # fmt: skip
+
+
 def config_from_model(model) -> dict[str, Any]:
     """The ``qwen3_5_text`` config of a ``LanguageModel`` in Qwen3.5's form (the dimensions
-    read from its layers).
+    read from its layers; a layout without one of the kinds leaves that kind's sizes out,
+    ``ABSENT_KIND_SIZES`` fills them).
 
     Raises:
       ValueError: a model that is not of that form (scanned layers, a kind other than
@@ -405,13 +414,4 @@ def config_from_model(model) -> dict[str, Any]:
         },
         **fields,
     }
-    # A layout without one of the kinds: that kind's sizes are Hugging Face's defaults'.
-    config.setdefault("num_attention_heads", 1)
-    config.setdefault("num_key_value_heads", 1)
-    config.setdefault("head_dim", 8)
-    for field in ("linear_num_key_heads", "linear_num_value_heads"):
-        config.setdefault(field, 1)
-    config.setdefault("linear_key_head_dim", 8)
-    config.setdefault("linear_value_head_dim", 8)
-    config.setdefault("linear_conv_kernel_dim", 4)
     return config
