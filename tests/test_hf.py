@@ -299,6 +299,8 @@ def test_unexpected_tensor_is_named(broken):
         (dict(layer_types=["linear_attention"]), r"layer_types must list num_hidden_layers=4"),
         (dict(hidden_act="gelu"), r"hidden_act must be 'silu'"),
         (dict(rope_parameters=dict(rope_type="yarn")), r"rope_type must be 'default'"),
+        (dict(rope_parameters="x"), r"rope_parameters must be a dict, got 'x'"),
+        (dict(tie_word_embeddings="no"), r"tie_word_embeddings must be true or false"),
     ],
 )
 def test_bad_config_field_is_named(broken, fields, message):
@@ -316,6 +318,10 @@ def test_missing_files_and_bad_dtype(broken, tmp_path_factory):
         hf.from_pretrained(empty)
     with pytest.raises(ValueError, match=r"dtype must be one of \('float32', 'bfloat16'\)"):
         hf.from_pretrained(broken, jnp.int8)
+    index = {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}
+    (empty / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"names model-00001-of-00002.safetensors, missing"):
+        hf.from_pretrained(empty)
 
 
 # -- text in, text out ---------------------------------------------------------------------

@@ -196,15 +196,22 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     config.setdefault("linear_conv_kernel_dim", 4)
     if config.get("head_dim") is None and _is_int(config.get("hidden_size")):
         heads = config.get("num_attention_heads")
-        if _is_int(heads):
+        if _is_int(heads) and heads > 0:
             config["head_dim"] = config["hidden_size"] // heads
     if config.get("layer_types") is None and _is_int(config.get("num_hidden_layers")):
         interval = config.get("full_attention_interval", 4)
+        if not _is_int(interval) or interval < 1:
+            raise ValueError(
+                f"config.json: full_attention_interval must be an int >= 1, got {interval!r}"
+            )
         config["layer_types"] = [
             "full_attention" if (i + 1) % interval == 0 else "linear_attention"
             for i in range(config["num_hidden_layers"])
         ]
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, Mapping):
+        raise ValueError(f"config.json: rope_parameters must be a dict, got {rope!r}")
+    rope = dict(rope)
     rope.setdefault("rope_type", rope.get("type", "default"))
     rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     rope.setdefault("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
