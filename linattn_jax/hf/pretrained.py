@@ -28,7 +28,9 @@ def abstract_model(config: Mapping[str, Any], dtype: Any = jnp.float32) -> Langu
     options = qwen3_5.model_options(config, dtype)
     model = nnx.eval_shape(lambda: LanguageModel(**options, rngs=nnx.Rngs(0)))
     for _, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.RMSNorm):  # the blocks', the final, q/k and gated norms
+        # The blocks', the final, q/k and gated norms: the layers take no epsilon option
+        # (their default is Qwen3.5's 1e-6), so it is set on the built modules.
+        if isinstance(node, nnx.RMSNorm):
             node.epsilon = float(config["rms_norm_eps"])
     return model
 
