@@ -18,6 +18,9 @@ def base() -> ConfigDict:
     c.stop_at = 0  # stop after this step without changing the schedule (0: run to `steps`)
     c.progress = True  # tqdm progress bar (only when the output is a terminal)
     c.resume = True  # resume from the workdir's checkpoints (false: empty the workdir first)
+    # A Hugging Face directory (Qwen3.5, linattn_jax.hf) to fine-tune from: its config.json
+    # sets the model (model.* unread but model.dtype); "": a random initialisation.
+    c.init_from = ""
 
     c.mesh = ConfigDict()
     c.mesh.sequence = 1  # devices along the sequence (sequence-parallel linear attention)

@@ -34,7 +34,7 @@ from experiments.checkpoints import (
 )
 from experiments.tasks import TASKS, Task, build_task
 from experiments.validation import validate
-from linattn_jax import models
+from linattn_jax import hf, models
 from linattn_jax.layers import registry
 
 # ----------------------------------------------------------------------------
@@ -65,6 +65,8 @@ def build_model(config: ConfigDict, mesh: Mesh | None = None) -> nnx.Module:
     ``model.<section>.<name>``).
     """
     m, spec = config.model, TASKS[config.task]
+    if config.get("init_from"):  # the checkpoint's model; a resumed run overwrites it
+        return hf.from_pretrained(config.init_from, m.dtype)[0]
     kind_options = {
         kind: _kind_options(kind, config) for kind in registry.parse_layout(m.attention, m.depth)
     }

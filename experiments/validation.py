@@ -17,7 +17,7 @@ from ml_collections import ConfigDict
 import linattn_jax as la
 from experiments.configuration import flatten
 from experiments.tasks import TASKS, mqar_shapes, parse_mix
-from linattn_jax import feature_maps, layers
+from linattn_jax import feature_maps, hf, layers
 from linattn_jax.layers import registry
 
 # ============================================================================
@@ -124,6 +124,7 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stop_at": (_integer(0)[0], "an integer >= 0 (0: run to `steps`)"),
     "progress": _BOOL,
     "resume": _BOOL,
+    "init_from": ((lambda v: isinstance(v, str)), "a directory (a string; '': none)"),
     "mesh.sequence": _integer(1),
     "model.attention": (
         _layout_ok,
@@ -250,7 +251,33 @@ def _heads_rule(config: ConfigDict) -> str | None:
     return None
 
 
+def _init_from_rule(config: ConfigDict) -> str | None:
+    """A checkpoint to start from: a causal LM task whose tokens it knows, no sequence
+    parallelism, a dtype it loads in; its directory readable (``hf.qwen3_5.read_config``)."""
+    path = config.get("init_from")
+    if not path:
+        return None
+    if TASKS[config.task].kind != "lm" or config.mesh.sequence > 1:
+        return (
+            f"init_from needs a language-model task and mesh.sequence=1, got task={config.task!r}"
+        )
+    if config.model.dtype not in ("float32", "bfloat16"):
+        return f"init_from loads float32 or bfloat16, got model.dtype={config.model.dtype!r}"
+    try:
+        checkpoint = hf.qwen3_5.read_config(path)
+    except ValueError as e:
+        return f"init_from={path!r}: {e}"
+    vocab = TASKS[config.task].vocab_size(config)
+    if vocab > checkpoint["vocab_size"]:
+        return (
+            f"init_from={path!r} knows {checkpoint['vocab_size']} tokens, fewer than the task's "
+            f"{vocab}"
+        )
+    return None
+
+
 RULES: list[Callable[[ConfigDict], str | None]] = [
+    _init_from_rule,
     _heads_rule,
     lambda c: (
         f"model.feature_map={c.model.feature_map!r} needs model.normalize=true (its per-query "
@@ -322,6 +349,10 @@ RESUMABLE = (
 )
 
 
+# Fields newer than some stored configs: absent there, they held this value.
+ABSENT_IS = {"init_from": ""}
+
+
 def config_changes(stored: dict, config: ConfigDict) -> list[str]:
     """The fields outside ``RESUMABLE`` where ``config`` differs from ``stored``, but for
     the model fields that neither run's attention kind reads (they change nothing)."""
@@ -339,7 +370,8 @@ def config_changes(stored: dict, config: ConfigDict) -> list[str]:
         short = name.removeprefix("model.")
         if name.startswith("model.") and short in KIND_FIELDS and short not in read:
             continue  # no kind here reads it
-        before, now = old.get(name, "<absent>"), new.get(name, "<absent>")
+        absent = ABSENT_IS.get(name, "<absent>")
+        before, now = old.get(name, absent), new.get(name, absent)
         if before != now:
             changes.append(f"{name}={before!r} there, {now!r} now")
     return changes

@@ -1,8 +1,9 @@
 """The command line of ``python -m experiments.benchmark``: one subcommand per suite
-(``forms``, ``recurrences``, ``decode``, ``comm``, ``train-step``, ``compile``), each
-taking only its own flags, and the flat command line without a subcommand, which takes
-every flag and runs the suite that ``--recurrences``, ``--decode``, ``--comm`` or
-``--train-steps`` names (the forms when none does; ``compile`` is a subcommand only).
+(``forms``, ``recurrences``, ``decode``, ``comm``, ``train-step``, ``compile``,
+``hf-load``), each taking only its own flags, and the flat command line without a
+subcommand, which takes every flag and runs the suite that ``--recurrences``, ``--decode``,
+``--comm`` or ``--train-steps`` names (the forms when none does; ``compile`` and
+``hf-load`` are subcommands only).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from experiments.bench import comm, compile_time, decode, forms, recurrences, train_step
+from experiments.bench import comm, compile_time, decode, forms, hf_load, recurrences, train_step
 from experiments.bench.timing import MALLOC_ENV, restart_with
 
 DESCRIPTION = "Speed and memory of every attention form, as CSV, a markdown table and a plot."
@@ -37,6 +38,9 @@ FLAGS = {
         help=f"the experiment config whose model is timed (default {TRAIN_CONFIG})",
     ),
     "--depths": dict(default="2,4,8,16", help="compile's model depths, comma-separated"),
+    "--params": dict(type=float, default=0.5e9, help="hf-load: the checkpoint's parameters"),
+    "--decode-steps": dict(type=int, default=64, help="hf-load: greedy steps timed (0: none)"),
+    "--decode-batch": dict(type=int, default=1, help="hf-load: the decoding batch"),
     "--out": dict(default="bench_out", help="the folder the results are written to"),
 }
 
@@ -82,6 +86,12 @@ SUITES = {
             ),
             "--depths",
         ),
+    ),
+    "hf-load": (
+        hf_load,
+        "load time and peak memory of from_pretrained on a synthetic Qwen3.5 checkpoint of "
+        "--params parameters (written once to --out), and its decoding speed",
+        ("--params", "--decode-steps", "--decode-batch"),
     ),
 }
 # The flat command line's suite flags, in the order they win: (attribute, suite).
