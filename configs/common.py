@@ -70,4 +70,5 @@ def base() -> ConfigDict:
     c.optim.grad_clip = 1.0
     c.optim.b1 = 0.9
     c.optim.b2 = 0.98
+    c.optim.accumulate = 1  # micro-batches per step (gradients summed; batch_size is the step's)
     return c

@@ -159,6 +159,20 @@ def _optimizer(steps, lr, warmup_steps, grad_clip, b1, b2, weight_decay):
 
 def loss_and_metrics(model, inputs, labels, key_mask, kind: str):
     """Mean cross-entropy over the positions (or sequences) that have labels."""
+    count = label_count(labels, kind)
+    loss, correct = _weighted_loss(model, inputs, labels, key_mask, kind, count)
+    return loss, {"loss": loss, "accuracy": correct}
+
+
+def label_count(labels, kind: str) -> jax.Array:
+    """How many targets ``labels`` holds (at least 1): the loss's denominator."""
+    valid = labels != data.IGNORE if kind == "lm" else jnp.ones(labels.shape, bool)
+    return jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
+
+
+def _weighted_loss(model, inputs, labels, key_mask, kind: str, count):
+    """The summed cross-entropy and correct predictions of the batch, each over ``count``:
+    a micro-batch's share of its whole batch's mean when ``count`` is the whole batch's."""
     if kind == "lm":
         logits = model(inputs)
         valid = labels != data.IGNORE
@@ -167,19 +181,46 @@ def loss_and_metrics(model, inputs, labels, key_mask, kind: str):
         valid = jnp.ones(labels.shape, bool)
     safe = jnp.where(valid, labels, 0)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
-    count = jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
     loss = jnp.sum(jnp.where(valid, nll, 0.0)) / count
     correct = jnp.where(valid, jnp.argmax(logits, -1) == safe, False)
-    return loss, {"loss": loss, "accuracy": jnp.sum(correct).astype(jnp.float32) / count}
+    return loss, jnp.sum(correct).astype(jnp.float32) / count
 
 
-@nnx.jit(static_argnames="kind")
-def train_step(model, optimizer, inputs, labels, key_mask, kind):
-    """One AdamW step on the batch; returns its loss, accuracy and gradient norm."""
-    grad_fn = nnx.value_and_grad(loss_and_metrics, has_aux=True)
-    (_, metrics), grads = grad_fn(model, inputs, labels, key_mask, kind)
+@nnx.jit(static_argnames=("kind", "accumulate"))
+def train_step(model, optimizer, inputs, labels, key_mask, kind, accumulate: int = 1):
+    """One AdamW step on the batch; returns its loss, accuracy and gradient norm.
+
+    ``accumulate``: the gradient is summed over that many micro-batches in turn (a
+    ``lax.scan``: one micro-batch's activations in memory), each weighted by its share
+    of the batch's targets, so that the step is the one of the whole batch.
+    """
+    count = label_count(labels, kind)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params, inputs, labels, key_mask):
+        model = nnx.merge(graphdef, params, rest)
+        return _weighted_loss(model, inputs, labels, key_mask, kind, count)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if accumulate == 1:
+        (loss, correct), grads = grad_fn(params, inputs, labels, key_mask)
+    else:
+
+        def micro_step(sums, micro_batch):
+            (loss, correct), grads = grad_fn(params, *micro_batch)
+            return jax.tree.map(jnp.add, sums, (loss, correct, grads)), None
+
+        zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+        micro_batches = [_micro_batches(x, accumulate) for x in (inputs, labels, key_mask)]
+        (loss, correct, grads), _ = jax.lax.scan(micro_step, zeros, micro_batches)
     optimizer.update(model, grads)
-    return metrics | {"grad_norm": _global_norm(grads)}
+    return {"loss": loss, "accuracy": correct, "grad_norm": _global_norm(grads)}
+
+
+def _micro_batches(x: jax.Array, k: int) -> jax.Array:
+    """``[b, ...]`` -> ``[k, b / k, ...]``, micro-batch ``i`` the rows ``i, i + k, ...``: each
+    device's rows (a contiguous block of the ``data`` axis) split evenly among them."""
+    return jnp.moveaxis(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 1, 0)
 
 
 def _global_norm(tree) -> jax.Array:
@@ -369,57 +410,52 @@ def _check_next_step(run: Run, done: int) -> None:
 
 def _loop(run: Run, checkpoints: Checkpointer) -> None:
     """Steps ``run.start + 1`` to ``run.end``, logging, evaluating and saving (through
-    ``checkpoints``) at the config's cadence.
+    ``checkpoints``) at the config's cadence. The steps' metrics stay on the devices
+    until a row is due, an evaluation or a save (one transfer for all of them): each
+    step's loss and gradient norm are checked then, before anything is saved.
 
     Raises:
       OSError: a write to the workdir failed, in one line naming the step.
     """
-    from tqdm.auto import tqdm
-
     config, task = run.config, run.task
     schedule = learning_rate(config)
     done = run.start
-    bar = tqdm(
-        range(run.start, run.end),
-        initial=run.start,
-        total=run.end,
-        disable=True if not config.progress else None,  # None: only on a terminal
-        desc=f"{config.task}/{config.model.attention}/{config.model.feature_map}",
-    )
+    desc = f"{config.task}/{config.model.attention}/{config.model.feature_map}"
+    progress = reporting.Progress(run.start, run.end, desc, config.progress)
+    if run.start:
+        progress.note(f"resuming from step {run.start} of {run.workdir}")
     try:
         with reporting.MetricsLog(run.workdir, run.start) as log:
             tokens, last = 0, time.perf_counter()  # tokens since the last log line
-            for step in bar:
+            pending = []  # the metrics (on the devices) of the steps since the last fetch
+            for step in range(run.start, run.end):
                 batch = task.batch(step, "train")
                 tokens += batch.inputs.size
-                metrics = train_step(
-                    run.model, run.optimizer, *run.sharder.put_batch(batch), task.kind
-                )
-                loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
-                _check_step(run, step, loss, grad_norm)
+                inputs = run.sharder.put_batch(batch)
+                step_fn = functools.partial(train_step, run.model, run.optimizer)
+                pending.append(step_fn(*inputs, task.kind, config.optim.accumulate))
+                progress.step()
                 done = step + 1
-                if done % config.log_every == 0 or done == run.end:
+                logs = done % config.log_every == 0 or done == run.end
+                evaluates = done % config.eval_every == 0 or done == config.steps
+                saves = done % config.checkpoint_every == 0 or done == run.end
+                if not (logs or evaluates or saves):
+                    continue
+                metrics = _fetch_checked(run, done, pending)
+                pending = []
+                if logs:
                     now = time.perf_counter()
                     rate, tokens, last = tokens / (now - last), 0, now
-                    log.write(
-                        {
-                            "step": done,
-                            "split": "train",
-                            "loss": loss,
-                            "accuracy": float(metrics["accuracy"]),
-                            "learning_rate": float(schedule(step)),
-                            "grad_norm": grad_norm,
-                            "tokens_per_s": rate,
-                        }
-                    )
-                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
-                if done % config.eval_every == 0 or done == config.steps:
+                    row = _train_row(done, metrics, float(schedule(step)), rate)
+                    log.write(row)
+                    progress.row(row)
+                if evaluates:
                     evaluation = evaluate(run.model, task, config, run.sharder)
                     log.write({"step": done, "split": "eval"} | evaluation)
-                if done % config.checkpoint_every == 0 or done == run.end:
+                if saves:
                     _check_next_step(run, done)
-                    checkpoints.save(done, run.model, run.optimizer)
-            checkpoints.wait()
+                    _save(checkpoints, done, run, progress)
+            _save(checkpoints, None, run, progress)
     except WriteError:
         raise
     except OSError as e:  # metrics.jsonl or TensorBoard's events, on a full disk
@@ -427,7 +463,42 @@ def _loop(run: Run, checkpoints: Checkpointer) -> None:
         what = f"{name} to {run.workdir} at step {done}"
         raise write_error(what, run.workdir, e) from (e if checkpoints.verbose else None)
     finally:
-        bar.close()
+        progress.close()
+
+
+def _fetch_checked(run: Run, done: int, pending: list[dict]) -> dict:
+    """The last step's metrics, from one transfer of the ``pending`` steps' (the steps up
+    to ``done``); raises FloatingPointError at the first of them that was not finite."""
+    fetched = jax.device_get(pending)
+    for step, metrics in enumerate(fetched, done - len(fetched)):
+        _check_step(run, step, float(metrics["loss"]), float(metrics["grad_norm"]))
+    return fetched[-1]
+
+
+def _train_row(done: int, metrics: dict, lr: float, rate: float) -> dict:
+    """The ``metrics.jsonl`` row of step ``done``."""
+    return {
+        "step": done,
+        "split": "train",
+        "loss": float(metrics["loss"]),
+        "accuracy": float(metrics["accuracy"]),
+        "learning_rate": lr,
+        "grad_norm": float(metrics["grad_norm"]),
+        "tokens_per_s": rate,
+    }
+
+
+def _save(checkpoints: Checkpointer, step: int | None, run: Run, progress) -> None:
+    """Saves checkpoint ``step`` (None: waits for the save in flight), noting each save
+    known to be finished (the first at once, each later one when the next starts)."""
+    before = checkpoints.pending
+    if step is None:
+        checkpoints.wait()
+    else:
+        checkpoints.save(step, run.model, run.optimizer)
+    for saved in (before, step):
+        if saved is not None and saved != checkpoints.pending:
+            progress.note(f"saved checkpoint {saved} in {run.workdir / 'checkpoints'}")
 
 
 def sample_text(model, config: ConfigDict, prompt: str | None = None, length: int | None = None):

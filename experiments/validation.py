@@ -167,6 +167,7 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "optim.grad_clip": _number(0, lo_open=True),
     "optim.b1": _number(0, 1),
     "optim.b2": _number(0, 1),
+    "optim.accumulate": _integer(1),
     "mqar.num_pairs": _integer(1),
     "mqar.vocab_size": _integer(4),
     "mqar.spread": _BOOL,
@@ -195,6 +196,12 @@ def _mesh_rule(config: ConfigDict) -> str | None:
         return (
             f"batch_size={config.batch_size} must be divisible by the {data_devices} devices "
             f"of the data axis"
+        )
+    accumulate = config.optim.accumulate
+    if config.batch_size % (accumulate * data_devices):
+        return (
+            f"batch_size={config.batch_size} must be divisible by optim.accumulate={accumulate} "
+            f"x the {data_devices} devices of the data axis (each micro-batch split over them)"
         )
     if seq_devices > 1:
         # A layout may mix in softmax layers: they run on the sharded sequence under jit.
