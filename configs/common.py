@@ -22,6 +22,15 @@ def base() -> ConfigDict:
     c.mesh = ConfigDict()
     c.mesh.sequence = 1  # devices along the sequence (sequence-parallel linear attention)
 
+    # Several processes, one per host (experiments.distributed): every process runs the same
+    # command but for its process_id; 0 and "" are left to JAX's detection of the cluster.
+    c.distributed = ConfigDict()
+    c.distributed.num_processes = 1  # 1: one process; 0: detected (SLURM, Open MPI, TPU, ...)
+    c.distributed.process_id = -1  # this process's index in [0, num_processes) (-1: detected)
+    c.distributed.coordinator_address = ""  # "host:port" of process 0 ("": detected)
+    c.distributed.cpu_collectives = "gloo"  # across processes on CPUs: "gloo" or "mpi"
+    c.distributed.initialization_timeout = 300  # seconds to wait for every process to join
+
     c.model = ConfigDict()
     c.model.attention = "linear"  # a kind of linattn_jax.layers.ATTENTION_KINDS
     c.model.feature_map = "elu"

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
-from experiments import data, reporting
+from experiments import data, distributed, reporting
 from experiments.checkpoints import (
     Checkpointer,
     WriteError,
@@ -327,9 +327,10 @@ def train(config: ConfigDict, workdir: str | Path, *, verbose: bool = False) -> 
       FloatingPointError: the loss became non-finite; every checkpoint kept gives a
         finite loss at its next step.
     """
+    distributed.initialize(config)
     validate(config)
     workdir = Path(workdir).absolute()
-    prepare_workdir(config, workdir)
+    _prepare_workdir(config, workdir)
     task = build_task(config)
     sharder = Sharder(config.mesh.sequence)
     model = build_model(config, sharder.mesh)
@@ -367,6 +368,13 @@ def train(config: ConfigDict, workdir: str | Path, *, verbose: bool = False) -> 
     final = evaluate(model, task, config, sharder) | {"step": config.steps}
     if config.task == "text_lm":
         final["sample"] = sample_text(model, config)
+    if distributed.is_primary():
+        _write_final(config, final, workdir, verbose)
+    return final
+
+
+def _write_final(config: ConfigDict, final: dict, workdir: Path, verbose: bool) -> None:
+    """``final.json``, ``final.md`` and ``curves.png`` in the workdir."""
     try:
         (workdir / "final.json").write_text(json.dumps(final, indent=2))
         (workdir / "final.md").write_text(reporting.results_row(config, final) + "\n")
@@ -374,7 +382,17 @@ def train(config: ConfigDict, workdir: str | Path, *, verbose: bool = False) -> 
     except OSError as e:
         what = f"the final evaluation (step {config.steps}) to {workdir}"
         raise write_error(what, workdir, e) from (e if verbose else None)
-    return final
+
+
+def _prepare_workdir(config: ConfigDict, workdir: Path) -> None:
+    """``prepare_workdir`` on a run's processes: each checks (all fail alike) before the
+    first writes, and the others go on once it has."""
+    if jax.process_count() > 1:
+        prepare_workdir(config, workdir, write=False)
+        distributed.barrier("workdir checked")
+    if distributed.is_primary():
+        prepare_workdir(config, workdir)
+    distributed.barrier("workdir prepared")
 
 
 def _kept(run: Run) -> str:

@@ -8,6 +8,7 @@ its kind does not read).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -125,6 +126,14 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "progress": _BOOL,
     "resume": _BOOL,
     "mesh.sequence": _integer(1),
+    "distributed.num_processes": (_integer(0)[0], "an integer >= 0 (0: detected by JAX)"),
+    "distributed.process_id": (_integer(-1)[0], "an integer >= -1 (-1: detected by JAX)"),
+    "distributed.coordinator_address": (
+        lambda v: v == "" or (isinstance(v, str) and bool(re.fullmatch(r"\S+:\d+", v))),
+        "'' (detected by JAX) or 'host:port' of process 0, e.g. '10.0.0.1:1234'",
+    ),
+    "distributed.cpu_collectives": _one_of(("gloo", "mpi")),
+    "distributed.initialization_timeout": _integer(1),
     "model.attention": (
         _layout_ok,
         f"one of {tuple(ATTENTION_FIELDS)} or a layout such as '3 gated_deltanet : 1 softmax'",
@@ -215,6 +224,36 @@ def _mesh_rule(config: ConfigDict) -> str | None:
     return None
 
 
+def _distributed_rule(config: ConfigDict) -> str | None:
+    d = config.distributed
+    if d.num_processes == 1:
+        for name, unset in (("process_id", -1), ("coordinator_address", "")):
+            if d[name] != unset:
+                return (
+                    f"distributed.{name}={d[name]!r} needs distributed.num_processes > 1 (or 0: "
+                    f"detected by JAX), got distributed.num_processes=1"
+                )
+    elif d.num_processes and d.process_id >= d.num_processes:
+        return (
+            f"distributed.process_id={d.process_id} must be below "
+            f"distributed.num_processes={d.num_processes}"
+        )
+    return None
+
+
+def validate_distributed(config: ConfigDict) -> None:
+    """Checks the ``distributed`` fields alone (before JAX's runtime, and so any device,
+    has started).
+
+    Raises:
+      ValueError: naming the first bad field, what it must be and what it is.
+    """
+    _check_fields(config, "distributed.")
+    message = _distributed_rule(config)
+    if message:
+        raise ValueError(message)
+
+
 def _mqar_rule(config: ConfigDict) -> str | None:
     c = config.mqar
     for split, field in (("train", "train_mix"), ("eval", "test_mix")):
@@ -267,6 +306,7 @@ RULES: list[Callable[[ConfigDict], str | None]] = [
         and _requires_normalize(c.model.feature_map)
         else None
     ),
+    _distributed_rule,
     _mesh_rule,
     lambda c: _mqar_rule(c) if c.task == "mqar" else None,
     lambda c: (
@@ -275,6 +315,19 @@ RULES: list[Callable[[ConfigDict], str | None]] = [
         else None
     ),
 ]
+
+
+def _check_fields(config: ConfigDict, prefix: str = "") -> dict[str, Any]:
+    """Checks each field (under ``prefix``) against its row of ``FIELDS``; returns them all."""
+    fields = flatten(config)
+    for name, (ok, expected) in FIELDS.items():
+        if not name.startswith(prefix) or name not in fields:
+            continue  # another task's section
+        # Every field, whatever the attention kind: a bad value the kind ignores today
+        # would break a rerun under another kind, and is as likely a typo.
+        if not ok(fields[name]):
+            raise ValueError(f"{name} must be {expected}, got {fields[name]!r}")
+    return fields
 
 
 def validate(config: ConfigDict) -> None:
@@ -286,14 +339,7 @@ def validate(config: ConfigDict) -> None:
     """
     if config.get("task") not in TASKS:
         raise ValueError(f"task must be one of {tuple(TASKS)}, got {config.get('task')!r}")
-    fields = flatten(config)
-    for name, (ok, expected) in FIELDS.items():
-        if name not in fields:
-            continue  # another task's section
-        # Every field, whatever the attention kind: a bad value the kind ignores today
-        # would break a rerun under another kind, and is as likely a typo.
-        if not ok(fields[name]):
-            raise ValueError(f"{name} must be {expected}, got {fields[name]!r}")
+    fields = _check_fields(config)
     if "model.feature_map" in fields and fields["model.feature_map"] not in feature_map_names():
         raise ValueError(
             f"model.feature_map must be one of {feature_map_names()}, "
@@ -324,6 +370,7 @@ RESUMABLE = (
     "progress",
     "resume",
     "mesh",
+    "distributed",
     "text.sample_prompt",
     "text.sample_length",
 )
