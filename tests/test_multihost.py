@@ -23,7 +23,7 @@ from tests.test_experiments import TINY
 
 ROOT = Path(__file__).parents[1]
 MQAR = "configs/mqar.py:small"
-# Eval and checkpoints at steps 2 and 4, every step logged.
+# Checkpoints at steps 2 and 4, eval at 4, every step logged.
 RUN = [
     *(f"--config.{a}" for a in TINY),
     "--config.seq_len=32",
@@ -32,6 +32,7 @@ RUN = [
     "--config.log_every=1",
     "--config.eval_every=4",
     "--config.progress=true",
+    "--config.optim.accumulate=2",  # micro-batches split over the data devices too
 ]
 # The entry point, where HANG_AT=N makes the loop wait forever for step N + 1's batch (a
 # run to kill once checkpoint N is on disk): the second time it is asked for, the first
