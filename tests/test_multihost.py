@@ -137,7 +137,9 @@ def test_two_processes_train_as_one_write_once_and_resume_after_a_kill(tmp_path)
     assert [r["step"] for r in _rows(tmp_path / "two", "eval")] == [4]
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in four], rtol=1e-6)
     final = json.loads((tmp_path / "two" / "final.json").read_text())
-    assert final == json.loads(single[single.index("{") :])
+    expected = json.loads(single[single.index("{") :])
+    for key in ("loss", "accuracy"):  # summed in another order across processes
+        np.testing.assert_allclose(final[key], expected[key], rtol=1e-6)
     assert json.loads(first[first.index("{") :]) == final and "{" not in second
 
 
