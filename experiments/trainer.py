@@ -195,26 +195,33 @@ def train_step(model, optimizer, inputs, labels, key_mask, kind, accumulate: int
     of the batch's targets, so that the step is the one of the whole batch.
     """
     count = label_count(labels, kind)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def loss_fn(params, inputs, labels, key_mask):
-        model = nnx.merge(graphdef, params, rest)
-        return _weighted_loss(model, inputs, labels, key_mask, kind, count)
-
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if accumulate == 1:
-        (loss, correct), grads = grad_fn(params, inputs, labels, key_mask)
+        (loss, correct), grads = _grads(model, inputs, labels, key_mask, kind, count)
     else:
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-        def micro_step(sums, micro_batch):
-            (loss, correct), grads = grad_fn(params, *micro_batch)
-            return jax.tree.map(jnp.add, sums, (loss, correct, grads)), None
+        # The parameters ride in the carry, unchanged: NNX merges only values of the scan's
+        # own trace level.
+        def micro_step(carry, micro_batch):
+            sums, params, rest = carry
+            micro_model = nnx.merge(graphdef, params, rest)
+            (loss, correct), grads = _grads(micro_model, *micro_batch, kind, count)
+            rest = nnx.split(micro_model, nnx.Param, ...)[2]  # e.g. a dropout's RNG, moved on
+            return (jax.tree.map(jnp.add, sums, (loss, correct, grads)), params, rest), None
 
         zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
         micro_batches = [_micro_batches(x, accumulate) for x in (inputs, labels, key_mask)]
-        (loss, correct, grads), _ = jax.lax.scan(micro_step, zeros, micro_batches)
+        carry, _ = jax.lax.scan(micro_step, (zeros, params, rest), micro_batches)
+        (loss, correct, grads), _, rest = carry
+        nnx.update(model, rest)
     optimizer.update(model, grads)
     return {"loss": loss, "accuracy": correct, "grad_norm": _global_norm(grads)}
+
+
+def _grads(model, inputs, labels, key_mask, kind: str, count):
+    """``_weighted_loss``'s values, and its gradient with respect to the parameters."""
+    grad_fn = nnx.value_and_grad(_weighted_loss, has_aux=True)
+    return grad_fn(model, inputs, labels, key_mask, kind, count)
 
 
 def _micro_batches(x: jax.Array, k: int) -> jax.Array:
@@ -442,6 +449,9 @@ def _loop(run: Run, checkpoints: Checkpointer) -> None:
     progress = reporting.Progress(run.start, run.end, desc, config.progress)
     if run.start:
         progress.note(f"resuming from step {run.start} of {run.workdir}")
+    step_fn = functools.partial(
+        train_step, run.model, run.optimizer, kind=task.kind, accumulate=config.optim.accumulate
+    )
     try:
         with reporting.MetricsLog(run.workdir, run.start) as log:
             tokens, last = 0, time.perf_counter()  # tokens since the last log line
@@ -449,9 +459,7 @@ def _loop(run: Run, checkpoints: Checkpointer) -> None:
             for step in range(run.start, run.end):
                 batch = task.batch(step, "train")
                 tokens += batch.inputs.size
-                inputs = run.sharder.put_batch(batch)
-                step_fn = functools.partial(train_step, run.model, run.optimizer)
-                pending.append(step_fn(*inputs, task.kind, config.optim.accumulate))
+                pending.append(step_fn(*run.sharder.put_batch(batch)))
                 progress.step()
                 done = step + 1
                 logs = done % config.log_every == 0 or done == run.end
