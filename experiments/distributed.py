@@ -19,8 +19,9 @@ def initialize(config: ConfigDict) -> None:
     JAX's runtime has already started). Must come before anything uses a device.
 
     Raises:
-      ValueError: a bad ``distributed`` field, or fields left unset that JAX could not
-        detect (no cluster found), naming the fields to set.
+      ValueError: a bad ``distributed`` field, fields left unset that JAX could not
+        detect (no cluster found), naming the fields to set, or a process that has used a
+        device already (a sweep: only ``experiments.train`` runs over several processes).
     """
     validate_distributed(config)
     d = config.distributed
@@ -41,6 +42,12 @@ def initialize(config: ConfigDict) -> None:
             f"distributed.coordinator_address, distributed.num_processes and "
             f"distributed.process_id, got {d.coordinator_address!r}, {d.num_processes} and "
             f"{d.process_id}"
+        ) from None
+    except RuntimeError as e:  # JAX's runtime must start before any device is used
+        raise ValueError(
+            f"distributed.num_processes={d.num_processes} needs JAX's distributed runtime, "
+            f"which must start before anything uses a device ({e}); experiments.train "
+            f"starts it first, a sweep or recall grid runs in one process"
         ) from None
 
 

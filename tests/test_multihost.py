@@ -14,6 +14,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -168,6 +169,12 @@ def test_the_distributed_fields_are_checked_before_the_runtime_starts(tmp_path):
     with pytest.raises(ValueError, match=r"process_id=2 must be below .*num_processes=2"):
         distributed.initialize(config)
     assert not (tmp_path / "config.json").exists()
+
+    # This process has used its devices (a sweep would have): too late to join others.
+    jax.devices()
+    override(config, "distributed.process_id=0")
+    with pytest.raises(ValueError, match=r"must start before anything uses a device"):
+        distributed.initialize(config)
 
 
 def test_multihost_without_a_cluster_names_the_fields_to_set(tmp_path):
