@@ -16,7 +16,7 @@ def base() -> ConfigDict:
     c.checkpoint_every = 200
     c.keep_checkpoints = 2
     c.stop_at = 0  # stop after this step without changing the schedule (0: run to `steps`)
-    c.progress = True  # tqdm progress bar (only when the output is a terminal)
+    c.progress = True  # tqdm's bar on a terminal, a line per log_every steps off one
     c.resume = True  # resume from the workdir's checkpoints (false: empty the workdir first)
 
     c.mesh = ConfigDict()

@@ -160,13 +160,13 @@ class Progress:
     """What a run shows as it goes, from process 0 only: tqdm's bar while stderr is a
     terminal, and while stdout is not (a cluster job, ``nohup``, CI, a pipe), one plain
     line there per logged row, and the lines of ``note`` (resuming, checkpoints saved).
-    ``shown=False`` shows nothing."""
+    ``shown=False`` shows nothing, ``lines=False`` no lines."""
 
-    def __init__(self, start: int, end: int, desc: str, shown: bool = True):
+    def __init__(self, start: int, end: int, desc: str, shown: bool = True, lines: bool = True):
         from tqdm.auto import tqdm
 
         shown = shown and jax.process_index() == 0
-        self.lines = shown and not sys.stdout.isatty()
+        self.lines = shown and lines and not sys.stdout.isatty()
         # disable=None: only on a terminal.
         self.bar = tqdm(initial=start, total=end, desc=desc, disable=None if shown else True)
         self.end, self.began = end, time.perf_counter()

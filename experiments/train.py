@@ -7,7 +7,10 @@
 Any config field can be overridden with ``--config.<field>=<value>`` (the same
 syntax as ``experiments.sweep``); ``--print_config`` lists the fields and their
 values. A misspelt field or a bad value is one line of error naming it.
-Re-running with the same ``--workdir`` resumes from its latest checkpoint.
+Re-running with the same ``--workdir`` resumes from its latest checkpoint. One run over
+several processes (one per host): the same command in each, with
+``--config.distributed.coordinator_address=HOST:PORT``, ``num_processes=N`` and its own
+``process_id``, or ``--multihost`` where JAX detects the cluster (SLURM, Open MPI, TPU pods).
 """
 
 from __future__ import annotations

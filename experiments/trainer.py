@@ -318,12 +318,16 @@ class Run:
     end: int
 
 
-def train(config: ConfigDict, workdir: str | Path, *, verbose: bool = False) -> dict:
+def train(
+    config: ConfigDict, workdir: str | Path, *, verbose: bool = False, lines: bool = True
+) -> dict:
     """Trains (resuming from ``workdir``'s latest checkpoint) and returns the final
     evaluation, also written to ``workdir/final.json`` and ``final.md``.
 
     ``verbose``: let orbax's logs of a failed save or restore through (a traceback per
     writer thread), and chain each error to its cause; by default each failure is one line.
+    ``lines``: off a terminal, print a line per logged step, resume and save (sweeps and
+    grids print one line per run instead).
 
     Raises:
       ValueError: a config that cannot run, or a workdir holding a run of another
@@ -359,9 +363,8 @@ def train(config: ConfigDict, workdir: str | Path, *, verbose: bool = False) -> 
             logging.info("resuming %s from step %d", workdir, start)
         end = config.steps if config.stop_at <= 0 else min(config.stop_at, config.steps)
         checkpoints = Checkpointer(manager, workdir, verbose=verbose)
-        _loop(
-            Run(config, task, model, optimizer, sharder, manager, workdir, start, end), checkpoints
-        )
+        run = Run(config, task, model, optimizer, sharder, manager, workdir, start, end)
+        _loop(run, checkpoints, lines)
         checkpoints.close()
     except BaseException:
         # A save in flight may fail as well: its error must not replace this one.
@@ -433,11 +436,12 @@ def _check_next_step(run: Run, done: int) -> None:
         )
 
 
-def _loop(run: Run, checkpoints: Checkpointer) -> None:
+def _loop(run: Run, checkpoints: Checkpointer, lines: bool = True) -> None:
     """Steps ``run.start + 1`` to ``run.end``, logging, evaluating and saving (through
-    ``checkpoints``) at the config's cadence. The steps' metrics stay on the devices
-    until a row is due, an evaluation or a save (one transfer for all of them): each
-    step's loss and gradient norm are checked then, before anything is saved.
+    ``checkpoints``) at the config's cadence (``lines``: as ``train``'s). The steps'
+    metrics stay on the devices until a row is due, an evaluation or a save (one transfer
+    for all of them): each step's loss and gradient norm are checked then, before anything
+    is saved.
 
     Raises:
       OSError: a write to the workdir failed, in one line naming the step.
@@ -446,7 +450,7 @@ def _loop(run: Run, checkpoints: Checkpointer) -> None:
     schedule = learning_rate(config)
     done = run.start
     desc = f"{config.task}/{config.model.attention}/{config.model.feature_map}"
-    progress = reporting.Progress(run.start, run.end, desc, config.progress)
+    progress = reporting.Progress(run.start, run.end, desc, config.progress, lines)
     if run.start:
         progress.note(f"resuming from step {run.start} of {run.workdir}")
     step_fn = functools.partial(
