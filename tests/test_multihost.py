@@ -79,13 +79,8 @@ def _start(workdir, devices, *argv, **env) -> subprocess.Popen:
 
 
 @contextlib.contextmanager
-def _processes(workdir, **env):
-    """The two processes of a run (2 CPU devices each), killed if still running at the end."""
-    address = f"--config.distributed.coordinator_address=127.0.0.1:{_free_port()}"
-    argv = (address, "--config.distributed.num_processes=2")
-    procs = [
-        _start(workdir, 2, *argv, f"--config.distributed.process_id={i}", **env) for i in (0, 1)
-    ]
+def _running(*procs: subprocess.Popen):
+    """The processes, killed (and reaped) if still running at the end."""
     try:
         yield procs
     finally:
@@ -93,6 +88,15 @@ def _processes(workdir, **env):
             if p.poll() is None:
                 p.kill()
             p.communicate()
+
+
+def _processes(workdir, **env):
+    """The two processes of a run (2 CPU devices each), as ``_running``."""
+    address = f"--config.distributed.coordinator_address=127.0.0.1:{_free_port()}"
+    argv = (address, "--config.distributed.num_processes=2")
+    return _running(
+        *(_start(workdir, 2, *argv, f"--config.distributed.process_id={i}", **env) for i in (0, 1))
+    )
 
 
 def _finish(procs, timeout=240) -> list[str]:
@@ -112,20 +116,23 @@ def _rows(workdir, split="train"):
 
 @pytest.mark.slow
 def test_two_processes_train_as_one_write_once_and_resume_after_a_kill(tmp_path):
-    one = _start(tmp_path / "one", 4)  # one process, 4 devices: the same 4-way data mesh
-    with _processes(tmp_path / "two", HANG_AT="2") as procs:
-        checkpoint = tmp_path / "two" / "checkpoints" / "2"
-        deadline = time.monotonic() + 240
-        while not checkpoint.is_dir() and all(p.poll() is None for p in procs):
-            assert time.monotonic() < deadline, "checkpoint 2 never appeared"
-            time.sleep(0.5)
-        assert checkpoint.is_dir(), procs[0].communicate()[1][-3000:]
-        for p in procs:
-            p.send_signal(signal.SIGKILL)
-    assert [r["step"] for r in _rows(tmp_path / "two")] == [1, 2]
-    with _processes(tmp_path / "two") as procs:
-        first, second = _finish(procs)
-    single = _finish([one])[0]
+    # One process of 4 devices (the same 4-way data mesh), alongside.
+    with _running(_start(tmp_path / "one", 4)) as one:
+        with _processes(tmp_path / "two", HANG_AT="2") as procs:
+            checkpoint = tmp_path / "two" / "checkpoints" / "2"
+            deadline = time.monotonic() + 240
+            while not checkpoint.is_dir() and time.monotonic() < deadline:
+                if any(p.poll() is not None for p in procs):
+                    break
+                time.sleep(0.5)
+            for p in procs:
+                p.send_signal(signal.SIGKILL)
+            if not checkpoint.is_dir():
+                pytest.fail(f"no checkpoint 2 before the kill: {procs[0].communicate()[1][-3000:]}")
+        assert [r["step"] for r in _rows(tmp_path / "two")] == [1, 2]
+        with _processes(tmp_path / "two") as procs:
+            first, second = _finish(procs)
+        single = _finish(one)[0]
 
     # It resumed: the resume line, then step 3 first.
     steps = [int(s) for s in re.findall(r"^step (\d+)/4 \| loss", first, re.M)]
