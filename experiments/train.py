@@ -44,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
         if args.multihost and config.distributed.num_processes == 1:
             config.distributed.num_processes = 0
+        distributed.initialize(config)  # first of all (train does it too, if not yet)
         final = trainer.train(config, args.workdir, verbose=args.verbose)
     except (ValueError, OSError, FloatingPointError) as e:
         return cli.report(parser.prog, e, cli.wants_verbose(argv))
