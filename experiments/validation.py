@@ -8,6 +8,7 @@ its kind does not read).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -126,6 +127,14 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "resume": _BOOL,
     "init_from": ((lambda v: isinstance(v, str)), "a directory (a string; '': none)"),
     "mesh.sequence": _integer(1),
+    "distributed.num_processes": (_integer(0)[0], "an integer >= 0 (0: detected by JAX)"),
+    "distributed.process_id": (_integer(-1)[0], "an integer >= -1 (-1: detected by JAX)"),
+    "distributed.coordinator_address": (
+        lambda v: v == "" or (isinstance(v, str) and bool(re.fullmatch(r"\S+:\d+", v))),
+        "'' (detected by JAX) or 'host:port' of process 0, e.g. '10.0.0.1:1234'",
+    ),
+    "distributed.cpu_collectives": _one_of(("gloo", "mpi")),
+    "distributed.initialization_timeout": _integer(1),
     "model.attention": (
         _layout_ok,
         f"one of {tuple(ATTENTION_FIELDS)} or a layout such as '3 gated_deltanet : 1 softmax'",
@@ -168,6 +177,7 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "optim.grad_clip": _number(0, lo_open=True),
     "optim.b1": _number(0, 1),
     "optim.b2": _number(0, 1),
+    "optim.accumulate": _integer(1),
     "mqar.num_pairs": _integer(1),
     "mqar.vocab_size": _integer(4),
     "mqar.spread": _BOOL,
@@ -197,6 +207,12 @@ def _mesh_rule(config: ConfigDict) -> str | None:
             f"batch_size={config.batch_size} must be divisible by the {data_devices} devices "
             f"of the data axis"
         )
+    accumulate = config.optim.accumulate
+    if config.batch_size % (accumulate * data_devices):
+        return (
+            f"batch_size={config.batch_size} must be divisible by optim.accumulate={accumulate} "
+            f"x the {data_devices} devices of the data axis (each micro-batch split over them)"
+        )
     if seq_devices > 1:
         # A layout may mix in softmax layers: they run on the sharded sequence under jit.
         if TASKS[config.task].kind != "lm" or not set(_kinds(config)) & set(SEQUENCE_PARALLEL):
@@ -207,6 +223,36 @@ def _mesh_rule(config: ConfigDict) -> str | None:
         if config.seq_len % seq_devices:
             return f"seq_len={config.seq_len} must be divisible by mesh.sequence={seq_devices}"
     return None
+
+
+def _distributed_rule(config: ConfigDict) -> str | None:
+    d = config.distributed
+    if d.num_processes == 1:
+        for name, unset in (("process_id", -1), ("coordinator_address", "")):
+            if d[name] != unset:
+                return (
+                    f"distributed.{name}={d[name]!r} needs distributed.num_processes > 1 (or 0: "
+                    f"detected by JAX), got distributed.num_processes=1"
+                )
+    elif d.num_processes and d.process_id >= d.num_processes:
+        return (
+            f"distributed.process_id={d.process_id} must be below "
+            f"distributed.num_processes={d.num_processes}"
+        )
+    return None
+
+
+def validate_distributed(config: ConfigDict) -> None:
+    """Checks the ``distributed`` fields alone (before JAX's runtime, and so any device,
+    has started).
+
+    Raises:
+      ValueError: naming the first bad field, what it must be and what it is.
+    """
+    _check_fields(config, "distributed.")
+    message = _distributed_rule(config)
+    if message:
+        raise ValueError(message)
 
 
 def _mqar_rule(config: ConfigDict) -> str | None:
@@ -287,6 +333,7 @@ RULES: list[Callable[[ConfigDict], str | None]] = [
         and _requires_normalize(c.model.feature_map)
         else None
     ),
+    _distributed_rule,
     _mesh_rule,
     lambda c: _mqar_rule(c) if c.task == "mqar" else None,
     lambda c: (
@@ -295,6 +342,19 @@ RULES: list[Callable[[ConfigDict], str | None]] = [
         else None
     ),
 ]
+
+
+def _check_fields(config: ConfigDict, prefix: str = "") -> dict[str, Any]:
+    """Checks each field (under ``prefix``) against its row of ``FIELDS``; returns them all."""
+    fields = flatten(config)
+    for name, (ok, expected) in FIELDS.items():
+        if not name.startswith(prefix) or name not in fields:
+            continue  # another task's section
+        # Every field, whatever the attention kind: a bad value the kind ignores today
+        # would break a rerun under another kind, and is as likely a typo.
+        if not ok(fields[name]):
+            raise ValueError(f"{name} must be {expected}, got {fields[name]!r}")
+    return fields
 
 
 def validate(config: ConfigDict) -> None:
@@ -306,14 +366,7 @@ def validate(config: ConfigDict) -> None:
     """
     if config.get("task") not in TASKS:
         raise ValueError(f"task must be one of {tuple(TASKS)}, got {config.get('task')!r}")
-    fields = flatten(config)
-    for name, (ok, expected) in FIELDS.items():
-        if name not in fields:
-            continue  # another task's section
-        # Every field, whatever the attention kind: a bad value the kind ignores today
-        # would break a rerun under another kind, and is as likely a typo.
-        if not ok(fields[name]):
-            raise ValueError(f"{name} must be {expected}, got {fields[name]!r}")
+    fields = _check_fields(config)
     if "model.feature_map" in fields and fields["model.feature_map"] not in feature_map_names():
         raise ValueError(
             f"model.feature_map must be one of {feature_map_names()}, "
@@ -344,6 +397,7 @@ RESUMABLE = (
     "progress",
     "resume",
     "mesh",
+    "distributed",
     "text.sample_prompt",
     "text.sample_length",
 )
