@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
-            eos_id=hf.eos_id(config),
+            eos_id=hf.eos_ids(config),
         )
     except ValueError as e:
         return cli.report("python -m experiments.generate", e, args.verbose)
