@@ -439,6 +439,8 @@ def test_text_errors_are_named(with_tokenizer, saved, capsys):
         hf.load_tokenizer(bare)
     with pytest.raises(ValueError, match="a string or a non-empty list of strings"):
         hf.generate_text(model, hf.load_tokenizer(path), [], 4)
+    with pytest.raises(ValueError, match=r"eos_id must be None or ids in \[0, 101\)"):
+        hf.generate_text(model, hf.load_tokenizer(path), "w1", 4, eos_id=[3, 101])
     assert hf.eos_ids({"eos_token_id": 7}) == (7,) and hf.eos_ids({}) == ()
     assert hf.eos_ids({"eos_token_id": [7, 3]}) == (7, 3)
     with pytest.raises(ValueError, match=r"eos_token_id must be an int or a list of ints"):

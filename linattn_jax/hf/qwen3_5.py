@@ -156,7 +156,7 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """``config.json`` of a Qwen3.5 directory as the text model's config, checked: a
     ``qwen3_5_text`` config, or a ``qwen3_5`` one's ``text_config`` (with the top-level
     ``tie_word_embeddings``, which ``transformers`` ties by, and the top-level
-    ``eos_token_id`` where the text part has none);
+    ``eos_token_id`` and ``dtype`` where the text part has none);
     ``layer_types`` filled in (every 4th layer full attention) when absent.
 
     Raises:
@@ -186,7 +186,7 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
         config = dict(text)
         # transformers ties the image-text model's embeddings by its own (top-level) field.
         config["tie_word_embeddings"] = raw.get("tie_word_embeddings", False)
-        for field in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        for field in ("eos_token_id", "bos_token_id", "pad_token_id", "dtype", "torch_dtype"):
             if config.get(field) is None and raw.get(field) is not None:
                 config[field] = raw[field]
         config["model_type"] = "qwen3_5_text"

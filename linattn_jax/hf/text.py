@@ -73,9 +73,14 @@ def generate_text(
       The new text (a string, or a list of them for a list of prompts), the prompt left out.
 
     Raises:
-      ValueError: an empty prompt (no tokens), or ``generate``'s errors.
+      ValueError: an empty prompt (no tokens), an ``eos_id`` outside the vocabulary, or
+        ``generate``'s errors.
     """
-    stops = () if eos_id is None else (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
+    stops = () if eos_id is None else tuple(np.atleast_1d(eos_id).tolist())
+    if not all(isinstance(i, int) and 0 <= i < model.vocab_size for i in stops):
+        raise ValueError(
+            f"eos_id must be None or ids in [0, {model.vocab_size}) (one or a list), got {eos_id!r}"
+        )
     single = isinstance(prompt, str)
     prompts = [prompt] if single else list(prompt)
     if not prompts or not all(isinstance(p, str) for p in prompts):
