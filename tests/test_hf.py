@@ -248,6 +248,22 @@ def test_real_size_config_maps_every_tensor():
     )
     model = hf.abstract_model(config, jnp.bfloat16)  # nothing allocated
     assert model.embed.embedding.shape == (248320, 4096)
+    # The 27B-style shape: width 5120 over 24 attention heads (no multiple: head_dim
+    # decides), 3 value heads to each Gated DeltaNet key head, the multimodal RoPE's fields.
+    wide = dict(
+        hidden_size=5120, intermediate_size=17408, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], num_attention_heads=24,
+        linear_num_value_heads=48, attn_output_gate=True,
+        rope_parameters=dict(
+            rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+            mrope_section=[11, 11, 10], mrope_interleaved=True,
+        ),
+    )  # fmt: skip
+    text = Qwen3_5TextConfig(**wide)
+    with torch.device("meta"):
+        reference = Qwen3_5ForCausalLM(text).state_dict()
+    ours = hf.expected_tensors(hf.qwen3_5.normalize_config(text.to_dict()))
+    assert {n: s for n, (s, _) in ours.items()} == {n: tuple(x.shape) for n, x in reference.items()}
 
 
 def test_config_defaults_are_transformers():
