@@ -7,7 +7,8 @@
 ``DIR`` holds ``config.json``, the safetensors and ``tokenizer.json`` (``linattn_jax.hf``);
 nothing is downloaded. Greedy unless ``--temperature`` is above 0; each prompt's text is
 printed after it, one prompt per paragraph; each text ends at the config's
-``eos_token_id`` (at any of them, where it lists several). A bad directory or flag is one line on stderr and exit status 2.
+``eos_token_id`` (at any of them, where it lists several). A bad directory or flag is one
+line on stderr and exit status 2.
 """
 
 from __future__ import annotations
