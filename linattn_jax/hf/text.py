@@ -65,9 +65,10 @@ def generate_text(
       temperature: as in ``LanguageModel.generate``; ``0`` (the default) is greedy.
       top_k: as in ``LanguageModel.generate``.
       top_p: as in ``LanguageModel.generate``.
-      eos_id: a row's text ends before this token, or before the first of several
-        (``eos_ids(config)`` gives the config's); it is not part of the text. Generation
-        stops early at the first id listed; past any other, its tokens are dropped.
+      eos_id: a row's text ends before this token, or, given several, before whichever
+        it samples first (``eos_ids(config)`` gives the config's); it is not part of the
+        text. The decoding loop stops early at the first id listed only; the tokens past
+        another are dropped.
 
     Returns:
       The new text (a string, or a list of them for a list of prompts), the prompt left out.
