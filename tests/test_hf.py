@@ -196,9 +196,19 @@ def test_sharded_safetensors_load_the_same(pair, tmp_path):
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
     sharded, _ = hf.from_pretrained(tmp_path)
     jax.tree.map(np.testing.assert_array_equal, nnx_params(sharded), nnx_params(model))
+    # Beside the shards, a model.safetensors is what transformers reads: ours too.
+    tensors = {}
+    for file in tmp_path.glob("model-*.safetensors"):
+        tensors.update(load_file(file))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + np.float32(1)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    single, _ = hf.from_pretrained(tmp_path)
+    np.testing.assert_array_equal(single.norm.scale[...], model.norm.scale[...] + 1)
     ours = tmp_path / "ours"  # and ours sharded, read by transformers
+    hf.save_pretrained(model, ours, max_shard_size=None)  # the shards below replace it
     hf.save_pretrained(model, ours, max_shard_size="20KB")
     assert len(list(ours.glob("model-*.safetensors"))) > 2
+    assert not (ours / "model.safetensors").exists()
     back = Qwen3_5ForCausalLM.from_pretrained(ours).eval()
     for key, value in ref.state_dict().items():
         np.testing.assert_array_equal(back.state_dict()[key].numpy(), value.numpy(), err_msg=key)
