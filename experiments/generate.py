@@ -6,8 +6,9 @@
 
 ``DIR`` holds ``config.json``, the safetensors and ``tokenizer.json`` (``linattn_jax.hf``);
 nothing is downloaded. Greedy unless ``--temperature`` is above 0; each prompt's text is
-printed after it, one prompt per paragraph; generation stops at the config's
-``eos_token_id``. A bad directory or flag is one line on stderr and exit status 2.
+printed after it, one prompt per paragraph; each text ends at the config's
+``eos_token_id`` (at any of them, where it lists several). A bad directory or flag is one
+line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
-            eos_id=hf.eos_id(config),
+            eos_id=hf.eos_ids(config),
         )
     except ValueError as e:
         return cli.report("python -m experiments.generate", e, args.verbose)

@@ -124,8 +124,12 @@ def test_left_padding_matches_transformers(pair):
     assert_close_normwise(ours[0, 5:], torch_logits(ref, tokens[:1, 5:])[0], LOGITS_RTOL)
 
 
-def test_greedy_generation_matches_transformers(pair):
-    ref, _, model, _ = pair
+def test_greedy_generation_matches_transformers(saved):
+    """32 greedy tokens from three left-padded prompts, each row as transformers writes it
+    alone (the untied model, Qwen3.5's layout: the decoding loop carries three Gated
+    DeltaNet states and conv windows and an attention cache; the tied model's decoding is
+    the decode-step test's)."""
+    ref, _, model, _ = saved("untied")
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, SIZES["vocab_size"], n) for n in (5, 9, 1)]
     t = max(len(p) for p in prompts)
@@ -144,9 +148,10 @@ def test_greedy_generation_matches_transformers(pair):
 
 def test_decode_step_logits_match_transformers(saved):
     """Prefill through the chunked form, then one O(1) step: the step's logits equal
-    transformers' over the whole sequence at its last position (the untied model: its
-    three Gated DeltaNet layers carry their state and conv window, attention its cache)."""
-    ref, _, model, _ = saved("untied")
+    transformers' over the whole sequence at its last position (the tied model: attention
+    first and last, their caches under a partial RoPE with head_dim != width / heads, the
+    Gated DeltaNet layer's state and conv window between them)."""
+    ref, _, model, _ = saved("tied")
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, SIZES["vocab_size"], (2, 11))
     expected = torch_logits(ref, tokens)
@@ -191,9 +196,19 @@ def test_sharded_safetensors_load_the_same(pair, tmp_path):
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
     sharded, _ = hf.from_pretrained(tmp_path)
     jax.tree.map(np.testing.assert_array_equal, nnx_params(sharded), nnx_params(model))
+    # Beside the shards, a model.safetensors is what transformers reads: ours too.
+    tensors = {}
+    for file in tmp_path.glob("model-*.safetensors"):
+        tensors.update(load_file(file))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + np.float32(1)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    single, _ = hf.from_pretrained(tmp_path)
+    np.testing.assert_array_equal(single.norm.scale[...], model.norm.scale[...] + 1)
     ours = tmp_path / "ours"  # and ours sharded, read by transformers
+    hf.save_pretrained(model, ours, max_shard_size=None)  # the shards below replace it
     hf.save_pretrained(model, ours, max_shard_size="20KB")
     assert len(list(ours.glob("model-*.safetensors"))) > 2
+    assert not (ours / "model.safetensors").exists()
     back = Qwen3_5ForCausalLM.from_pretrained(ours).eval()
     for key, value in ref.state_dict().items():
         np.testing.assert_array_equal(back.state_dict()[key].numpy(), value.numpy(), err_msg=key)
@@ -243,6 +258,43 @@ def test_real_size_config_maps_every_tensor():
     )
     model = hf.abstract_model(config, jnp.bfloat16)  # nothing allocated
     assert model.embed.embedding.shape == (248320, 4096)
+    # The 27B-style shape: width 5120 over 24 attention heads (no multiple: head_dim
+    # decides), 3 value heads to each Gated DeltaNet key head, the multimodal RoPE's fields.
+    wide = dict(
+        hidden_size=5120, intermediate_size=17408, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], num_attention_heads=24,
+        linear_num_value_heads=48, attn_output_gate=True,
+        rope_parameters=dict(
+            rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+            mrope_section=[11, 11, 10], mrope_interleaved=True,
+        ),
+    )  # fmt: skip
+    text = Qwen3_5TextConfig(**wide)
+    with torch.device("meta"):
+        reference = Qwen3_5ForCausalLM(text).state_dict()
+    ours = hf.expected_tensors(hf.qwen3_5.normalize_config(text.to_dict()))
+    assert {n: s for n, (s, _) in ours.items()} == {n: tuple(x.shape) for n, x in reference.items()}
+
+
+def test_config_defaults_are_transformers():
+    """Fields a config.json leaves out mean what they mean to transformers: head_dim 256
+    (not hidden_size / heads), layer_types from full_attention_interval, the top-level
+    rope_theta and partial_rotary_factor."""
+    raw = dict(
+        CONFIGS["untied"],
+        num_hidden_layers=6,
+        full_attention_interval=3,
+        rope_theta=5e5,
+        partial_rotary_factor=0.5,
+    )
+    del raw["head_dim"], raw["rms_norm_eps"]
+    reference = Qwen3_5TextConfig(**raw)
+    ours = hf.qwen3_5.normalize_config(dict(raw, model_type="qwen3_5_text"))
+    for field in ("head_dim", "layer_types", "rms_norm_eps", "linear_conv_kernel_dim"):
+        assert ours[field] == getattr(reference, field), field
+    assert ours["head_dim"] == 256 and ours["layer_types"][2] == "full_attention"
+    for key in ("rope_type", "rope_theta", "partial_rotary_factor"):
+        assert ours["rope_parameters"][key] == reference.rope_parameters[key], key
 
 
 @pytest.fixture
@@ -301,6 +353,22 @@ def test_unexpected_tensor_is_named(broken):
         (dict(rope_parameters=dict(rope_type="yarn")), r"rope_type must be 'default'"),
         (dict(rope_parameters="x"), r"rope_parameters must be a dict, got 'x'"),
         (dict(tie_word_embeddings="no"), r"tie_word_embeddings must be true or false"),
+        (dict(attention_bias=True), r"attention_bias must be false"),
+        (dict(attn_output_gate=False), r"attn_output_gate must be true"),
+        (
+            dict(linear_num_value_heads=3),
+            r"linear_num_key_heads=2 must divide linear_num_value_heads=3",
+        ),
+        (
+            dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.1}),
+            r"partial_rotary_factor must be in \(0, 1\] and rotate an even number",
+        ),
+        # transformers reads a legacy rope_scaling before rope_parameters.
+        (dict(rope_scaling=dict(rope_type="linear", factor=2.0)), r"rope_type must be 'default'"),
+        (
+            dict(rope_parameters={"full_attention": {"rope_type": "linear"}}),
+            r"rope_parameters must be one dict for every layer",
+        ),
     ],
 )
 def test_bad_config_field_is_named(broken, fields, message):
@@ -318,6 +386,8 @@ def test_missing_files_and_bad_dtype(broken, tmp_path_factory):
         hf.from_pretrained(empty)
     with pytest.raises(ValueError, match=r"dtype must be one of \('float32', 'bfloat16'\)"):
         hf.from_pretrained(broken, jnp.int8)
+    with pytest.raises(ValueError, match=r"param_dtype must be one of \('float32', 'bfloat16'\)"):
+        hf.from_pretrained(broken, param_dtype="float16")
     index = {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}
     (empty / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match=r"names model-00001-of-00002.safetensors, missing"):
@@ -357,26 +427,32 @@ def test_generate_text_is_the_tokens_generate_writes(with_tokenizer):
         tokens[i, t - len(ids) :], mask[i, t - len(ids) :] = ids, True
     ids = np.asarray(model.generate(jnp.asarray(tokens), 32, temperature=0.0, prompt_mask=mask))
     assert texts == [" ".join(WORDS[j] for j in row[t:]) for row in ids]
-    assert hf.generate_text(model, tokenizer, prompts[1], 32) == texts[1]  # one prompt alone
 
 
-@pytest.mark.slow  # compiles a second decoding loop (sampling, an EOS)
+@pytest.mark.slow  # compiles two more decoding loops (one prompt with an EOS; sampling)
 def test_generate_command_line_and_sampling(with_tokenizer, capsys):
     from experiments import generate
 
     path, model = with_tokenizer
     tokenizer = hf.load_tokenizer(path)
-    prompt = " ".join(WORDS[i] for i in PROMPT_IDS[1])
-    greedy = hf.generate_text(model, tokenizer, prompt, 32).split()
-    _edit_config(path, eos_token_id=[WORDS.index(greedy[3]), 0])  # the first one counts
-    argv = ["--checkpoint", str(path), "--prompt", prompt, "--steps", "32"]
+    prompts = [" ".join(WORDS[i] for i in ids) for ids in PROMPT_IDS]
+    # The batch of the test above: each row is its prompt's text alone (the greedy test).
+    words = hf.generate_text(model, tokenizer, prompts, 32)[1].split()
+    unused = next(i for i, w in enumerate(WORDS) if w not in words)
+    end = words.index(words[3])
+    # Several EOS ids: the text ends at any of them, here the second (the first, which
+    # the decoding loop stops at, is never sampled).
+    _edit_config(path, eos_token_id=[unused, WORDS.index(words[3])])
+    argv = ["--checkpoint", str(path), "--prompt", prompts[1], "--steps", "32"]
     assert generate.main(argv) == 0
     # The prompt, then its continuation (this word-level tokenizer decodes without spaces
     # at the ends; Qwen's byte-level one keeps them).
-    assert capsys.readouterr().out == prompt + " ".join(greedy[:3]) + "\n"
+    assert capsys.readouterr().out == prompts[1] + " ".join(words[:end]) + "\n"
+    # One prompt (a string) samples as a batch of it does, the same under the same key.
     key = jax.random.key(1)
-    sampled = hf.generate_text(model, tokenizer, prompt, 8, key, temperature=0.8, top_k=5)
-    assert sampled == hf.generate_text(model, tokenizer, prompt, 8, key, temperature=0.8, top_k=5)
+    options = dict(temperature=0.8, top_k=5)
+    sampled = hf.generate_text(model, tokenizer, prompts[1], 8, key, **options)
+    assert [sampled] == hf.generate_text(model, tokenizer, prompts[1:2], 8, key, **options)
     assert len(sampled.split()) == 8 and set(sampled.split()) <= set(WORDS)
 
 
@@ -389,6 +465,12 @@ def test_text_errors_are_named(with_tokenizer, saved, capsys):
         hf.load_tokenizer(bare)
     with pytest.raises(ValueError, match="a string or a non-empty list of strings"):
         hf.generate_text(model, hf.load_tokenizer(path), [], 4)
+    with pytest.raises(ValueError, match=r"eos_id must be None or ids in \[0, 101\)"):
+        hf.generate_text(model, hf.load_tokenizer(path), "w1", 4, eos_id=[3, 101])
+    assert hf.eos_ids({"eos_token_id": 7}) == (7,) and hf.eos_ids({}) == ()
+    assert hf.eos_ids({"eos_token_id": [7, 3]}) == (7, 3)
+    with pytest.raises(ValueError, match=r"eos_token_id must be an int or a list of ints"):
+        hf.eos_ids({"eos_token_id": "</s>"})
     assert generate.main(["--checkpoint", bare, "--prompt", "w1"]) == 2
     assert "has no tokenizer.json" in capsys.readouterr().err
 
@@ -402,6 +484,12 @@ def test_trainer_builds_its_model_from_a_checkpoint(saved, tmp_path):
     config = tiny_config("configs/mqar.py:small", f"init_from={path}")
     built = trainer.build_model(config)
     jax.tree.map(np.testing.assert_array_equal, nnx_params(built), nnx_params(model))
+    # model.dtype=bfloat16 computes in bfloat16 over float32 parameters, as a random
+    # initialisation does (bfloat16 parameters would round away the optimiser's updates).
+    half = tiny_config("configs/mqar.py:small", f"init_from={path}", "model.dtype=bfloat16")
+    half = trainer.build_model(half)
+    assert {x.dtype for x in jax.tree.leaves(nnx_params(half))} == {jnp.dtype(jnp.float32)}
+    assert half.blocks[0].attention.q_proj.dtype == jnp.bfloat16
     bad = tiny_config("configs/mqar.py:small", f"init_from={tmp_path}")
     with pytest.raises(ValueError, match=r"init_from=.* has no config.json"):
         trainer.train(bad, tmp_path / "bad")
@@ -410,12 +498,12 @@ def test_trainer_builds_its_model_from_a_checkpoint(saved, tmp_path):
         trainer.train(wide, tmp_path / "wide")
 
 
-@pytest.mark.slow  # compiles a training step of the hybrid
+@pytest.mark.slow  # compiles a training step of the hybrid (the tied one: one DeltaNet layer)
 def test_trainer_fine_tunes_from_a_checkpoint(saved, tmp_path):
     from experiments import trainer
     from tests.test_experiments import tiny_config
 
-    _, path, model, _ = saved("untied")
+    _, path, model, _ = saved("tied")
     config = tiny_config("configs/mqar.py:small", f"init_from={path}", "steps=1", "seq_len=32")
     with jax.numpy_dtype_promotion("standard"):
         final = trainer.train(config, tmp_path / "run")
@@ -433,7 +521,7 @@ def test_mesh_places_each_parameter_with_its_sharding(saved):
 def test_save_refuses_a_model_not_of_qwen3_5s_form(tmp_path):
     from linattn_jax.models import LanguageModel
 
-    model = LanguageModel(16, 8, 1, 2, attention="linear", rngs=nnx.Rngs(0))
+    model = nnx.eval_shape(lambda: LanguageModel(16, 8, 1, 2, attention="linear", rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match=r"blocks\[0\]: Qwen3.5 has gated_deltanet and softmax"):
         hf.save_pretrained(model, tmp_path)
     assert not (tmp_path / "config.json").exists()
@@ -477,9 +565,13 @@ def test_a_model_of_one_kind_saves_and_transformers_loads_it(tmp_path):
             rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.25),
         )
     )
-    from linattn_jax.models import LanguageModel
-
-    model = LanguageModel(**hf.qwen3_5.model_options(config), rngs=nnx.Rngs(0))
+    # Random parameters filled in on the host (an eager initialisation compiles op by op).
+    graphdef, state = nnx.split(hf.abstract_model(config))
+    rng = np.random.default_rng(0)
+    for _, variable in nnx.to_flat_state(state):
+        shape = variable.get_value().shape
+        variable.set_value(jnp.asarray(rng.normal(0.0, 0.1, shape).astype(np.float32)))
+    model = nnx.merge(graphdef, state)
     hf.save_pretrained(model, tmp_path, max_shard_size=None)
     back = Qwen3_5ForCausalLM.from_pretrained(tmp_path)
     assert back.config.layer_types == ["linear_attention"] * 2

@@ -16,12 +16,12 @@ from linattn_jax.hf.pretrained import (
     save_pretrained,
 )
 from linattn_jax.hf.qwen3_5 import MODEL_TYPES
-from linattn_jax.hf.text import eos_id, generate_text, load_tokenizer
+from linattn_jax.hf.text import eos_ids, generate_text, load_tokenizer
 
 __all__ = [
     "MODEL_TYPES",
     "abstract_model",
-    "eos_id",
+    "eos_ids",
     "expected_tensors",
     "from_pretrained",
     "generate_text",

@@ -21,11 +21,13 @@ TEXT_PREFIXES = ("model.language_model.", "model.")  # qwen3_5 (multimodal), qwe
 UNCHECKED = ("architectures", "dtype", "model_type")  # save_pretrained writes the model's
 
 
-def abstract_model(config: Mapping[str, Any], dtype: Any = jnp.float32) -> LanguageModel:
+def abstract_model(
+    config: Mapping[str, Any], dtype: Any = jnp.float32, param_dtype: Any = None
+) -> LanguageModel:
     """The ``LanguageModel`` of a ``read_config`` config with ``jax.ShapeDtypeStruct``
     parameters (``nnx.eval_shape``: nothing allocated), its RMSNorms' epsilon the config's
-    ``rms_norm_eps``."""
-    options = qwen3_5.model_options(config, dtype)
+    ``rms_norm_eps`` (``dtype``, ``param_dtype`` as in ``qwen3_5.model_options``)."""
+    options = qwen3_5.model_options(config, dtype, param_dtype)
     model = nnx.eval_shape(lambda: LanguageModel(**options, rngs=nnx.Rngs(0)))
     for _, node in nnx.iter_graph(model):
         # The blocks', the final, q/k and gated norms: the layers take no epsilon option
@@ -47,7 +49,11 @@ def expected_tensors(
 
 
 def from_pretrained(
-    path: str | os.PathLike, dtype: Any = None, *, mesh: jax.sharding.Mesh | None = None
+    path: str | os.PathLike,
+    dtype: Any = None,
+    *,
+    param_dtype: Any = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[LanguageModel, dict[str, Any]]:
     """Loads a Qwen3.5 directory in Hugging Face format (nothing is downloaded).
 
@@ -60,7 +66,10 @@ def from_pretrained(
     Args:
       path: the directory.
       dtype: the parameters' and the computation's dtype, ``float32`` or ``bfloat16``
-        (None: the config's ``dtype``, else float32).
+        (None: the config's ``dtype`` where it is one of those, else float32: a float16
+        checkpoint loads as float32).
+      param_dtype: the parameters' dtype where it is not ``dtype`` (None), ``float32`` or
+        ``bfloat16``: float32 parameters under a bfloat16 computation, as for training.
       mesh: place each parameter with ``NamedSharding(mesh, its partition spec)`` (the
         spec from the parameter's sharding metadata, replicated without one); None: the
         default device.
@@ -76,7 +85,8 @@ def from_pretrained(
     """
     config = qwen3_5.read_config(path)
     dtype = _dtype(dtype, config)
-    graphdef, state = nnx.split(abstract_model(config, dtype))
+    param_dtype = dtype if param_dtype is None else _dtype(param_dtype, config, "param_dtype")
+    graphdef, state = nnx.split(abstract_model(config, dtype, param_dtype))
     variables = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(state)}
     flat = {p: v.get_value() for p, v in variables.items()}
     specs = None if mesh is None else _flat(nnx.get_partition_spec(state))
@@ -107,7 +117,7 @@ def from_pretrained(
                 )
             x = checkpoint.get(name)
             for p, part in zip(rule.ours, qwen3_5.to_ours(rule.how, x, shapes), strict=True):
-                part = np.ascontiguousarray(part.astype(jnp.dtype(dtype), copy=False))
+                part = np.asarray(part, param_dtype, order="C")  # cast, transpose: one copy
                 sharding = None if specs is None else _sharding(mesh, specs[p])
                 flat[p] = jax.device_put(part, sharding)
             del x  # one tensor at a time
@@ -177,7 +187,7 @@ def save_pretrained(
         json.dump(merged, f, indent=2, sort_keys=True)
 
 
-def _dtype(dtype, config) -> jnp.dtype:
+def _dtype(dtype, config, field: str = "dtype") -> jnp.dtype:
     if dtype is None:
         stored = config.get("dtype", config.get("torch_dtype"))
         dtype = stored if stored in DTYPES else "float32"
@@ -186,7 +196,7 @@ def _dtype(dtype, config) -> jnp.dtype:
     except TypeError:
         name = None
     if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES} (or None), got {dtype!r}")
+        raise ValueError(f"{field} must be one of {DTYPES} (or None), got {dtype!r}")
     return jnp.dtype(name)
 
 

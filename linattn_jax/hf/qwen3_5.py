@@ -156,7 +156,7 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """``config.json`` of a Qwen3.5 directory as the text model's config, checked: a
     ``qwen3_5_text`` config, or a ``qwen3_5`` one's ``text_config`` (with the top-level
     ``tie_word_embeddings``, which ``transformers`` ties by, and the top-level
-    ``eos_token_id`` where the text part has none);
+    ``eos_token_id`` and ``dtype`` where the text part has none);
     ``layer_types`` filled in (every 4th layer full attention) when absent.
 
     Raises:
@@ -186,7 +186,7 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
         config = dict(text)
         # transformers ties the image-text model's embeddings by its own (top-level) field.
         config["tie_word_embeddings"] = raw.get("tie_word_embeddings", False)
-        for field in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        for field in ("eos_token_id", "bos_token_id", "pad_token_id", "dtype", "torch_dtype"):
             if config.get(field) is None and raw.get(field) is not None:
                 config[field] = raw[field]
         config["model_type"] = "qwen3_5_text"
@@ -194,10 +194,8 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     config.setdefault("rms_norm_eps", 1e-6)
     config.setdefault("hidden_act", "silu")
     config.setdefault("linear_conv_kernel_dim", 4)
-    if config.get("head_dim") is None and _is_int(config.get("hidden_size")):
-        heads = config.get("num_attention_heads")
-        if _is_int(heads) and heads > 0:
-            config["head_dim"] = config["hidden_size"] // heads
+    # transformers' default when absent, not hidden_size / num_attention_heads.
+    config.setdefault("head_dim", 256)
     if config.get("layer_types") is None and _is_int(config.get("num_hidden_layers")):
         interval = config.get("full_attention_interval", 4)
         if not _is_int(interval) or interval < 1:
@@ -208,10 +206,19 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             "full_attention" if (i + 1) % interval == 0 else "linear_attention"
             for i in range(config["num_hidden_layers"])
         ]
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    # transformers' order: a legacy rope_scaling replaces rope_parameters.
+    field = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    rope = config.get(field) or {}
     if not isinstance(rope, Mapping):
-        raise ValueError(f"config.json: rope_parameters must be a dict, got {rope!r}")
+        raise ValueError(f"config.json: {field} must be a dict, got {rope!r}")
+    nested = sorted(set(rope) & set(LAYER_KINDS))
+    if nested:  # transformers' Qwen3.5 reads one flat dict (rope_parameters["rope_type"])
+        raise ValueError(
+            f"config.json: {field} must be one dict for every layer, got one per layer type "
+            f"({nested})"
+        )
     rope = dict(rope)
+    config.pop("rope_scaling", None)  # folded into rope_parameters, the one place read
     rope.setdefault("rope_type", rope.get("type", "default"))
     rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     rope.setdefault("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
@@ -262,8 +269,16 @@ def check_config(config: Mapping[str, Any]) -> None:
         )
     if config["hidden_act"] != "silu":
         raise ValueError(f"config.json: hidden_act must be 'silu', got {config['hidden_act']!r}")
-    if config.get("attention_bias"):
-        raise ValueError("config.json: attention_bias=true is not supported (Qwen3.5 has none)")
+    if config.get("attention_bias", False) is not False:
+        raise ValueError(
+            f"config.json: attention_bias must be false (Qwen3.5 has no biases), got "
+            f"{config['attention_bias']!r}"
+        )
+    if config.get("attn_output_gate", True) is not True:  # transformers gates regardless
+        raise ValueError(
+            f"config.json: attn_output_gate must be true (Qwen3.5's attention is gated), got "
+            f"{config['attn_output_gate']!r}"
+        )
     if not isinstance(config["tie_word_embeddings"], bool):
         raise ValueError(
             f"config.json: tie_word_embeddings must be true or false, got "
@@ -288,8 +303,11 @@ def check_config(config: Mapping[str, Any]) -> None:
         )
 
 
-def model_options(config: Mapping[str, Any], dtype: Any = jnp.float32) -> dict[str, Any]:
-    """``LanguageModel``'s arguments (all but ``rngs``) for a ``read_config`` config."""
+def model_options(
+    config: Mapping[str, Any], dtype: Any = jnp.float32, param_dtype: Any = None
+) -> dict[str, Any]:
+    """``LanguageModel``'s arguments (all but ``rngs``) for a ``read_config`` config: the
+    computation in ``dtype``, the parameters in ``param_dtype`` (None: ``dtype``)."""
     rope = config["rope_parameters"]
     return dict(
         vocab_size=config["vocab_size"],
@@ -322,7 +340,7 @@ def model_options(config: Mapping[str, Any], dtype: Any = jnp.float32) -> dict[s
         mlp_hidden=config["intermediate_size"],
         zero_centred_norm=True,
         dtype=dtype,
-        param_dtype=dtype,
+        param_dtype=dtype if param_dtype is None else param_dtype,
     )
 
 

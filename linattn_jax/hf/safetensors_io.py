@@ -25,7 +25,8 @@ class Checkpoint(contextlib.AbstractContextManager):
 
     Args:
       path: a directory holding ``model.safetensors`` or ``model.safetensors.index.json``
-        (whose ``weight_map`` names each tensor's file).
+        (whose ``weight_map`` names each tensor's file); with both, ``model.safetensors``,
+        as ``transformers`` reads it.
 
     Raises:
       ValueError: neither file, an index without a ``weight_map``, or a file it names that
@@ -34,16 +35,15 @@ class Checkpoint(contextlib.AbstractContextManager):
 
     def __init__(self, path: str | os.PathLike):
         path = os.fspath(path)
-        index = os.path.join(path, INDEX)
-        if os.path.exists(index):
+        index, single = os.path.join(path, INDEX), os.path.join(path, SINGLE)
+        if os.path.exists(single):
+            self.files = None
+        elif os.path.exists(index):
             with open(index) as f:
                 weight_map = json.load(f).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{index} has no weight_map (tensor name -> file)")
             self.files = {name: os.path.join(path, file) for name, file in weight_map.items()}
-        elif os.path.exists(os.path.join(path, SINGLE)):
-            self.files = None
-            single = os.path.join(path, SINGLE)
         else:
             raise ValueError(f"{path} holds neither {SINGLE} nor {INDEX}")
         self._stack = contextlib.ExitStack()
@@ -135,13 +135,15 @@ def write(
         tensors = {name: np.ascontiguousarray(make(name)) for name in names}
         save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
         del tensors
-    stale = os.path.join(path, INDEX)
+    index_file, single = os.path.join(path, INDEX), os.path.join(path, SINGLE)
     if len(files) > 1:
         pairs = zip(files, shards, strict=True)
         weight_map = {name: file for file, names in pairs for name in names}
         index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}
-        with open(stale, "w") as f:
+        with open(index_file, "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
-    elif os.path.exists(stale):
-        os.remove(stale)  # a single file now: an old index would shadow it
+        if os.path.exists(single):
+            os.remove(single)  # an old single file would shadow the shards (read first)
+    elif os.path.exists(index_file):
+        os.remove(index_file)  # a single file now: no index to mislead another reader
     return files

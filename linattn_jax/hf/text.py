@@ -25,12 +25,18 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     return Tokenizer.from_file(file)
 
 
-def eos_id(config: Mapping[str, Any]) -> int | None:
-    """The config's ``eos_token_id`` (the first, when it lists several), or None."""
+def eos_ids(config: Mapping[str, Any]) -> tuple[int, ...]:
+    """The config's ``eos_token_id`` as a tuple: one id, several (a list: a row ends at any
+    of them, as in ``transformers``' ``generate``) or none.
+
+    Raises:
+      ValueError: an ``eos_token_id`` that is neither an int, a list of ints nor null.
+    """
     eos = config.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return eos
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"config.json: eos_token_id must be an int or a list of ints, got {eos!r}")
+    return tuple(ids)
 
 
 def generate_text(
@@ -43,7 +49,7 @@ def generate_text(
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
 ) -> str | list[str]:
     """The text ``model`` writes after ``prompt`` (greedy by default).
 
@@ -59,15 +65,23 @@ def generate_text(
       temperature: as in ``LanguageModel.generate``; ``0`` (the default) is greedy.
       top_k: as in ``LanguageModel.generate``.
       top_p: as in ``LanguageModel.generate``.
-      eos_id: a row stops after this token (``eos_id(config)`` gives the config's); it is
-        not part of the text.
+      eos_id: a row's text ends before this token, or, given several, before whichever
+        it samples first (``eos_ids(config)`` gives the config's); it is not part of the
+        text. The decoding loop stops early at the first id listed only; the tokens past
+        another are dropped.
 
     Returns:
       The new text (a string, or a list of them for a list of prompts), the prompt left out.
 
     Raises:
-      ValueError: an empty prompt (no tokens), or ``generate``'s errors.
+      ValueError: an empty prompt (no tokens), an ``eos_id`` outside the vocabulary, or
+        ``generate``'s errors.
     """
+    stops = () if eos_id is None else tuple(np.atleast_1d(eos_id).tolist())
+    if not all(isinstance(i, int) and 0 <= i < model.vocab_size for i in stops):
+        raise ValueError(
+            f"eos_id must be None or ids in [0, {model.vocab_size}) (one or a list), got {eos_id!r}"
+        )
     single = isinstance(prompt, str)
     prompts = [prompt] if single else list(prompt)
     if not prompts or not all(isinstance(p, str) for p in prompts):
@@ -88,12 +102,11 @@ def generate_text(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        eos_id=eos_id,
+        eos_id=stops[0] if stops else None,
         prompt_mask=None if mask.all() else jnp.asarray(mask),
     )
     texts = []
     for row in np.asarray(out[:, t:]).tolist():
-        if eos_id is not None and eos_id in row:
-            row = row[: row.index(eos_id)]
-        texts.append(tokenizer.decode(row))
+        end = next((i for i, token in enumerate(row) if token in stops), len(row))
+        texts.append(tokenizer.decode(row[:end]))
     return texts[0] if single else texts
