@@ -11,7 +11,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from experiments.bench import comm, compile_time, decode, forms, recurrences, train_step
+from experiments.bench import (
+    comm,
+    compile_time,
+    decode,
+    forms,
+    peers,
+    recurrences,
+    train_step,
+    triangular,
+)
 from experiments.bench.timing import MALLOC_ENV, restart_with
 
 DESCRIPTION = "Speed and memory of every attention form, as CSV, a markdown table and a plot."
@@ -37,6 +46,13 @@ FLAGS = {
         help=f"the experiment config whose model is timed (default {TRAIN_CONFIG})",
     ),
     "--depths": dict(default="2,4,8,16", help="compile's model depths, comma-separated"),
+    "--families": dict(default="", help="recurrences: the families timed (default all)"),
+    "--impl": dict(
+        metavar="MODULE:FUNCTION",
+        default=None,
+        help="peers: an external JAX function to time against ours (default: Performer-style)",
+    ),
+    "--limit-s": dict(type=float, default=300.0, help="seconds each triangular case may run"),
     "--out": dict(default="bench_out", help="the folder the results are written to"),
 }
 
@@ -57,7 +73,25 @@ SUITES = {
     "recurrences": (
         recurrences,
         "the additive, GLA and delta-rule recurrences (chunked and scan) at --lengths",
-        ("--lengths", "--repeats", "--scan-max"),
+        (
+            "--lengths",
+            "--repeats",
+            "--scan-max",
+            ("--chunk-sizes", dict(default="", help="chunk sizes (default: each family's)")),
+            "--families",
+        ),
+    ),
+    "peers": (
+        peers,
+        "ours against other JAX implementations: a Performer-style baseline (additive, "
+        "causal and non-causal) or --impl MODULE:FUNCTION on --families",
+        ("--lengths", "--repeats", "--families", "--impl"),
+    ),
+    "triangular": (
+        triangular,
+        "the delta rule's triangular systems batched over all chunks: each method, float32 "
+        "and bfloat16 inputs, at the first of --lengths and each of --chunk-sizes",
+        ("--lengths", "--chunk-sizes", "--repeats", "--limit-s"),
     ),
     "decode": (
         decode,

@@ -25,8 +25,8 @@ Forms, all with the same inputs and state:
   ``A = I + tril(diag(beta) (K K^T * D), -1)`` (D the decay from key j to key i),
   ``[U | W] = A^{-1} diag(beta) [V | exp(G) * K]`` by a float32 triangular solve,
   then ``O = exp(G) * Q S + (Q K^T * D) (U - W S)`` and
-  ``S_next = exp(G_C) * S + (exp(G_C - G) * K)^T (U - W S)``; a ``lax.scan``
-  carries S across chunks;
+  ``S_next = exp(G_C) * S + (exp(G_C - G) * K)^T (U - W S)``; all of it but the state
+  runs for every chunk at once, and a ``lax.scan`` carries only S across chunks;
 * ``step``: one token, O(1) in t, for decoding.
 
 Decays inside a chunk are differences of cumulative log-gates, masked before
@@ -86,8 +86,8 @@ def causal(
       k: keys ``[b, t, h, dk]`` (L2-normalised in the usual recipe).
       v: values ``[b, t, hv, dv]``; ``hv`` is ``h`` or a multiple of it (grouped value
         heads: value head ``j`` reads the q and k of head ``j // (hv // h)``, as Qwen3-Next's
-        32 value heads over 16 key heads; q and k are repeated one chunk at a time inside
-        the scan, never over the whole sequence).
+        32 value heads over 16 key heads; q and k are repeated one block of tokens at a
+        time, never over the whole sequence).
       beta: writing strengths ``[b, t, hv]``, in [0, 2] (usually [0, 1]).
       method: ``"chunked"`` (default, fast) or ``"scan"`` (one step per token).
       chunk_size: tokens per chunk (``"chunked"``) or per recomputed block of the
@@ -133,14 +133,15 @@ def causal(
     heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
     q, k, v, beta = (heads_first(x.astype(dtype)) for x in (q * scale, k, v, beta))
     state = as_internal(initial_state, b, hv, dk, v.shape[-1], dtype)
+    chunk_size = checks.default_chunk_size(chunk_size, g)
     if method == "scan":
         body = recurrent.scan_body
+        if hv != h:
+            body = functools.partial(_grouped, body, hv // h)
+        out, state = chunking.scan(body, state, (q, k, v, beta, g, resets), chunk_size, t)
     else:
-        body = functools.partial(chunked.chunk_body, dtype=operands)
-    if hv != h:
-        body = functools.partial(_grouped, body, hv // h)
-    chunk_size = checks.default_chunk_size(chunk_size, g)
-    out, state = chunking.scan(body, state, (q, k, v, beta, g, resets), chunk_size, t)
+        xs = (q, k, v, beta, g, resets)
+        out, state = chunked.causal_chunks(xs, state, chunk_size, t, groups=hv // h, dtype=operands)
     out = jnp.swapaxes(out, 1, 2).astype(out_dtype)
     return (out, State(state)) if return_state else out
 
