@@ -91,8 +91,9 @@ def causal(
       beta: writing strengths ``[b, t, hv]``, in [0, 2] (usually [0, 1]).
       method: ``"chunked"`` (default, fast) or ``"scan"`` (one step per token).
       chunk_size: tokens per chunk (``"chunked"``) or per recomputed block of the
-        backward pass (``"scan"``); any length works. None: 64, or 16 with a
-        per-channel gate (whose ``[c, c, f]`` relative decays grow with the chunk).
+        backward pass (``"scan"``); any length works. None: 16 with a per-channel gate
+        (whose ``[c, c, f]`` relative decays grow with the chunk); else for ``"chunked"``
+        32 on CPU and 64 on GPU and TPU (``chunked.CHUNK_SIZE``), for ``"scan"`` 64.
       initial_state: the state before token 0; zeros when None.
       return_state: also return the state after the last token.
       key_mask: optional bool ``[b, t]``, True for real tokens. A masked token leaves
@@ -133,13 +134,15 @@ def causal(
     heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
     q, k, v, beta = (heads_first(x.astype(dtype)) for x in (q * scale, k, v, beta))
     state = as_internal(initial_state, b, hv, dk, v.shape[-1], dtype)
-    chunk_size = checks.default_chunk_size(chunk_size, g)
     if method == "scan":
+        chunk_size = checks.default_chunk_size(chunk_size, g)
         body = recurrent.scan_body
         if hv != h:
             body = functools.partial(_grouped, body, hv // h)
         out, state = chunking.scan(body, state, (q, k, v, beta, g, resets), chunk_size, t)
     else:
+        if chunk_size is None and g is not None and g.shape[-1] > 1:
+            chunk_size = checks.default_chunk_size(chunk_size, g)  # per channel: 16
         xs = (q, k, v, beta, g, resets)
         out, state = chunked.causal_chunks(xs, state, chunk_size, t, groups=hv // h, dtype=operands)
     out = jnp.swapaxes(out, 1, 2).astype(out_dtype)
