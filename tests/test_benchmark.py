@@ -90,7 +90,7 @@ def test_help_lists_the_suites_and_a_suite_its_flags(capsys):
         benchmark.main(["recurrences", "--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert "--scan-max" in out and "--chunk-sizes" not in out
+    assert "--scan-max" in out and "--softmax-max" not in out
 
 
 def test_flags_before_the_subcommand_are_refused(capsys):

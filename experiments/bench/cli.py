@@ -1,9 +1,9 @@
 """The command line of ``python -m experiments.benchmark``: one subcommand per suite
 (``forms``, ``recurrences``, ``decode``, ``comm``, ``train-step``, ``compile``,
-``hf-load``), each taking only its own flags, and the flat command line without a
-subcommand, which takes every flag and runs the suite that ``--recurrences``, ``--decode``,
-``--comm`` or ``--train-steps`` names (the forms when none does; ``compile`` and
-``hf-load`` are subcommands only).
+``hf-load``, ``peers``, ``triangular``), each taking only its own flags, and the flat command
+line without a subcommand, which takes every flag and runs the suite that ``--recurrences``,
+``--decode``, ``--comm`` or ``--train-steps`` names (the forms when none does; ``compile``,
+``hf-load``, ``peers`` and ``triangular`` are subcommands only).
 """
 
 from __future__ import annotations
@@ -12,7 +12,17 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from experiments.bench import comm, compile_time, decode, forms, hf_load, recurrences, train_step
+from experiments.bench import (
+    comm,
+    compile_time,
+    decode,
+    forms,
+    hf_load,
+    peers,
+    recurrences,
+    train_step,
+    triangular,
+)
 from experiments.bench.timing import MALLOC_ENV, restart_with
 
 DESCRIPTION = "Speed and memory of every attention form, as CSV, a markdown table and a plot."
@@ -41,6 +51,13 @@ FLAGS = {
     "--params": dict(type=float, default=0.5e9, help="hf-load: the checkpoint's parameters"),
     "--decode-steps": dict(type=int, default=64, help="hf-load: greedy steps timed (0: none)"),
     "--decode-batch": dict(type=int, default=1, help="hf-load: the decoding batch"),
+    "--families": dict(default="", help="recurrences: the families timed (default all)"),
+    "--impl": dict(
+        metavar="MODULE:FUNCTION",
+        default=None,
+        help="peers: an external JAX function to time against ours (default: Performer-style)",
+    ),
+    "--limit-s": dict(type=float, default=300.0, help="seconds each triangular case may run"),
     "--out": dict(default="bench_out", help="the folder the results are written to"),
 }
 
@@ -61,7 +78,25 @@ SUITES = {
     "recurrences": (
         recurrences,
         "the additive, GLA and delta-rule recurrences (chunked and scan) at --lengths",
-        ("--lengths", "--repeats", "--scan-max"),
+        (
+            "--lengths",
+            "--repeats",
+            "--scan-max",
+            ("--chunk-sizes", dict(default="", help="chunk sizes (default: each family's)")),
+            "--families",
+        ),
+    ),
+    "peers": (
+        peers,
+        "ours against other JAX implementations: a Performer-style baseline (additive, "
+        "causal and non-causal) or --impl MODULE:FUNCTION on --families",
+        ("--lengths", "--repeats", "--families", "--impl"),
+    ),
+    "triangular": (
+        triangular,
+        "the delta rule's triangular systems batched over all chunks: each method, float32 "
+        "and bfloat16 inputs, at the first of --lengths and each of --chunk-sizes",
+        ("--lengths", "--chunk-sizes", "--repeats", "--limit-s"),
     ),
     "decode": (
         decode,

@@ -26,41 +26,52 @@ RECURRENCES = {
 }
 
 
-def recurrence_case(name: str, method: str, t: int, b: int = 1, h: int = 8, d: int = 64):
-    """``(fn, args)`` for one recurrence: ``fn(*args) -> out``, differentiable in every arg."""
+def recurrence_case(
+    name: str, method: str, t: int, b: int = 1, h: int = 8, d: int = 64, chunk_size=None
+):
+    """``(fn, args)`` for one recurrence: ``fn(*args) -> out``, differentiable in every arg
+    (``chunk_size`` None: the family's default)."""
     form, gated = RECURRENCES[name]
     keys = jax.random.split(jax.random.PRNGKey(t), 5)
     q, k, v = (jax.random.normal(kk, (b, t, h, d), jnp.float32) for kk in keys[:3])
     gate_shape = {None: None, "head": (b, t, h), "channel": (b, t, h, d)}[gated]
     gate = None if gate_shape is None else -jax.nn.softplus(jax.random.normal(keys[3], gate_shape))
     if form == "additive":
-        fn = lambda q, k, v, gate: la.causal_linear_attention(q, k, v, gate=gate, method=method)
+        fn = lambda q, k, v, gate: la.causal_linear_attention(
+            q, k, v, gate=gate, method=method, chunk_size=chunk_size
+        )
         return fn, (q, k, v, gate)
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
     beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h)))
-    fn = lambda q, k, v, beta, gate: la.delta_rule(q, k, v, beta, gate=gate, method=method)
+    fn = lambda q, k, v, beta, gate: la.delta_rule(
+        q, k, v, beta, gate=gate, method=method, chunk_size=chunk_size
+    )
     return fn, (q, k, v, beta, gate)
 
 
-def measure(lengths, repeats: int, scan_max: int, names=tuple(RECURRENCES)) -> list[dict]:
-    """Forward and forward+backward of every recurrence family, chunked and scan
-    (the scan up to ``scan_max``), one row each, printed as it is measured."""
+def measure(
+    lengths, repeats: int, scan_max: int, names=tuple(RECURRENCES), chunk_sizes=(None,)
+) -> list[dict]:
+    """Forward and forward+backward of every recurrence family, chunked (at each of
+    ``chunk_sizes``, None: the default) and scan (up to ``scan_max``), one row each,
+    printed as it is measured."""
     rows = []
     for t in lengths:
         key = jax.random.PRNGKey(t)
         q, k, v = (jax.random.normal(kk, (1, t, 8, 64)) for kk in jax.random.split(key, 3))
         cases = [("noncausal", "", la.linear_attention, (q, k, v))]
         for name in names:
-            for method in ("chunked", "scan"):
-                if method == "scan" and t > scan_max:
-                    continue
-                cases.append((name, method, *recurrence_case(name, method, t)))
+            for size in chunk_sizes:
+                method = "chunked" if size is None else f"chunked C={size}"
+                cases.append((name, method, *recurrence_case(name, "chunked", t, chunk_size=size)))
+            if t <= scan_max:
+                cases.append((name, "scan", *recurrence_case(name, "scan", t)))
         for name, method, fn, args in cases:
             argnums = tuple(i for i, a in enumerate(args) if a is not None)
             grad = jax.grad(lambda *a, fn=fn: jnp.sum(fn(*a)), argnums=argnums)
             row = dict(t=t, recurrence=name, method=method)
-            row["fwd_ms"] = time_ms(jax.jit(fn), args, repeats)[0]
-            row["fwd_bwd_ms"] = time_ms(jax.jit(grad), args, repeats)[0]
+            row["fwd_ms"], row["fwd_cpu_ms"] = time_ms(jax.jit(fn), args, repeats)
+            row["fwd_bwd_ms"], row["fwd_bwd_cpu_ms"] = time_ms(jax.jit(grad), args, repeats)
             row["fwd_bwd_scratch_mib"] = scratch_mib(grad, args)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -70,12 +81,13 @@ def measure(lengths, repeats: int, scan_max: int, names=tuple(RECURRENCES)) -> l
 def table(rows: list[dict]) -> str:
     """The rows as a markdown table (ending in a newline)."""
     lines = [
-        "| t | recurrence | method | fwd ms | fwd+bwd ms | fwd+bwd scratch MiB |",
+        "| t | recurrence | method | fwd ms (CPU ms) | fwd+bwd ms (CPU ms) | fwd+bwd scratch MiB |",
         "|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['t']} | {r['recurrence']} | {r['method']} | {r['fwd_ms']:.1f} "
-        f"| {r['fwd_bwd_ms']:.1f} | {r['fwd_bwd_scratch_mib']:.1f} |"
+        f"({r.get('fwd_cpu_ms', float('nan')):.1f}) | {r['fwd_bwd_ms']:.1f} "
+        f"({r.get('fwd_bwd_cpu_ms', float('nan')):.1f}) | {r['fwd_bwd_scratch_mib']:.1f} |"
         for r in rows
     ]
     return "\n".join(lines) + "\n"
@@ -92,4 +104,9 @@ def write(rows: list[dict], out: Path) -> str:
 def run(args: argparse.Namespace, command: str) -> None:
     """Measures at ``args.lengths``, writes to ``args.out`` and prints the table."""
     ints = lambda s: [int(x) for x in s.split(",") if x]
-    print(write(measure(ints(args.lengths), args.repeats, args.scan_max), Path(args.out)))
+    names = tuple(args.families.split(",")) if args.families else tuple(RECURRENCES)
+    # The flat command line's --chunk-sizes are the forms suite's; the subcommand's are these.
+    own = getattr(args, "suite", None) == "recurrences" and args.chunk_sizes
+    sizes = tuple(ints(args.chunk_sizes)) if own else (None,)
+    rows = measure(ints(args.lengths), args.repeats, args.scan_max, names, sizes)
+    print(write(rows, Path(args.out)))

@@ -25,8 +25,8 @@ Forms, all with the same inputs and state:
   ``A = I + tril(diag(beta) (K K^T * D), -1)`` (D the decay from key j to key i),
   ``[U | W] = A^{-1} diag(beta) [V | exp(G) * K]`` by a float32 triangular solve,
   then ``O = exp(G) * Q S + (Q K^T * D) (U - W S)`` and
-  ``S_next = exp(G_C) * S + (exp(G_C - G) * K)^T (U - W S)``; a ``lax.scan``
-  carries S across chunks;
+  ``S_next = exp(G_C) * S + (exp(G_C - G) * K)^T (U - W S)``; all of it but the state
+  runs for every chunk at once, and a ``lax.scan`` carries only S across chunks;
 * ``step``: one token, O(1) in t, for decoding.
 
 Decays inside a chunk are differences of cumulative log-gates, masked before
@@ -86,13 +86,14 @@ def causal(
       k: keys ``[b, t, h, dk]`` (L2-normalised in the usual recipe).
       v: values ``[b, t, hv, dv]``; ``hv`` is ``h`` or a multiple of it (grouped value
         heads: value head ``j`` reads the q and k of head ``j // (hv // h)``, as Qwen3-Next's
-        32 value heads over 16 key heads; q and k are repeated one chunk at a time inside
-        the scan, never over the whole sequence).
+        32 value heads over 16 key heads; q and k are repeated one block of tokens at a
+        time, never over the whole sequence).
       beta: writing strengths ``[b, t, hv]``, in [0, 2] (usually [0, 1]).
       method: ``"chunked"`` (default, fast) or ``"scan"`` (one step per token).
       chunk_size: tokens per chunk (``"chunked"``) or per recomputed block of the
-        backward pass (``"scan"``); any length works. None: 64, or 16 with a
-        per-channel gate (whose ``[c, c, f]`` relative decays grow with the chunk).
+        backward pass (``"scan"``); any length works. None: 16 with a per-channel gate
+        (whose ``[c, c, f]`` relative decays grow with the chunk); else for ``"chunked"``
+        32 on CPU and 64 on GPU and TPU (``chunked.CHUNK_SIZE``), for ``"scan"`` 64.
       initial_state: the state before token 0; zeros when None.
       return_state: also return the state after the last token.
       key_mask: optional bool ``[b, t]``, True for real tokens. A masked token leaves
@@ -134,13 +135,16 @@ def causal(
     q, k, v, beta = (heads_first(x.astype(dtype)) for x in (q * scale, k, v, beta))
     state = as_internal(initial_state, b, hv, dk, v.shape[-1], dtype)
     if method == "scan":
+        chunk_size = checks.default_chunk_size(chunk_size, g)
         body = recurrent.scan_body
+        if hv != h:
+            body = functools.partial(_grouped, body, hv // h)
+        out, state = chunking.scan(body, state, (q, k, v, beta, g, resets), chunk_size, t)
     else:
-        body = functools.partial(chunked.chunk_body, dtype=operands)
-    if hv != h:
-        body = functools.partial(_grouped, body, hv // h)
-    chunk_size = checks.default_chunk_size(chunk_size, g)
-    out, state = chunking.scan(body, state, (q, k, v, beta, g, resets), chunk_size, t)
+        if chunk_size is None and g is not None and g.shape[-1] > 1:
+            chunk_size = checks.default_chunk_size(chunk_size, g)  # per channel: 16
+        xs = (q, k, v, beta, g, resets)
+        out, state = chunked.causal_chunks(xs, state, chunk_size, t, groups=hv // h, dtype=operands)
     out = jnp.swapaxes(out, 1, 2).astype(out_dtype)
     return (out, State(state)) if return_state else out
 

@@ -1,11 +1,28 @@
-"""The delta rule's chunked form: the (gated) UT transform inside a chunk.
+"""The delta rule's chunked form: the (gated) UT transform, chunk-parallel.
 
 Inside a chunk of C tokens, with ``A = I + tril(diag(beta) (K K^T * D), -1)`` (D the decay
 from key j to key i), ``[U | W] = A^{-1} diag(beta) [V | exp(G) * K]`` by a float32
 triangular solve; then ``O = exp(G) * Q S + (Q K^T * D) (U - W S)`` and ``S_next =
-exp(G_C) * S + (exp(G_C - G) * K)^T (U - W S)``. ``linattn_jax.ops.chunking`` scans the
-chunks and differentiates them by ``jax.vjp`` of ``chunk_body``, from the state stored at
-each chunk's start.
+exp(G_C) * S + (exp(G_C - G) * K)^T (U - W S)``.
+
+Everything but the state runs for many chunks at once (as FLA's kernels and MaxText's
+``jax_chunk_gated_delta_rule`` do): ``chunk_parts`` forms each chunk's scores, decays,
+triangular solve, U and W, and its transition in state space, ``S_next = a S - M S + B``
+with ``M = K_out^T W [dk, dk]`` and ``B = K_out^T U [dk, dv]``, batched over a group of
+chunks; a ``lax.scan`` then carries only S through the group (one ``[dk, dk] x [dk, dv]``
+product per chunk), and the outputs of all its chunks follow, batched, from the states
+entering them (``chunk_outputs``). On GPU and TPU a group is ``GROUP_TOKENS`` tokens
+(every chunk of a shorter sequence), so the chunk-local work is a few large batched
+products, not one chunk's small ones at a time; on CPU a group is one chunk (measured:
+batching gains nothing there and costs cache, docs/benchmarks.md).
+
+Memory and recompute: ``linattn_jax.ops.chunking.scan`` stores the state entering each
+group; the backward (``group_body_bwd``, hand-written) recomputes the group's
+``chunk_parts`` and its states (one batched pass and the cheap state scan) rather than
+store them, then runs the transposes of the outputs (batched), a reverse scan of the
+transposed transition, and ``jax.vjp`` of ``chunk_parts`` (batched). What is kept between
+the passes is O(t (dk + dv) + (t / C) dk dv), never a state per token; the transient peak
+is one group's ``[C, C]`` pieces, O(group C) per head.
 
 References:
   Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule over Sequence
@@ -20,21 +37,123 @@ import jax
 import jax.numpy as jnp
 
 from linattn_jax.ops import chunking
+from linattn_jax.ops.delta.state import repeat_heads
 from linattn_jax.typing import Array
 
+# Tokens whose chunks run at once on GPU and TPU (all of a shorter sequence): their
+# batched [C, C] pieces, O(GROUP_TOKENS * C) per batch row and head, are the transient peak.
+# On CPU one chunk at a time: the batched products run no faster there than one chunk's,
+# and a chunk's pieces stay in cache (docs/benchmarks.md).
+GROUP_TOKENS = 8192
+# Tokens per chunk when the caller gives none (no gate or one per head): the accelerators'
+# usual tile, 64; on CPU 32, measured at t=8192 (docs/benchmarks.md): DeltaNet's
+# forward+backward 14% and Gated DeltaNet's 4% faster than at 64, for 1.2x the scratch.
+CHUNK_SIZE = {"cpu": 32, "default": 64}
 
-def chunk_body(s: Array, x, *, dtype=None) -> tuple[Array, Array]:
-    """One chunk of c tokens through the (gated) UT transform.
+
+def causal_chunks(
+    xs,
+    state: Array,
+    chunk_size: int | None,
+    length: int,
+    *,
+    groups: int = 1,
+    dtype=None,
+    group_tokens: int | None = None,
+):
+    """The delta rule over chunks, heads-first layout in and out.
+
+    The chunks run ``group_tokens // chunk_size`` at a time (all of them when the
+    sequence is shorter): ``linattn_jax.ops.chunking.scan`` carries the state across
+    groups and stores it at each group's start; inside a group every chunk's local work
+    is one batched pass, and a scan of one small product per chunk carries the state
+    through it. The group sets the memory: the batched ``[C, C]`` pieces of one group
+    (O(group_tokens C) per head) are the transient peak, forward and backward.
 
     Args:
-      s: ``[b, h, dk, dv]`` before the chunk.
-      x: ``(q [b,h,c,dk], k [b,h,c,dk], v [b,h,c,dv], beta [b,h,c],
-        log-decay [b,h,c,1|dk] | None, segment resets | None)``.
+      xs: ``(q [b,h,t,dk], k [b,h,t,dk], v [b,hv,t,dv], beta [b,hv,t], log-decay
+        [b,hv,t,1|dk] | None, segment resets [b,1,t,1] | None)``.
+      state: ``S [b, hv, dk, dv]`` before the first token.
+      chunk_size: tokens per chunk (the last one is padded with inert zeros); None:
+        ``CHUNK_SIZE`` of the backend.
+      length: ``t``.
+      groups: ``hv // h``, the value heads that read each q and k head (repeated one
+        group of chunks at a time, never over the whole sequence).
       dtype: the operand dtype of the products that make the output only
         (``chunking.operand_dtype``; None: no cast).
+      group_tokens: tokens whose chunks run at once (at least one chunk); None: one
+        chunk on CPU, ``GROUP_TOKENS`` on GPU and TPU (``lax.platform_dependent``).
 
     Returns:
-      ``(state after the chunk, out [b, h, c, dv])``.
+      ``(out [b, hv, t, dv], state after the last token)``.
+    """
+    if group_tokens is None or chunk_size is None:
+        run = functools.partial(causal_chunks, length=length, groups=groups, dtype=dtype)
+
+        def on(backend):  # the chunk size and group of each backend where not given
+            size = CHUNK_SIZE[backend] if chunk_size is None else chunk_size
+            if group_tokens is not None:
+                return functools.partial(run, chunk_size=size, group_tokens=group_tokens)
+            group = chunking.chunk_count(size, length)[0] if backend == "cpu" else GROUP_TOKENS
+            return functools.partial(run, chunk_size=size, group_tokens=group)
+
+        return jax.lax.platform_dependent(xs, state, cpu=on("cpu"), default=on("default"))
+    c, n = chunking.chunk_count(chunk_size, length)
+    per_group = max(1, min(group_tokens // c, n))
+    options = dict(c=c, groups=groups, dtype=dtype)
+    body = functools.partial(group_body, **options)
+    body_bwd = functools.partial(group_body_bwd, **options)
+    return chunking.scan(body, state, xs, per_group * c, length, body_bwd=body_bwd)
+
+
+def _group_parts(x, *, c: int, groups: int, dtype=None):
+    """``chunk_parts`` of one group of tokens ``x`` (``causal_chunks``' xs cut to ``[b, h,
+    g, .]``), its chunks folded into the head axis, the last one padded with zeros."""
+    q, k, v, beta, g, r = x
+    q, k = (repeat_heads(y, groups, 1) for y in (q, k))
+    b, h, length = v.shape[:3]
+    if r is not None:  # one reset row per head, so that chunks fold into the head axis
+        r = jnp.broadcast_to(r, (b, h) + r.shape[2:])
+    n = -(-length // c)
+
+    def fold(y):  # [b, h, g, ...] -> [b, h * n, c, ...] (chunk i of head j at j * n + i)
+        if y is None:
+            return None
+        y = jnp.pad(y, [(0, 0), (0, 0), (0, n * c - length)] + [(0, 0)] * (y.ndim - 3))
+        return y.reshape((b, h * n, c) + y.shape[3:])
+
+    return chunk_parts(tuple(fold(y) for y in (q, k, v, beta, g, r)), dtype=dtype)
+
+
+def _unfold(x: Array, h: int, length: int) -> Array:
+    """``[b, h * n, c, dv]`` -> ``[b, h, length, dv]``."""
+    b, m, c = x.shape[:3]
+    return x.reshape(b, h, m // h * c, -1)[:, :, :length]
+
+
+def group_body(s: Array, x, *, c: int, groups: int, dtype=None) -> tuple[Array, Array]:
+    """One group of chunks (``chunking.scan``'s body): ``(state after it, out [b, hv, g,
+    dv])``, for ``s [b, hv, dk, dv]`` and ``x`` as ``causal_chunks``' xs cut to the group."""
+    (transition, reads), (bad, spoilt) = _group_parts(x, c=c, groups=groups, dtype=dtype)
+    h, length = s.shape[1], x[2].shape[2]
+    states, final = _states(h, transition, spoilt, s)
+    out, _ = chunk_outputs(reads, states, bad, dtype=dtype)
+    return final, _unfold(out, h, length)
+
+
+def chunk_parts(x, *, dtype=None):
+    """Every chunk's local pieces, chunks folded into the head axis (``m = h * n``).
+
+    Args:
+      x: ``(q [b,m,c,dk], k [b,m,c,dk], v [b,m,c,dv], beta [b,m,c], log-decay
+        [b,m,c,1|dk] | None, segment resets [b,m,c,1] | None)``.
+      dtype: as in ``causal_chunks`` (the scores ``Q K^T`` only).
+
+    Returns:
+      ``(((a [b,m,1|dk] | None, M [b,m,dk,dk], B [b,m,dk,dv]), (Q_in [b,m,c,dk], scores
+      [b,m,c,c], W [b,m,c,dk], U [b,m,c,dv])), (the outputs to poison [b,m,c,dv], the
+      state's columns to poison [b,m,1,dv]))``: the transition ``S_next = a S - M S + B``,
+      what the outputs read, and (no gradient) the non-finite inputs' reach.
     """
     q, k, v, beta, g, r = x
     # Non-finite keys, values, betas or gates would reach earlier tokens as 0 * NaN in
@@ -47,33 +166,177 @@ def chunk_body(s: Array, x, *, dtype=None) -> tuple[Array, Array]:
     qk = chunking.decayed_scores(q, k, dec, diagonal=True, dtype=dtype)
     kk = chunking.decayed_scores(k, k, dec, diagonal=False)  # float32: it feeds the solve
     if dec is None:
-        q_in, k_in, k_out, s_carried = q, k, k, s
+        q_in, k_in, k_out, across = q, k, k, None
     else:
-        q_in, k_in, k_out = q * dec.into, k * dec.into, k * dec.out_of
-        s_carried = dec.across[..., None] * s
+        q_in, k_in, k_out, across = q * dec.into, k * dec.into, k * dec.out_of, dec.across
     # (I + diag(beta) KK) [U | W] = diag(beta) [V | K_in], in float32 (the inputs are
     # float32 here whatever the caller's dtype).
     rhs = beta[..., None] * jnp.concatenate([v, k_in], axis=-1)
     uw = unit_lower_solve(beta[..., None] * kk, rhs)
     u, w = uw[..., :dv], uw[..., dv:]
+    # The transition in state space: float32 operands (it is what the state keeps).
+    m = jnp.einsum("bmck,bmcl->bmkl", k_out, w)
+    b_ = jnp.einsum("bmck,bmcv->bmkv", k_out, u)
+    return ((across, m, b_), (q_in, qk, w, u)), (bad, spoilt)
+
+
+def chunk_outputs(reads, states: Array, bad: Array, *, dtype=None):
+    """``O = Q_in S + scores (U - W S)`` of every chunk from the state entering it.
+
+    Args:
+      reads: ``(Q_in, scores, W, U)`` of ``chunk_parts``, ``[b, m, c, .]``.
+      states: ``[b, m, dk, dv]``, the state entering each chunk.
+      bad: ``[b, m, c, dv]``, the outputs set to NaN.
+      dtype: the operand dtype of the two products that read the state and U.
+
+    Returns:
+      ``(out [b, m, c, dv], U - W S)``.
+    """
+    q_in, qk, w, u = reads
     # Each token's write, given the state: float32 operands (it reaches the next state).
-    u = u - jnp.einsum("bhck,bhkv->bhcv", w, s)
+    u = u - jnp.einsum("bmck,bmkv->bmcv", w, states)
     mixed = functools.partial(chunking.einsum, dtype=dtype)
-    out = mixed("bhck,bhkv->bhcv", q_in, s) + mixed("bhij,bhjv->bhiv", qk, u)
-    s = s_carried + jnp.einsum("bhck,bhcv->bhkv", k_out, u)
-    return chunking.nan_where(spoilt, s), chunking.nan_where(bad, out)
+    out = mixed("bmck,bmkv->bmcv", q_in, states) + mixed("bmij,bmjv->bmiv", qk, u)
+    return chunking.nan_where(bad, out), u
 
 
-def unit_lower_solve(lower: Array, rhs: Array, block: int = 16) -> Array:
+def _decay(a: Array | None, s: Array) -> Array:
+    """``a [..., 1|dk]`` (None: 1) times ``s [..., dk, dv]``."""
+    return s if a is None else a[..., None] * s
+
+
+def _by_chunk(h: int, x: Array | None) -> Array | None:
+    """``[b, h * n, ...]`` -> ``[n, b, h, ...]``: the chunks as the scan's leading axis."""
+    if x is None:
+        return None
+    b, m = x.shape[:2]
+    return jnp.moveaxis(x.reshape((b, h, m // h) + x.shape[2:]), 2, 0)
+
+
+def _folded(x: Array) -> Array:
+    """``[n, b, h, ...]`` -> ``[b, h * n, ...]`` (the inverse of ``_by_chunk``)."""
+    n, b, h = x.shape[:3]
+    return jnp.moveaxis(x, 0, 2).reshape((b, h * n) + x.shape[3:])
+
+
+def _states(h: int, transition, spoilt: Array, state: Array) -> tuple[Array, Array]:
+    """The scan over chunks: ``(the state entering each chunk [b, h*n, dk, dv], the final
+    state)``, with the columns that a non-finite value spoilt set to NaN."""
+
+    def step(s, x):
+        a, m, b_, bad = x
+        s_next = _decay(a, s) - jnp.einsum("bhkl,bhlv->bhkv", m, s) + b_
+        return chunking.nan_where(bad, s_next), s
+
+    xs = jax.tree.map(functools.partial(_by_chunk, h), (*transition, spoilt))
+    final, states = jax.lax.scan(step, state, xs)
+    return _folded(states), final
+
+
+def group_body_bwd(d_final: Array, inputs, *, c: int, groups: int, dtype=None):
+    """The transpose of ``group_body`` (``chunking.scan``'s ``body_bwd``), from the state
+    entering the group: its chunks' pieces and states are recomputed (batched, and one
+    ``[dk, dk] x [dk, dv]`` product per chunk), then transposed.
+
+    Args:
+      d_final: ``[b, hv, dk, dv]``, the cotangent of the state after the group.
+      inputs: ``(S entering the group, x, out, d out [b, hv, g, dv])``.
+
+    Returns:
+      ``(d S entering the group, d x)``.
+    """
+    s, x, _, d_out = inputs
+    parts, vjp, (bad, spoilt) = jax.vjp(
+        functools.partial(_group_parts, c=c, groups=groups, dtype=dtype), x, has_aux=True
+    )
+    (across, m, _), (q_in, qk, w, _) = parts
+    h = s.shape[1]
+    states, _ = _states(h, parts[0], spoilt, s)
+    _, u = chunk_outputs(parts[1], states, bad, dtype=dtype)
+    pad = bad.shape[1] // h * c - d_out.shape[2]
+    d_out = jnp.pad(d_out, [(0, 0), (0, 0), (0, pad), (0, 0)]).reshape(bad.shape)
+    mixed = functools.partial(chunking.einsum, dtype=dtype)
+    # The outputs' transpose, batched: poisoned outputs are constants (no cotangent).
+    d_out = chunking.where_finite(~bad, d_out)
+    d_u = mixed("bmij,bmiv->bmjv", qk, d_out)
+    d_qk = mixed("bmiv,bmjv->bmij", d_out, u)
+    d_q_in = mixed("bmiv,bmkv->bmik", d_out, states)
+    d_w = -jnp.einsum("bmcv,bmkv->bmck", d_u, states)
+    d_local = mixed("bmck,bmcv->bmkv", q_in, d_out) - jnp.einsum("bmck,bmcv->bmkv", w, d_u)
+
+    # The transition's transpose, one chunk at a time from the last: d S_next -> d S.
+    def step(d_s, y):
+        a, m_i, spoilt_i, d_local_i = y
+        d_s = chunking.where_finite(~spoilt_i, d_s)  # a poisoned column is a constant
+        d_prev = _decay(a, d_s) - jnp.einsum("bhkl,bhkv->bhlv", m_i, d_s) + d_local_i
+        return d_prev, d_s
+
+    ys = jax.tree.map(functools.partial(_by_chunk, h), (across, m, spoilt, d_local))
+    d_state, d_next = jax.lax.scan(step, d_final, ys, reverse=True)
+    d_next = _folded(d_next)  # [b, m, dk, dv]: the cotangent of the state after each chunk
+    d_m = -jnp.einsum("bmkv,bmlv->bmkl", d_next, states)
+    d_across = None
+    if across is not None:
+        d_across = jnp.sum(d_next * states, axis=-1)
+        if across.shape[-1] == 1:
+            d_across = jnp.sum(d_across, axis=-1, keepdims=True)
+    (d_x,) = vjp(((d_across, d_m, d_next), (d_q_in, d_qk, d_w, d_u)))
+    return d_state, d_x
+
+
+def unit_lower_solve(lower: Array, rhs: Array) -> Array:
     """``(I + lower)^{-1} rhs`` for strictly lower-triangular ``lower [..., c, c]``.
 
-    Forward substitution: over blocks of ``block`` rows by matmuls with the rows solved
-    before, and row by row inside a block. Substitution is backward stable whatever the
-    system's conditioning; the nilpotent product series ``(I + N)(I + N^2)...`` cancels
-    catastrophically when beta nears 2 with repeated keys (the system's entries are then
-    +-2 all the way down). Elementwise products and small matmuls only: XLA's CPU
-    triangular solve (a LAPACK call) hung inside the chunk scan's gradient.
+    Triangular substitution, backward stable whatever the system's conditioning (the
+    nilpotent product series ``(I + N)(I + N^2)...`` cancels catastrophically when beta
+    nears 2 with repeated keys: the system's entries are then +-2 all the way down).
+    Which substitution, measured batched over all chunks (``python -m
+    experiments.benchmark triangular``, docs/benchmarks.md): on CPU blocked forward
+    substitution in plain ops with a hand-written gradient (``_blocked_solve``), several
+    times faster there than XLA's ``triangular_solve`` (a LAPACK call per system), than
+    inverting and multiplying, and than the product series; on GPU and TPU XLA's
+    ``triangular_solve`` (cuBLAS's batched trsm, the TPU's own), one op with no loop.
     """
+    return jax.lax.platform_dependent(lower, rhs, cpu=_blocked_solve, default=_xla_solve)
+
+
+def _xla_solve(lower: Array, rhs: Array) -> Array:
+    # unit_diagonal: the (zero) diagonal of ``lower`` is neither read nor differentiated.
+    return jax.lax.linalg.triangular_solve(
+        lower, rhs, left_side=True, lower=True, unit_diagonal=True
+    )
+
+
+@jax.custom_vjp
+def _blocked_solve(lower: Array, rhs: Array) -> Array:
+    """``(I + lower)^{-1} rhs`` by blocked forward substitution (``_substitution``)."""
+    return _substitution(lower, rhs)
+
+
+def _blocked_solve_fwd(lower, rhs):
+    x = _substitution(lower, rhs)
+    return x, (lower, x)
+
+
+def _blocked_solve_bwd(residuals, d_x):
+    # x = A^{-1} rhs: d rhs = A^{-T} d x (back substitution, as a forward one on the
+    # reversed rows and columns) and d lower = -tril(d rhs x^T, -1). Autodiff through
+    # the row loop would keep its carry at every row: 16 copies of the right-hand side.
+    lower, x = residuals
+    flip = lambda y: jnp.flip(y, axis=(-2, -1))
+    d_rhs = jnp.flip(_substitution(flip(jnp.swapaxes(lower, -1, -2)), jnp.flip(d_x, -2)), -2)
+    c = lower.shape[-1]
+    below = jnp.tril(jnp.ones((c, c), bool), -1)
+    d_lower = jnp.where(below, -jnp.einsum("...in,...jn->...ij", d_rhs, x), 0.0)
+    return d_lower.astype(lower.dtype), d_rhs
+
+
+_blocked_solve.defvjp(_blocked_solve_fwd, _blocked_solve_bwd)
+
+
+def _substitution(lower: Array, rhs: Array, block: int = 16) -> Array:
+    """Forward substitution: over blocks of ``block`` rows by matmuls with the rows
+    solved before, and row by row inside a block."""
     c = lower.shape[-1]
     solved = []  # blocks of solved rows, [..., rows, n]
     for start in range(0, c, block):

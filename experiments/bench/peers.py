@@ -1,0 +1,179 @@
+"""Ours against other JAX implementations of the same maths, on the same inputs (b=1, h=8,
+d=dv=64, float32), forward and forward+backward, interleaved repetitions in one process:
+
+* ``performer``: the additive form with elu + 1 features against a Performer-style
+  baseline written here (no peer code in this repository): non-causal, the two einsums
+  on ``[b, t, h, d]``; causal, a per-token prefix sum in ``lax.scan`` with the custom
+  gradient of Performer's JAX code (the backward rebuilds the earlier states by
+  subtracting outer products from the final one).
+* ``--impl module:function``: any JAX function installed separately (e.g. a thin adapter
+  over jax-linear-attention's ``jla.ops.linear_attention(kind, ..., impl="chunked")``),
+  called with the arguments of ``recurrences.recurrence_case`` for ``--families``:
+  ``(q, k, v, gate)`` for the additive families, ``(q, k, v, beta, gate)`` for the delta
+  rule (``gate`` None for DeltaNet; ``[b, t, h]`` per head, ``[b, t, h, d]`` per channel)
+  and returning ``out [b, t, h, dv]``. Ours runs the same maths: the delta rule with
+  scale 1; the additive families with identity features and no denominator
+  (``simple_gla`` is ``additive_decay`` so computed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+import linattn_jax as la
+from experiments.bench.recurrences import recurrence_case
+from experiments.bench.timing import scratch_mib, time_ms
+
+
+def _elu1(x):
+    return jax.nn.elu(x) + 1.0
+
+
+def performer_noncausal(q, k, v):
+    """Performer-style non-causal linear attention: two einsums, ``[b, t, h, d]``."""
+    q, k = _elu1(q), _elu1(k)
+    kv = jnp.einsum("bthd,bthv->bhdv", k, v)
+    num = jnp.einsum("bthd,bhdv->bthv", q, kv)
+    den = jnp.einsum("bthd,bhd->bth", q, jnp.sum(k, axis=1))
+    return num / (den[..., None] + 1e-6)
+
+
+@jax.custom_vjp
+def _prefix_num(q, k, v):
+    """``out_i = q_i^T sum_{j <= i} k_j v_j^T``, one scan step per token, ``[t, b, h, .]``."""
+    return _prefix_num_fwd(q, k, v)[0]
+
+
+def _prefix_num_fwd(q, k, v):
+    def step(s, x):
+        qi, ki, vi = x
+        s = s + jnp.einsum("bhd,bhv->bhdv", ki, vi)
+        return s, jnp.einsum("bhd,bhdv->bhv", qi, s)
+
+    s0 = jnp.zeros(q.shape[1:] + v.shape[-1:], q.dtype)
+    s, out = jax.lax.scan(step, s0, (q, k, v))
+    return out, (q, k, v, s)
+
+
+def _prefix_num_bwd(residuals, d_out):
+    q, k, v, s = residuals
+
+    def step(carry, x):  # from the last token: the state before it by subtraction
+        s, d_s = carry
+        qi, ki, vi, di = x
+        d_q = jnp.einsum("bhv,bhdv->bhd", di, s)
+        d_s = d_s + jnp.einsum("bhd,bhv->bhdv", qi, di)
+        d_k, d_v = jnp.einsum("bhdv,bhv->bhd", d_s, vi), jnp.einsum("bhdv,bhd->bhv", d_s, ki)
+        s = s - jnp.einsum("bhd,bhv->bhdv", ki, vi)
+        return (s, d_s), (d_q, d_k, d_v)
+
+    _, grads = jax.lax.scan(step, (s, jnp.zeros_like(s)), (q, k, v, d_out), reverse=True)
+    return grads
+
+
+_prefix_num.defvjp(_prefix_num_fwd, _prefix_num_bwd)
+
+
+def performer_causal(q, k, v):
+    """Performer-style causal linear attention (elu + 1 features)."""
+    seq = functools.partial(jnp.moveaxis, source=1, destination=0)
+    q, k = seq(_elu1(q)), seq(_elu1(k))
+    num = _prefix_num(q, k, seq(v))
+    den = jnp.einsum("tbhd,tbhd->tbh", q, jnp.cumsum(k, axis=0))
+    return jnp.moveaxis(num / (den[..., None] + 1e-6), 0, 1)
+
+
+def ours_additive(name: str):
+    """The additive family's chunked form on a peer's maths: identity features, no
+    denominator, the gate as given."""
+
+    def fn(q, k, v, gate):
+        return la.causal_linear_attention(
+            q, k, v, gate=gate, feature_map="identity", normalize=False
+        )
+
+    return fn
+
+
+def load(spec: str):
+    """``module:function`` -> the function."""
+    module, _, name = spec.partition(":")
+    if not name:
+        raise ValueError(f"--impl must be module:function, got {spec!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def cases(t: int, families, impl: str | None):
+    """``(family, ours, theirs, args)`` per case at length ``t``."""
+    if impl is None:
+        q, k, v = (jax.random.normal(key, (1, t, 8, 64)) for key in jax.random.split(
+            jax.random.PRNGKey(t), 3))  # fmt: skip
+        yield "noncausal", la.linear_attention, performer_noncausal, (q, k, v)
+        yield "causal", la.causal_linear_attention, performer_causal, (q, k, v)
+        return
+    theirs = load(impl)
+    for family in families:
+        ours, args = recurrence_case(family, "chunked", t)
+        if len(args) == 4:  # additive: the peer's maths (identity features, no denominator)
+            ours = ours_additive(family)
+        yield family, ours, theirs, args
+
+
+def measure(lengths, repeats: int, families, impl: str | None) -> list[dict]:
+    rows = []
+    for t in lengths:
+        for family, ours, theirs, args in cases(t, families, impl):
+            argnums = tuple(i for i, a in enumerate(args) if a is not None)
+            row = dict(t=t, family=family, peer=impl or "performer (inline)")
+            timings = {}
+            for _ in range(2):  # interleaved: ours, theirs, ours, theirs
+                for who, fn in (("ours", ours), ("peer", theirs)):
+                    grad = jax.grad(lambda *a, fn=fn: jnp.sum(fn(*a)), argnums=argnums)
+                    fwd = time_ms(jax.jit(fn), args, repeats)[1]
+                    both = time_ms(jax.jit(grad), args, repeats)[1]
+                    old = timings.get(who, (fwd, both))
+                    timings[who] = (min(old[0], fwd), min(old[1], both))
+            for who, fn in (("ours", ours), ("peer", theirs)):
+                grad = jax.grad(lambda *a, fn=fn: jnp.sum(fn(*a)), argnums=argnums)
+                row[f"{who}_fwd_cpu_ms"], row[f"{who}_fwd_bwd_cpu_ms"] = timings[who]
+                row[f"{who}_fwd_bwd_scratch_mib"] = scratch_mib(grad, args)
+            row["fwd_speedup"] = row["peer_fwd_cpu_ms"] / row["ours_fwd_cpu_ms"]
+            row["fwd_bwd_speedup"] = row["peer_fwd_bwd_cpu_ms"] / row["ours_fwd_bwd_cpu_ms"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| t | form | peer | fwd CPU ms ours / peer | speed-up | fwd+bwd CPU ms ours / peer "
+        "| speed-up | fwd+bwd scratch MiB ours / peer |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['t']} | {r['family']} | {r['peer']} | {r['ours_fwd_cpu_ms']:.1f} / "
+            f"{r['peer_fwd_cpu_ms']:.1f} | {r['fwd_speedup']:.2f}x | "
+            f"{r['ours_fwd_bwd_cpu_ms']:.1f} / {r['peer_fwd_bwd_cpu_ms']:.1f} | "
+            f"{r['fwd_bwd_speedup']:.2f}x | {r['ours_fwd_bwd_scratch_mib']:.1f} / "
+            f"{r['peer_fwd_bwd_scratch_mib']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace, command: str) -> None:
+    """Measures at ``args.lengths``, writes ``peers.md`` to ``args.out``, prints it."""
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    families = args.families.split(",") if args.families else ["gated_deltanet"]
+    text = table(measure(lengths, args.repeats, families, args.impl))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "peers.md").write_text(f"`{command}`\n\n" + text)
+    print(text)
