@@ -124,6 +124,8 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stop_at": (_integer(0)[0], "an integer >= 0 (0: run to `steps`)"),
     "progress": _BOOL,
     "resume": _BOOL,
+    "mesh.fsdp": _integer(1),
+    "mesh.tensor": _integer(1),
     "mesh.sequence": _integer(1),
     "model.attention": (
         _layout_ok,
@@ -187,14 +189,27 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 
 def _mesh_rule(config: ConfigDict) -> str | None:
-    seq_devices = config.mesh.sequence
-    if jax.device_count() % seq_devices:
-        return f"mesh.sequence={seq_devices} must divide the {jax.device_count()} devices"
-    data_devices = jax.device_count() // seq_devices
-    if config.batch_size % data_devices:
+    seq_devices, fsdp, tensor = config.mesh.sequence, config.mesh.fsdp, config.mesh.tensor
+    model_devices = seq_devices * fsdp * tensor
+    if jax.device_count() % model_devices:
+        sizes = {"fsdp": fsdp, "tensor": tensor, "sequence": seq_devices}
+        named = " x ".join(f"mesh.{k}={v}" for k, v in sizes.items() if v > 1)
+        product = f" = {model_devices}" if "x" in named else ""
         return (
-            f"batch_size={config.batch_size} must be divisible by the {data_devices} devices "
-            f"of the data axis"
+            f"{named}{product} must divide the {jax.device_count()} devices (the data axis "
+            f"takes the rest)"
+        )
+    batch_devices = jax.device_count() // (seq_devices * tensor)  # data x fsdp
+    if config.batch_size % batch_devices:
+        axes = "data and fsdp axes" if fsdp > 1 else "data axis"
+        return (
+            f"batch_size={config.batch_size} must be divisible by the {batch_devices} devices "
+            f"of the {axes}"
+        )
+    if tensor > 1 and seq_devices > 1:
+        return (
+            f"mesh.tensor={tensor} with mesh.sequence={seq_devices}: the sequence-parallel "
+            f"layers do not split heads yet; use one of them"
         )
     if seq_devices > 1:
         # A layout may mix in softmax layers: they run on the sharded sequence under jit.
