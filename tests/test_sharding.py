@@ -107,6 +107,7 @@ import numpy as np
 from flax import nnx
 from experiments import trainer
 from tests.test_experiments import tiny_config
+from linattn_jax import sharding
 from tests.test_sharding import CONFIG, _train_steps
 
 assert jax.device_count() == 8
@@ -147,7 +148,8 @@ for name, mesh in {
             "shard": [int(n) for n in x.addressable_shards[0].data.shape],
             "devices": len(x.sharding.device_set),
         })
-    out[name] = {"losses": losses, "arrays": arrays}
+    params = nnx.state(model, nnx.Param)
+    out[name] = {"losses": losses, "arrays": arrays, "param_bytes": sharding.shard_bytes(params)}
     if name != "data2_fsdp2_sequence2":
         out[name]["collectives"] = collectives(model, optimizer, sharder, task)
 
@@ -233,11 +235,16 @@ def test_parameters_and_moments_are_split(eight_devices, name, kernel, mlp):
         # Each device holds 1/n of the elements its spec names n devices for.
         assert np.prod(a["shard"]) * a["split"] == np.prod(a["shape"]), a["path"]
         assert a["devices"] == 8
-    # Every parameter of more than one dimension is split, everywhere it lives.
-    matrices = [a for a in arrays.values() if len(a["shape"]) == 2]
+    # Every matrix is split, everywhere it lives, but the short convolution's ([4, width]:
+    # split by channels, XLA would reshard the activations around it instead).
+    matrices = [a for a in arrays.values() if len(a["shape"]) == 2 and "/conv/" not in a["path"]]
     assert matrices and all(a["split"] >= 2 for a in matrices), name
     split = 8 if name == "fsdp4_tensor2" else (8 if name == "fsdp8" else 2)
     assert arrays["0/blocks/0/attention/q_proj/kernel/value"]["split"] == split
+    # sharding.shard_bytes counts what one device holds: each parameter's 1/n.
+    params = [a for path, a in arrays.items() if path.startswith("0/")]
+    held = sum(4 * np.prod(a["shape"]) // a["split"] for a in params)  # float32
+    assert eight_devices[name]["param_bytes"] == held < sum(4 * np.prod(a["shape"]) for a in params)
 
 
 def test_the_compiled_step_gathers_fsdp_shards_and_no_tensor_split_parameter(eight_devices):
@@ -247,7 +254,7 @@ def test_the_compiled_step_gathers_fsdp_shards_and_no_tensor_split_parameter(eig
     # FSDP: each block matrix is gathered whole from its shards (in its layout or the
     # transposed one) for the step, and its gradient reduced back.
     for path, a in params.items():
-        if len(a["shape"]) == 2:
+        if len(a["shape"]) == 2 and "/conv/" not in path:
             full = tuple(a["shape"])
             assert full in gathered or full[::-1] in gathered, path
     assert fsdp["collectives"]["reduce"] > 0

@@ -1,8 +1,9 @@
 """The command line of ``python -m experiments.benchmark``: one subcommand per suite
-(``forms``, ``recurrences``, ``decode``, ``comm``, ``train-step``, ``compile``), each
+(``forms``, ``recurrences``, ``decode``, ``comm``, ``fsdp``, ``train-step``, ``compile``), each
 taking only its own flags, and the flat command line without a subcommand, which takes
 every flag and runs the suite that ``--recurrences``, ``--decode``, ``--comm`` or
-``--train-steps`` names (the forms when none does; ``compile`` is a subcommand only).
+``--train-steps`` names (the forms when none does; ``compile`` and ``fsdp`` are
+subcommands only).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from experiments.bench import comm, compile_time, decode, forms, recurrences, train_step
+from experiments.bench import comm, compile_time, decode, forms, fsdp, recurrences, train_step
 from experiments.bench.timing import MALLOC_ENV, restart_with
 
 DESCRIPTION = "Speed and memory of every attention form, as CSV, a markdown table and a plot."
@@ -65,6 +66,12 @@ SUITES = {
         ("--decode-contexts", "--decode-batches"),
     ),
     "comm": (comm, "communication of sequence parallelism on 8 (forced CPU) devices", ()),
+    "fsdp": (
+        fsdp,
+        "parameter and AdamW bytes per device and step time of the text LM at two sizes, "
+        "data parallel vs FSDP, on 8 (forced CPU) devices",
+        (("--repeats", dict(default=3, help="timed steps per median")),),
+    ),
     "train-step": (
         train_step,
         "a training step of CONFIG's model (default configs/mqar.py:small) for elu and "
@@ -139,10 +146,10 @@ def parse(argv: Sequence[str]) -> tuple[str, argparse.Namespace]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Runs the suite of ``argv`` (the process's arguments when None; the process
-    first restarts itself under ``MALLOC_ENV``, and ``comm.ENV`` for ``comm``)."""
+    first restarts itself under ``MALLOC_ENV``, and ``comm.ENV`` for ``comm`` and ``fsdp``)."""
     tokens = sys.argv[1:] if argv is None else list(argv)
     if argv is None:
-        on_devices = "--comm" in tokens or tokens[:1] == ["comm"]
+        on_devices = "--comm" in tokens or tokens[:1] in (["comm"], ["fsdp"])
         restart_with(MALLOC_ENV | (comm.ENV if on_devices else {}))
     suite, args = parse(tokens)
     command = ("python -m experiments.benchmark " + " ".join(tokens)).strip()
