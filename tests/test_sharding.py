@@ -105,13 +105,19 @@ import dataclasses, json, math, re, sys
 import jax
 import numpy as np
 from flax import nnx
-from experiments import trainer
+from experiments import checkpoints, trainer
 from tests.test_experiments import tiny_config
 from linattn_jax import sharding
 from tests.test_sharding import CONFIG, _train_steps
 
 assert jax.device_count() == 8
-out = {}
+out = {"errors": []}
+for bad in (["mesh.fsdp=3"], ["mesh.fsdp=2", "mesh.tensor=3"], ["mesh.fsdp=4", "batch_size=6"],
+            ["mesh.tensor=2", "mesh.sequence=2"]):
+    try:
+        trainer.validate(tiny_config("configs/mqar.py:small", *CONFIG, *bad))
+    except ValueError as e:
+        out["errors"].append(str(e))
 
 
 def split_by(spec, mesh):
@@ -172,9 +178,12 @@ asked.clear()
 fsdp2 = ["mesh.fsdp=2", "mesh.sequence=2"]
 trainer.train(tiny_config("configs/mqar.py:small", *CONFIG, *fsdp2), workdir)
 rows = [json.loads(line) for line in open(workdir + "/metrics.jsonl")]
+# The sharded checkpoint loads onto one device, for sampling.
+loaded, _ = checkpoints.load(workdir)
 out["resumed"] = {
     "first_step": asked[0] + 1,
     "loss": [r["loss"] for r in rows if r["split"] == "train" and r["step"] == 3],
+    "loaded_devices": sorted({len(x.sharding.device_set) for x in jax.tree.leaves(nnx.state(loaded))}),
 }
 print(json.dumps(out))
 """
@@ -203,6 +212,16 @@ def eight_devices(tmp_path_factory) -> dict:
 MESHES = ("fsdp8", "fsdp4_tensor2", "data2_fsdp2_sequence2")
 
 
+def test_meshes_that_cannot_run_are_refused_naming_the_fields(eight_devices):
+    assert eight_devices["errors"] == [
+        "mesh.fsdp=3 must divide the 8 devices (the data axis takes the rest)",
+        "mesh.fsdp=2 x mesh.tensor=3 = 6 must divide the 8 devices (the data axis takes the rest)",
+        "batch_size=6 must be divisible by the 8 devices of the data and fsdp axes",
+        "mesh.tensor=2 with mesh.sequence=2: the sequence-parallel layers do not split heads "
+        "yet; use one of them",
+    ]
+
+
 def test_sharded_training_gives_the_single_device_losses(eight_devices):
     assert jax.device_count() == 1
     single, *_ = _train_steps(tiny_config("configs/mqar.py:small", *CONFIG))
@@ -210,6 +229,7 @@ def test_sharded_training_gives_the_single_device_losses(eight_devices):
         np.testing.assert_allclose(eight_devices[name]["losses"], single, rtol=1e-5, err_msg=name)
     # Resumed on another mesh: the step after the saved one, with the loss it had unbroken.
     assert eight_devices["resumed"]["first_step"] == 3
+    assert eight_devices["resumed"]["loaded_devices"] == [1]  # experiments.load
     np.testing.assert_allclose(eight_devices["resumed"]["loss"], single[2:], rtol=1e-5)
 
 
