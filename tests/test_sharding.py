@@ -130,9 +130,20 @@ def collectives(model, optimizer, sharder, task):
         hlo = trainer.train_step.lower(model, optimizer, *batch, task.kind).compile().as_text()
     results = re.findall(r"= (\\S+|\\([^=]*\\)) all-gather\\(", hlo)  # one array or a tuple
     shapes = [s for r in results for s in re.findall(r"\\w+\\[([\\d,]*)\\]", r)]
+    # The computations that the loops run (the chunk scans, forward and backward).
+    bodies = {c: b for c, b in re.findall(r"(?ms)^%?([\\w.-]+) [^\\n]*\\{\\n(.*?)^\\}", hlo)}
+    called = lambda text: re.findall(r"(?:calls|to_apply|body|condition)=%?([\\w.-]+)", text)
+    looped, todo = set(), re.findall(r"body=%?([\\w.-]+)", hlo)
+    while todo:
+        if (c := todo.pop()) not in looped:
+            looped.add(c)
+            todo += called(bodies.get(c, ""))
+    collective = r" (?:all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)\\("
     return {
         "all-gather": sorted({tuple(int(n) for n in s.split(",") if n) for s in shapes}),
         "reduce": len(re.findall(r" (?:reduce-scatter|all-reduce)\\(", hlo)),
+        "loops": len(looped),
+        "in_loops": sum(len(re.findall(collective, bodies.get(c, ""))) for c in looped),
     }
 
 
@@ -286,6 +297,9 @@ def test_the_compiled_step_gathers_fsdp_shards_and_no_tensor_split_parameter(eig
     for a in tensor_split:
         full = tuple(a["shape"])
         assert full not in gathered and full[::-1] not in gathered, a["path"]
+    # The recurrences run on each device's heads: no collective inside the chunk scans.
+    for run in (fsdp, both):
+        assert run["collectives"]["loops"] >= 2 and run["collectives"]["in_loops"] == 0
     # ... while their fsdp shards are gathered (half the heads, all the width).
     q = _arrays(both)["0/blocks/0/attention/q_proj/kernel/value"]
     assert (q["shape"][0], q["shape"][1] // 2) in gathered
