@@ -1,5 +1,6 @@
 """Where parameters live on a mesh: the layers' logical axis names, the default rules from
-them to mesh axes, and ``place``, a state's ``NamedSharding`` tree under those rules.
+them to mesh axes, ``place``, a state's ``NamedSharding`` tree under those rules, and
+``constrain``, which pins an activation's batch and length on the current mesh.
 
 The layers name each dimension of their large parameters when they create them (Flax's
 ``nnx.with_partitioning``: the names sit in the ``Param``'s sharding metadata, so a model
