@@ -16,14 +16,26 @@ def base() -> ConfigDict:
     c.checkpoint_every = 200
     c.keep_checkpoints = 2
     c.stop_at = 0  # stop after this step without changing the schedule (0: run to `steps`)
-    c.progress = True  # tqdm progress bar (only when the output is a terminal)
+    c.progress = True  # tqdm's bar on a terminal, a line per log_every steps off one
     c.resume = True  # resume from the workdir's checkpoints (false: empty the workdir first)
+    # A Hugging Face directory (Qwen3.5, linattn_jax.hf) to fine-tune from: its config.json
+    # sets the model (model.* unread but model.dtype); "": a random initialisation.
+    c.init_from = ""
 
     c.mesh = ConfigDict()
     # The mesh: data x fsdp x sequence x tensor devices, data taking what the others leave.
     c.mesh.fsdp = 1  # parameters and optimizer state split (and batches, with data)
     c.mesh.tensor = 1  # heads and MLP hidden units split (tensor parallelism)
     c.mesh.sequence = 1  # devices along the sequence (sequence-parallel linear attention)
+
+    # Several processes, one per host (experiments.distributed): every process runs the same
+    # command but for its process_id; 0 and "" are left to JAX's detection of the cluster.
+    c.distributed = ConfigDict()
+    c.distributed.num_processes = 1  # 1: one process; 0: detected (SLURM, Open MPI, TPU, ...)
+    c.distributed.process_id = -1  # this process's index in [0, num_processes) (-1: detected)
+    c.distributed.coordinator_address = ""  # "host:port" of process 0 ("": detected)
+    c.distributed.cpu_collectives = "gloo"  # across processes on CPUs: "gloo" or "mpi"
+    c.distributed.initialization_timeout = 300  # seconds to wait for every process to join
 
     c.model = ConfigDict()
     c.model.attention = "linear"  # a kind of linattn_jax.layers.ATTENTION_KINDS
@@ -73,4 +85,5 @@ def base() -> ConfigDict:
     c.optim.grad_clip = 1.0
     c.optim.b1 = 0.9
     c.optim.b2 = 0.98
+    c.optim.accumulate = 1  # micro-batches per step (gradients summed; batch_size is the step's)
     return c

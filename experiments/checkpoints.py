@@ -197,12 +197,12 @@ def _has_checkpoints(workdir: Path) -> bool:
     return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
 
 
-def prepare_workdir(config: ConfigDict, workdir: Path) -> None:
+def prepare_workdir(config: ConfigDict, workdir: Path, *, write: bool = True) -> None:
     """Checks ``workdir`` against ``config`` and writes ``config.json`` there.
 
     A workdir with checkpoints of a different model, task or data is refused
     (``validation.RESUMABLE`` lists the fields that may change); ``resume=false``
-    empties it.
+    empties it. ``write=False`` only checks (the processes of a run but its first).
 
     Raises:
       ValueError: the workdir holds a run of another config.
@@ -224,6 +224,8 @@ def prepare_workdir(config: ConfigDict, workdir: Path) -> None:
                 f"that config to resume it, --config.resume=false to start over there, "
                 f"or use a new --workdir"
             )
+    if not write:
+        return
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         if not config.resume:

@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         name, start = run_name(kind, width, lr), time.perf_counter()
         try:
             final = finished(run, workdir / name) or trainer.train(
-                run, workdir / name, verbose=args.verbose
+                run, workdir / name, verbose=args.verbose, lines=False
             )
         except (ValueError, OSError, FloatingPointError) as e:
             if args.verbose:

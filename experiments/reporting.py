@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import time
 from pathlib import Path
 
 import jax
@@ -91,9 +93,13 @@ def summary_writer(workdir: Path, start: int):
 class MetricsLog:
     """A run's rows, appended to ``workdir/metrics.jsonl`` and, as scalars tagged
     ``split/key``, to TensorBoard; the rows after ``start`` (a resumed run's
-    checkpoint) are dropped from both first. A context manager that closes both."""
+    checkpoint) are dropped from both first. Only process 0 writes (elsewhere ``write``
+    does nothing). A context manager that closes both."""
 
     def __init__(self, workdir: Path, start: int):
+        self.file = self.writer = None
+        if jax.process_index():
+            return
         path = workdir / "metrics.jsonl"
         truncate_metrics(path, start)
         self.writer = summary_writer(workdir, start)
@@ -105,6 +111,8 @@ class MetricsLog:
 
     def write(self, row: dict) -> None:
         """One row: ``step``, ``split`` and the metrics, flushed at once."""
+        if self.file is None:
+            return
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.writer is not None:
@@ -118,7 +126,8 @@ class MetricsLog:
 
     def close(self) -> None:
         try:
-            self.file.close()
+            if self.file is not None:
+                self.file.close()
         finally:
             self._close_writer()
 
@@ -132,6 +141,50 @@ class MetricsLog:
             if exc_type is None:
                 raise
             # A full disk fails the flush too: the error in flight is the one to report.
+
+
+# -- progress -------------------------------------------------------------------
+
+
+def progress_line(row: dict, end: int, seconds: float) -> str:
+    """``"step 50/1000 | loss 2.3141 | lr 0.0015 | grad_norm 0.912 | tokens/s 10234 |
+    elapsed 12s"``: a train row of ``metrics.jsonl`` in words."""
+    return (
+        f"step {row['step']}/{end} | loss {row['loss']:.4f} | lr {row['learning_rate']:.3g} | "
+        f"grad_norm {row['grad_norm']:.3g} | tokens/s {row['tokens_per_s']:.0f} | "
+        f"elapsed {elapsed(seconds)}"
+    )
+
+
+class Progress:
+    """What a run shows as it goes, from process 0 only: tqdm's bar while stderr is a
+    terminal, and while stdout is not (a cluster job, ``nohup``, CI, a pipe), one plain
+    line there per logged row, and the lines of ``note`` (resuming, checkpoints saved).
+    ``shown=False`` shows nothing, ``lines=False`` no lines."""
+
+    def __init__(self, start: int, end: int, desc: str, shown: bool = True, lines: bool = True):
+        from tqdm.auto import tqdm
+
+        shown = shown and jax.process_index() == 0
+        self.lines = shown and lines and not sys.stdout.isatty()
+        # disable=None: only on a terminal.
+        self.bar = tqdm(initial=start, total=end, desc=desc, disable=None if shown else True)
+        self.end, self.began = end, time.perf_counter()
+
+    def note(self, text: str) -> None:
+        if self.lines:
+            print(text, flush=True)
+
+    def step(self) -> None:
+        self.bar.update()
+
+    def row(self, row: dict) -> None:
+        """A train row of ``metrics.jsonl``, as the bar's postfix or a line."""
+        self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+        self.note(progress_line(row, self.end, time.perf_counter() - self.began))
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 # -- results in words -----------------------------------------------------------

@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, config in configs:
         start = time.perf_counter()
         try:
-            final = trainer.train(config, workdir / name, verbose=args.verbose)
+            final = trainer.train(config, workdir / name, verbose=args.verbose, lines=False)
         except (ValueError, OSError, FloatingPointError) as e:
             if args.verbose:
                 traceback.print_exception(e)

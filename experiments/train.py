@@ -7,7 +7,10 @@
 Any config field can be overridden with ``--config.<field>=<value>`` (the same
 syntax as ``experiments.sweep``); ``--print_config`` lists the fields and their
 values. A misspelt field or a bad value is one line of error naming it.
-Re-running with the same ``--workdir`` resumes from its latest checkpoint.
+Re-running with the same ``--workdir`` resumes from its latest checkpoint. One run over
+several processes (one per host): the same command in each, with
+``--config.distributed.coordinator_address=HOST:PORT``, ``num_processes=N`` and its own
+``process_id``, or ``--multihost`` where JAX detects the cluster (SLURM, Open MPI, TPU pods).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Sequence
 
 from absl import logging
 
-from experiments import cli, trainer
+from experiments import cli, distributed, trainer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,7 +32,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--multihost",
         action="store_true",
-        help="call jax.distributed.initialize() first (one process per host)",
+        help="one process of several, one per host, found by JAX's detection of the cluster "
+        "(SLURM, Open MPI, TPU pods): --config.distributed.num_processes=0; or give "
+        "--config.distributed.coordinator_address, num_processes and process_id",
     )
     try:
         args, config = cli.parse(parser, argv)
@@ -37,14 +42,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(cli.format_config(config))
             return 0
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-        if args.multihost:
-            import jax
-
-            jax.distributed.initialize()
+        if args.multihost and config.distributed.num_processes == 1:
+            config.distributed.num_processes = 0
+        distributed.initialize(config)  # first of all (train does it too, if not yet)
         final = trainer.train(config, args.workdir, verbose=args.verbose)
     except (ValueError, OSError, FloatingPointError) as e:
         return cli.report(parser.prog, e, cli.wants_verbose(argv))
-    print(json.dumps(final, indent=2))
+    if distributed.is_primary():
+        print(json.dumps(final, indent=2))
     return 0
 
 

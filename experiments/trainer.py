@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
-from experiments import data, reporting
+from experiments import data, distributed, reporting
 from experiments.checkpoints import (
     Checkpointer,
     WriteError,
@@ -34,7 +34,7 @@ from experiments.checkpoints import (
 )
 from experiments.tasks import TASKS, Task, build_task
 from experiments.validation import validate
-from linattn_jax import models, sharding
+from linattn_jax import hf, models, sharding
 from linattn_jax.layers import registry
 
 # ----------------------------------------------------------------------------
@@ -65,6 +65,8 @@ def build_model(config: ConfigDict, mesh: Mesh | None = None) -> nnx.Module:
     ``model.<section>.<name>``).
     """
     m, spec = config.model, TASKS[config.task]
+    if config.get("init_from"):  # the checkpoint's model; a resumed run overwrites it
+        return hf.from_pretrained(config.init_from, m.dtype)[0]
     kind_options = {
         kind: _kind_options(kind, config) for kind in registry.parse_layout(m.attention, m.depth)
     }
@@ -159,6 +161,20 @@ def _optimizer(steps, lr, warmup_steps, grad_clip, b1, b2, weight_decay):
 
 def loss_and_metrics(model, inputs, labels, key_mask, kind: str):
     """Mean cross-entropy over the positions (or sequences) that have labels."""
+    count = label_count(labels, kind)
+    loss, correct = _weighted_loss(model, inputs, labels, key_mask, kind, count)
+    return loss, {"loss": loss, "accuracy": correct}
+
+
+def label_count(labels, kind: str) -> jax.Array:
+    """How many targets ``labels`` holds (at least 1): the loss's denominator."""
+    valid = labels != data.IGNORE if kind == "lm" else jnp.ones(labels.shape, bool)
+    return jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
+
+
+def _weighted_loss(model, inputs, labels, key_mask, kind: str, count):
+    """The summed cross-entropy and correct predictions of the batch, each over ``count``:
+    a micro-batch's share of its whole batch's mean when ``count`` is the whole batch's."""
     if kind == "lm":
         logits = model(inputs)
         valid = labels != data.IGNORE
@@ -167,19 +183,53 @@ def loss_and_metrics(model, inputs, labels, key_mask, kind: str):
         valid = jnp.ones(labels.shape, bool)
     safe = jnp.where(valid, labels, 0)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
-    count = jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
     loss = jnp.sum(jnp.where(valid, nll, 0.0)) / count
     correct = jnp.where(valid, jnp.argmax(logits, -1) == safe, False)
-    return loss, {"loss": loss, "accuracy": jnp.sum(correct).astype(jnp.float32) / count}
+    return loss, jnp.sum(correct).astype(jnp.float32) / count
 
 
-@nnx.jit(static_argnames="kind")
-def train_step(model, optimizer, inputs, labels, key_mask, kind):
-    """One AdamW step on the batch; returns its loss, accuracy and gradient norm."""
-    grad_fn = nnx.value_and_grad(loss_and_metrics, has_aux=True)
-    (_, metrics), grads = grad_fn(model, inputs, labels, key_mask, kind)
+@nnx.jit(static_argnames=("kind", "accumulate"))
+def train_step(model, optimizer, inputs, labels, key_mask, kind, accumulate: int = 1):
+    """One AdamW step on the batch; returns its loss, accuracy and gradient norm.
+
+    ``accumulate``: the gradient is summed over that many micro-batches in turn (a
+    ``lax.scan``: one micro-batch's activations in memory), each weighted by its share
+    of the batch's targets, so that the step is the one of the whole batch.
+    """
+    count = label_count(labels, kind)
+    if accumulate == 1:
+        (loss, correct), grads = _grads(model, inputs, labels, key_mask, kind, count)
+    else:
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        # The parameters ride in the carry, unchanged: NNX merges only values of the scan's
+        # own trace level.
+        def micro_step(carry, micro_batch):
+            sums, params, rest = carry
+            micro_model = nnx.merge(graphdef, params, rest)
+            (loss, correct), grads = _grads(micro_model, *micro_batch, kind, count)
+            rest = nnx.split(micro_model, nnx.Param, ...)[2]  # e.g. a dropout's RNG, moved on
+            return (jax.tree.map(jnp.add, sums, (loss, correct, grads)), params, rest), None
+
+        zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+        micro_batches = [_micro_batches(x, accumulate) for x in (inputs, labels, key_mask)]
+        carry, _ = jax.lax.scan(micro_step, (zeros, params, rest), micro_batches)
+        (loss, correct, grads), _, rest = carry
+        nnx.update(model, rest)
     optimizer.update(model, grads)
-    return metrics | {"grad_norm": _global_norm(grads)}
+    return {"loss": loss, "accuracy": correct, "grad_norm": _global_norm(grads)}
+
+
+def _grads(model, inputs, labels, key_mask, kind: str, count):
+    """``_weighted_loss``'s values, and its gradient with respect to the parameters."""
+    grad_fn = nnx.value_and_grad(_weighted_loss, has_aux=True)
+    return grad_fn(model, inputs, labels, key_mask, kind, count)
+
+
+def _micro_batches(x: jax.Array, k: int) -> jax.Array:
+    """``[b, ...]`` -> ``[k, b / k, ...]``, micro-batch ``i`` the rows ``i, i + k, ...``: each
+    device's rows (a contiguous block of the ``data`` axis) split evenly among them."""
+    return jnp.moveaxis(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 1, 0)
 
 
 def _global_norm(tree) -> jax.Array:
@@ -240,6 +290,13 @@ class Sharder:
 
         return create()
 
+    def place(self, *modules) -> tuple:
+        """The modules, their state moved into its shardings (``linattn_jax.sharding.place``);
+        for modules that cannot be created under jit."""
+        state = nnx.state(modules)
+        nnx.update(modules, jax.device_put(state, sharding.place(state, self.mesh)))
+        return modules
+
     def replicate(self, *modules) -> None:
         """Puts the modules' state on every device."""
         state = nnx.state(modules)
@@ -253,6 +310,8 @@ def create_state(config: ConfigDict, sharder: Sharder) -> tuple[nnx.Module, nnx.
         model = build_model(config, sharder.mesh)
         return model, nnx.Optimizer(model, build_optimizer(config), wrt=nnx.Param)
 
+    if config.get("init_from"):  # weights read from disk: built whole, then split
+        return sharder.place(*make())
     return sharder.create(make)
 
 
@@ -314,6 +373,7 @@ def _on_the_mesh(train):
 
     @functools.wraps(train)
     def on_the_mesh(config: ConfigDict, *args, **kwargs):
+        distributed.initialize(config)  # before any device is used (train's call: a no-op)
         validate(config)  # before the mesh is made of its fields
         with jax.set_mesh(Sharder.of(config).mesh):
             return train(config, *args, **kwargs)
@@ -322,12 +382,16 @@ def _on_the_mesh(train):
 
 
 @_on_the_mesh
-def train(config: ConfigDict, workdir: str | Path, *, verbose: bool = False) -> dict:
+def train(
+    config: ConfigDict, workdir: str | Path, *, verbose: bool = False, lines: bool = True
+) -> dict:
     """Trains (resuming from ``workdir``'s latest checkpoint) and returns the final
     evaluation, also written to ``workdir/final.json`` and ``final.md``.
 
     ``verbose``: let orbax's logs of a failed save or restore through (a traceback per
     writer thread), and chain each error to its cause; by default each failure is one line.
+    ``lines``: off a terminal, print a line per logged step, resume and save (sweeps and
+    grids print one line per run instead).
 
     Raises:
       ValueError: a config that cannot run, or a workdir holding a run of another
@@ -338,9 +402,10 @@ def train(config: ConfigDict, workdir: str | Path, *, verbose: bool = False) -> 
       FloatingPointError: the loss became non-finite; every checkpoint kept gives a
         finite loss at its next step.
     """
+    distributed.initialize(config)
     validate(config)
     workdir = Path(workdir).absolute()
-    prepare_workdir(config, workdir)
+    _prepare_workdir(config, workdir)
     task = build_task(config)
     sharder = Sharder.of(config)
     model, optimizer = create_state(config, sharder)
@@ -360,9 +425,8 @@ def train(config: ConfigDict, workdir: str | Path, *, verbose: bool = False) -> 
             logging.info("resuming %s from step %d", workdir, start)
         end = config.steps if config.stop_at <= 0 else min(config.stop_at, config.steps)
         checkpoints = Checkpointer(manager, workdir, verbose=verbose)
-        _loop(
-            Run(config, task, model, optimizer, sharder, manager, workdir, start, end), checkpoints
-        )
+        run = Run(config, task, model, optimizer, sharder, manager, workdir, start, end)
+        _loop(run, checkpoints, lines)
         checkpoints.close()
     except BaseException:
         # A save in flight may fail as well: its error must not replace this one.
@@ -376,6 +440,13 @@ def train(config: ConfigDict, workdir: str | Path, *, verbose: bool = False) -> 
     final = evaluate(model, task, config, sharder) | {"step": config.steps}
     if config.task == "text_lm":
         final["sample"] = sample_text(model, config)
+    if distributed.is_primary():
+        _write_final(config, final, workdir, verbose)
+    return final
+
+
+def _write_final(config: ConfigDict, final: dict, workdir: Path, verbose: bool) -> None:
+    """``final.json``, ``final.md`` and ``curves.png`` in the workdir."""
     try:
         (workdir / "final.json").write_text(json.dumps(final, indent=2))
         (workdir / "final.md").write_text(reporting.results_row(config, final) + "\n")
@@ -383,7 +454,17 @@ def train(config: ConfigDict, workdir: str | Path, *, verbose: bool = False) -> 
     except OSError as e:
         what = f"the final evaluation (step {config.steps}) to {workdir}"
         raise write_error(what, workdir, e) from (e if verbose else None)
-    return final
+
+
+def _prepare_workdir(config: ConfigDict, workdir: Path) -> None:
+    """``prepare_workdir`` on a run's processes: each checks (all fail alike) before the
+    first writes, and the others go on once it has."""
+    if jax.process_count() > 1:
+        prepare_workdir(config, workdir, write=False)
+        distributed.barrier("workdir checked")
+    if distributed.is_primary():
+        prepare_workdir(config, workdir)
+    distributed.barrier("workdir prepared")
 
 
 def _kept(run: Run) -> str:
@@ -417,59 +498,56 @@ def _check_next_step(run: Run, done: int) -> None:
         )
 
 
-def _loop(run: Run, checkpoints: Checkpointer) -> None:
+def _loop(run: Run, checkpoints: Checkpointer, lines: bool = True) -> None:
     """Steps ``run.start + 1`` to ``run.end``, logging, evaluating and saving (through
-    ``checkpoints``) at the config's cadence.
+    ``checkpoints``) at the config's cadence (``lines``: as ``train``'s). The steps'
+    metrics stay on the devices until a row is due, an evaluation or a save (one transfer
+    for all of them): each step's loss and gradient norm are checked then, before anything
+    is saved.
 
     Raises:
       OSError: a write to the workdir failed, in one line naming the step.
     """
-    from tqdm.auto import tqdm
-
     config, task = run.config, run.task
     schedule = learning_rate(config)
     done = run.start
-    bar = tqdm(
-        range(run.start, run.end),
-        initial=run.start,
-        total=run.end,
-        disable=True if not config.progress else None,  # None: only on a terminal
-        desc=f"{config.task}/{config.model.attention}/{config.model.feature_map}",
+    desc = f"{config.task}/{config.model.attention}/{config.model.feature_map}"
+    progress = reporting.Progress(run.start, run.end, desc, config.progress, lines)
+    if run.start:
+        progress.note(f"resuming from step {run.start} of {run.workdir}")
+    step_fn = functools.partial(
+        train_step, run.model, run.optimizer, kind=task.kind, accumulate=config.optim.accumulate
     )
     try:
         with reporting.MetricsLog(run.workdir, run.start) as log:
             tokens, last = 0, time.perf_counter()  # tokens since the last log line
-            for step in bar:
+            pending = []  # the metrics (on the devices) of the steps since the last fetch
+            for step in range(run.start, run.end):
                 batch = task.batch(step, "train")
                 tokens += batch.inputs.size
-                metrics = train_step(
-                    run.model, run.optimizer, *run.sharder.put_batch(batch), task.kind
-                )
-                loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
-                _check_step(run, step, loss, grad_norm)
+                pending.append(step_fn(*run.sharder.put_batch(batch)))
+                progress.step()
                 done = step + 1
-                if done % config.log_every == 0 or done == run.end:
+                logs = done % config.log_every == 0 or done == run.end
+                evaluates = done % config.eval_every == 0 or done == config.steps
+                saves = done % config.checkpoint_every == 0 or done == run.end
+                if not (logs or evaluates or saves):
+                    continue
+                metrics = _fetch_checked(run, done, pending)
+                pending = []
+                if logs:
                     now = time.perf_counter()
                     rate, tokens, last = tokens / (now - last), 0, now
-                    log.write(
-                        {
-                            "step": done,
-                            "split": "train",
-                            "loss": loss,
-                            "accuracy": float(metrics["accuracy"]),
-                            "learning_rate": float(schedule(step)),
-                            "grad_norm": grad_norm,
-                            "tokens_per_s": rate,
-                        }
-                    )
-                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
-                if done % config.eval_every == 0 or done == config.steps:
+                    row = _train_row(done, metrics, float(schedule(step)), rate)
+                    log.write(row)
+                    progress.row(row)
+                if evaluates:
                     evaluation = evaluate(run.model, task, config, run.sharder)
                     log.write({"step": done, "split": "eval"} | evaluation)
-                if done % config.checkpoint_every == 0 or done == run.end:
+                if saves:
                     _check_next_step(run, done)
-                    checkpoints.save(done, run.model, run.optimizer)
-            checkpoints.wait()
+                    _save(checkpoints, done, run, progress)
+            _save(checkpoints, None, run, progress)
     except WriteError:
         raise
     except OSError as e:  # metrics.jsonl or TensorBoard's events, on a full disk
@@ -477,7 +555,42 @@ def _loop(run: Run, checkpoints: Checkpointer) -> None:
         what = f"{name} to {run.workdir} at step {done}"
         raise write_error(what, run.workdir, e) from (e if checkpoints.verbose else None)
     finally:
-        bar.close()
+        progress.close()
+
+
+def _fetch_checked(run: Run, done: int, pending: list[dict]) -> dict:
+    """The last step's metrics, from one transfer of the ``pending`` steps' (the steps up
+    to ``done``); raises FloatingPointError at the first of them that was not finite."""
+    fetched = jax.device_get(pending)
+    for step, metrics in enumerate(fetched, done - len(fetched)):
+        _check_step(run, step, float(metrics["loss"]), float(metrics["grad_norm"]))
+    return fetched[-1]
+
+
+def _train_row(done: int, metrics: dict, lr: float, rate: float) -> dict:
+    """The ``metrics.jsonl`` row of step ``done``."""
+    return {
+        "step": done,
+        "split": "train",
+        "loss": float(metrics["loss"]),
+        "accuracy": float(metrics["accuracy"]),
+        "learning_rate": lr,
+        "grad_norm": float(metrics["grad_norm"]),
+        "tokens_per_s": rate,
+    }
+
+
+def _save(checkpoints: Checkpointer, step: int | None, run: Run, progress) -> None:
+    """Saves checkpoint ``step`` (None: waits for the save in flight), noting each save
+    known to be finished (the first at once, each later one when the next starts)."""
+    before = checkpoints.pending
+    if step is None:
+        checkpoints.wait()
+    else:
+        checkpoints.save(step, run.model, run.optimizer)
+    for saved in (before, step):
+        if saved is not None and saved != checkpoints.pending:
+            progress.note(f"saved checkpoint {saved} in {run.workdir / 'checkpoints'}")
 
 
 def sample_text(model, config: ConfigDict, prompt: str | None = None, length: int | None = None):

@@ -8,6 +8,7 @@ its kind does not read).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,7 @@ from ml_collections import ConfigDict
 import linattn_jax as la
 from experiments.configuration import flatten
 from experiments.tasks import TASKS, mqar_shapes, parse_mix
-from linattn_jax import feature_maps, layers
+from linattn_jax import feature_maps, hf, layers
 from linattn_jax.layers import registry
 
 # ============================================================================
@@ -126,7 +127,16 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "resume": _BOOL,
     "mesh.fsdp": _integer(1),
     "mesh.tensor": _integer(1),
+    "init_from": ((lambda v: isinstance(v, str)), "a directory (a string; '': none)"),
     "mesh.sequence": _integer(1),
+    "distributed.num_processes": (_integer(0)[0], "an integer >= 0 (0: detected by JAX)"),
+    "distributed.process_id": (_integer(-1)[0], "an integer >= -1 (-1: detected by JAX)"),
+    "distributed.coordinator_address": (
+        lambda v: v == "" or (isinstance(v, str) and bool(re.fullmatch(r"\S+:\d+", v))),
+        "'' (detected by JAX) or 'host:port' of process 0, e.g. '10.0.0.1:1234'",
+    ),
+    "distributed.cpu_collectives": _one_of(("gloo", "mpi")),
+    "distributed.initialization_timeout": _integer(1),
     "model.attention": (
         _layout_ok,
         f"one of {tuple(ATTENTION_FIELDS)} or a layout such as '3 gated_deltanet : 1 softmax'",
@@ -169,6 +179,7 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "optim.grad_clip": _number(0, lo_open=True),
     "optim.b1": _number(0, 1),
     "optim.b2": _number(0, 1),
+    "optim.accumulate": _integer(1),
     "mqar.num_pairs": _integer(1),
     "mqar.vocab_size": _integer(4),
     "mqar.spread": _BOOL,
@@ -200,8 +211,8 @@ def _mesh_rule(config: ConfigDict) -> str | None:
             f"takes the rest)"
         )
     batch_devices = jax.device_count() // (seq_devices * tensor)  # data x fsdp
+    axes = "data and fsdp axes" if fsdp > 1 else "data axis"
     if config.batch_size % batch_devices:
-        axes = "data and fsdp axes" if fsdp > 1 else "data axis"
         return (
             f"batch_size={config.batch_size} must be divisible by the {batch_devices} devices "
             f"of the {axes}"
@@ -210,6 +221,12 @@ def _mesh_rule(config: ConfigDict) -> str | None:
         return (
             f"mesh.tensor={tensor} with mesh.sequence={seq_devices}: the sequence-parallel "
             f"layers do not split heads yet; use one of them"
+        )
+    accumulate = config.optim.accumulate
+    if config.batch_size % (accumulate * batch_devices):
+        return (
+            f"batch_size={config.batch_size} must be divisible by optim.accumulate={accumulate} "
+            f"x the {batch_devices} devices of the {axes} (each micro-batch split over them)"
         )
     if seq_devices > 1:
         # A layout may mix in softmax layers: they run on the sharded sequence under jit.
@@ -221,6 +238,36 @@ def _mesh_rule(config: ConfigDict) -> str | None:
         if config.seq_len % seq_devices:
             return f"seq_len={config.seq_len} must be divisible by mesh.sequence={seq_devices}"
     return None
+
+
+def _distributed_rule(config: ConfigDict) -> str | None:
+    d = config.distributed
+    if d.num_processes == 1:
+        for name, unset in (("process_id", -1), ("coordinator_address", "")):
+            if d[name] != unset:
+                return (
+                    f"distributed.{name}={d[name]!r} needs distributed.num_processes > 1 (or 0: "
+                    f"detected by JAX), got distributed.num_processes=1"
+                )
+    elif d.num_processes and d.process_id >= d.num_processes:
+        return (
+            f"distributed.process_id={d.process_id} must be below "
+            f"distributed.num_processes={d.num_processes}"
+        )
+    return None
+
+
+def validate_distributed(config: ConfigDict) -> None:
+    """Checks the ``distributed`` fields alone (before JAX's runtime, and so any device,
+    has started).
+
+    Raises:
+      ValueError: naming the first bad field, what it must be and what it is.
+    """
+    _check_fields(config, "distributed.")
+    message = _distributed_rule(config)
+    if message:
+        raise ValueError(message)
 
 
 def _mqar_rule(config: ConfigDict) -> str | None:
@@ -265,7 +312,33 @@ def _heads_rule(config: ConfigDict) -> str | None:
     return None
 
 
+def _init_from_rule(config: ConfigDict) -> str | None:
+    """A checkpoint to start from: a causal LM task whose tokens it knows, no sequence
+    parallelism, a dtype it loads in; its directory readable (``hf.qwen3_5.read_config``)."""
+    path = config.get("init_from")
+    if not path:
+        return None
+    if TASKS[config.task].kind != "lm" or config.mesh.sequence > 1:
+        return (
+            f"init_from needs a language-model task and mesh.sequence=1, got task={config.task!r}"
+        )
+    if config.model.dtype not in ("float32", "bfloat16"):
+        return f"init_from loads float32 or bfloat16, got model.dtype={config.model.dtype!r}"
+    try:
+        checkpoint = hf.qwen3_5.read_config(path)
+    except ValueError as e:
+        return f"init_from={path!r}: {e}"
+    vocab = TASKS[config.task].vocab_size(config)
+    if vocab > checkpoint["vocab_size"]:
+        return (
+            f"init_from={path!r} knows {checkpoint['vocab_size']} tokens, fewer than the task's "
+            f"{vocab}"
+        )
+    return None
+
+
 RULES: list[Callable[[ConfigDict], str | None]] = [
+    _init_from_rule,
     _heads_rule,
     lambda c: (
         f"model.feature_map={c.model.feature_map!r} needs model.normalize=true (its per-query "
@@ -275,6 +348,7 @@ RULES: list[Callable[[ConfigDict], str | None]] = [
         and _requires_normalize(c.model.feature_map)
         else None
     ),
+    _distributed_rule,
     _mesh_rule,
     lambda c: _mqar_rule(c) if c.task == "mqar" else None,
     lambda c: (
@@ -283,6 +357,19 @@ RULES: list[Callable[[ConfigDict], str | None]] = [
         else None
     ),
 ]
+
+
+def _check_fields(config: ConfigDict, prefix: str = "") -> dict[str, Any]:
+    """Checks each field (under ``prefix``) against its row of ``FIELDS``; returns them all."""
+    fields = flatten(config)
+    for name, (ok, expected) in FIELDS.items():
+        if not name.startswith(prefix) or name not in fields:
+            continue  # another task's section
+        # Every field, whatever the attention kind: a bad value the kind ignores today
+        # would break a rerun under another kind, and is as likely a typo.
+        if not ok(fields[name]):
+            raise ValueError(f"{name} must be {expected}, got {fields[name]!r}")
+    return fields
 
 
 def validate(config: ConfigDict) -> None:
@@ -294,14 +381,7 @@ def validate(config: ConfigDict) -> None:
     """
     if config.get("task") not in TASKS:
         raise ValueError(f"task must be one of {tuple(TASKS)}, got {config.get('task')!r}")
-    fields = flatten(config)
-    for name, (ok, expected) in FIELDS.items():
-        if name not in fields:
-            continue  # another task's section
-        # Every field, whatever the attention kind: a bad value the kind ignores today
-        # would break a rerun under another kind, and is as likely a typo.
-        if not ok(fields[name]):
-            raise ValueError(f"{name} must be {expected}, got {fields[name]!r}")
+    fields = _check_fields(config)
     if "model.feature_map" in fields and fields["model.feature_map"] not in feature_map_names():
         raise ValueError(
             f"model.feature_map must be one of {feature_map_names()}, "
@@ -332,9 +412,14 @@ RESUMABLE = (
     "progress",
     "resume",
     "mesh",
+    "distributed",
     "text.sample_prompt",
     "text.sample_length",
 )
+
+
+# Fields newer than some stored configs: absent there, they held this value.
+ABSENT_IS = {"init_from": ""}
 
 
 def config_changes(stored: dict, config: ConfigDict) -> list[str]:
@@ -354,7 +439,8 @@ def config_changes(stored: dict, config: ConfigDict) -> list[str]:
         short = name.removeprefix("model.")
         if name.startswith("model.") and short in KIND_FIELDS and short not in read:
             continue  # no kind here reads it
-        before, now = old.get(name, "<absent>"), new.get(name, "<absent>")
+        absent = ABSENT_IS.get(name, "<absent>")
+        before, now = old.get(name, absent), new.get(name, absent)
         if before != now:
             changes.append(f"{name}={before!r} there, {now!r} now")
     return changes

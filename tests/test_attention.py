@@ -17,7 +17,6 @@ B, H, D, DV = 2, 3, 8, 5  # d != dv on purpose
 
 
 class NonCausalTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
     @parameterized.product(
         feature_map=["elu", "relu"],
         lengths=[(1, 1), (7, 13), (16, 5)],  # t != s
@@ -28,7 +27,7 @@ class NonCausalTest(chex.TestCase):
         t, s = lengths
         q, k, v = helpers.qkv(0, B, t, H, D, DV, s=s, dtype=dtype)
         mask = helpers.key_mask(1, B, s) if masked else None
-        fn = self.variant(
+        fn = jax.jit(
             lambda q, k, v, m: la.linear_attention(q, k, v, feature_map=feature_map, key_mask=m)
         )
         out = fn(q, k, v, mask)
@@ -72,7 +71,6 @@ class NonCausalTest(chex.TestCase):
 
 
 class CausalTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
     @parameterized.product(
         method=["chunked", "scan"],
         t=[1, 13, 32],
@@ -81,7 +79,7 @@ class CausalTest(chex.TestCase):
     )
     def test_matches_reference(self, method, t, chunk_size, dtype):
         q, k, v = helpers.qkv(10, B, t, H, D, DV, dtype=dtype)
-        fn = self.variant(
+        fn = jax.jit(
             lambda q, k, v: la.causal_linear_attention(
                 q, k, v, method=method, chunk_size=chunk_size
             )
@@ -92,7 +90,6 @@ class CausalTest(chex.TestCase):
         chex.assert_type(out, dtype)
         chex.assert_trees_all_close(out.astype(jnp.float32), ref, **helpers.tol(dtype))
 
-    @chex.variants(with_jit=True, without_jit=True)
     @parameterized.product(
         method=["chunked", "scan", "quadratic"],
         feature_map=["elu", "relu", "identity"],
@@ -105,7 +102,7 @@ class CausalTest(chex.TestCase):
         mask = helpers.key_mask(12, B, t) if masked else None
         state = helpers.random_state(13, B, H, D, DV) if with_state else None
         normalize = feature_map != "identity"  # a signed kernel has no safe denominator
-        fn = self.variant(
+        fn = jax.jit(
             lambda q, k, v, m, s: la.causal_linear_attention(
                 q,
                 k,
@@ -207,6 +204,25 @@ class CausalTest(chex.TestCase):
         mask = jnp.concatenate([jnp.zeros((B, 3), bool), jnp.ones((B, 10), bool)], axis=1)
         padded = la.causal_linear_attention(pad(q), pad(k), pad(v), key_mask=mask, chunk_size=4)
         chex.assert_trees_all_close(padded[:, 3:], out, **helpers.tol(jnp.float32))
+
+
+class EagerTest(chex.TestCase):
+    """The forms called without jit agree as they do compiled: one shape each, in both
+    dtypes (the parameterised tests above run under jit)."""
+
+    @parameterized.product(dtype=[jnp.float32, jnp.bfloat16], masked=[False, True])
+    def test_eager_matches_reference(self, dtype, masked):
+        q, k, v = helpers.qkv(22, B, 11, H, D, DV, s=11, dtype=dtype)
+        mask = helpers.key_mask(23, B, 11) if masked else None
+        tol = helpers.tol(dtype)
+        ref, _ = reference_attention(q, k, v, phi=feature_maps.elu, causal=False, key_mask=mask)
+        out = la.linear_attention(q, k, v, key_mask=mask)
+        chex.assert_trees_all_close(out.astype(jnp.float32), ref, **tol)
+        ref, _ = reference_attention(q, k, v, phi=feature_maps.elu, causal=True, key_mask=mask)
+        for method in ("chunked", "scan", "quadratic"):
+            out = la.causal_linear_attention(q, k, v, method=method, chunk_size=4, key_mask=mask)
+            chex.assert_type(out, dtype)
+            chex.assert_trees_all_close(out.astype(jnp.float32), ref, **tol)
 
 
 class TransformsTest(chex.TestCase):

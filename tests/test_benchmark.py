@@ -29,10 +29,23 @@ def test_benchmark_smoke(tmp_path):
     assert "non-causal fwd+bwd" in (tmp_path / "results.md").read_text()
 
 
+TINY_MQAR = """
+from configs import mqar
+
+def get_config(arg=None):
+    c = mqar.get_config("small")
+    c.unlock()
+    c.model.depth, c.model.width, c.batch_size, c.seq_len, c.mqar.num_pairs = 1, 16, 4, 16, 4
+    return c
+"""
+
+
 def test_train_steps_time_every_variant(tmp_path):
-    benchmark.main(["--train-steps", "--repeats", "1", "--out", str(tmp_path)])
+    config = tmp_path / "tiny.py"
+    config.write_text(TINY_MQAR)
+    benchmark.main(["--train-steps", str(config), "--repeats", "1", "--out", str(tmp_path)])
     table = (tmp_path / "train_steps.md").read_text().splitlines()
-    assert table[0] == "| configs/mqar.py:small train step | ms | / elu |"
+    assert table[0] == f"| {config} train step | ms | / elu |"
     names = [line.split(" | ")[0].strip("| ") for line in table[2:]]
     assert names == list(train_step.VARIANTS)
     assert table[2].endswith("| 1.00x |")

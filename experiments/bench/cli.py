@@ -1,9 +1,9 @@
 """The command line of ``python -m experiments.benchmark``: one subcommand per suite
-(``forms``, ``recurrences``, ``decode``, ``comm``, ``fsdp``, ``train-step``, ``compile``), each
-taking only its own flags, and the flat command line without a subcommand, which takes
-every flag and runs the suite that ``--recurrences``, ``--decode``, ``--comm`` or
-``--train-steps`` names (the forms when none does; ``compile`` and ``fsdp`` are
-subcommands only).
+(``forms``, ``recurrences``, ``decode``, ``comm``, ``fsdp``, ``train-step``, ``compile``,
+``hf-load``), each taking only its own flags, and the flat command line without a
+subcommand, which takes every flag and runs the suite that ``--recurrences``, ``--decode``,
+``--comm`` or ``--train-steps`` names (the forms when none does; ``compile``, ``fsdp`` and
+``hf-load`` are subcommands only).
 """
 
 from __future__ import annotations
@@ -12,7 +12,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from experiments.bench import comm, compile_time, decode, forms, fsdp, recurrences, train_step
+from experiments.bench import (
+    comm,
+    compile_time,
+    decode,
+    forms,
+    fsdp,
+    hf_load,
+    recurrences,
+    train_step,
+)
 from experiments.bench.timing import MALLOC_ENV, restart_with
 
 DESCRIPTION = "Speed and memory of every attention form, as CSV, a markdown table and a plot."
@@ -38,6 +47,9 @@ FLAGS = {
         help=f"the experiment config whose model is timed (default {TRAIN_CONFIG})",
     ),
     "--depths": dict(default="2,4,8,16", help="compile's model depths, comma-separated"),
+    "--params": dict(type=float, default=0.5e9, help="hf-load: the checkpoint's parameters"),
+    "--decode-steps": dict(type=int, default=64, help="hf-load: greedy steps timed (0: none)"),
+    "--decode-batch": dict(type=int, default=1, help="hf-load: the decoding batch"),
     "--out": dict(default="bench_out", help="the folder the results are written to"),
 }
 
@@ -89,6 +101,12 @@ SUITES = {
             ),
             "--depths",
         ),
+    ),
+    "hf-load": (
+        hf_load,
+        "load time and peak memory of from_pretrained on a synthetic Qwen3.5 checkpoint of "
+        "--params parameters (written once to --out), and its decoding speed",
+        ("--params", "--decode-steps", "--decode-batch"),
     ),
 }
 # The flat command line's suite flags, in the order they win: (attribute, suite).

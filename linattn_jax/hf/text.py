@@ -1,0 +1,99 @@
+"""Text in, text out: a directory's ``tokenizer.json`` (the ``tokenizers`` library) around
+``LanguageModel.generate``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tokenizers import Tokenizer
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """The ``tokenizers.Tokenizer`` of a directory's ``tokenizer.json``.
+
+    Raises:
+      ValueError: the directory has no ``tokenizer.json``.
+    """
+    file = os.path.join(os.fspath(path), "tokenizer.json")
+    if not os.path.exists(file):
+        raise ValueError(f"{os.fspath(path)} has no tokenizer.json (text needs one)")
+    return Tokenizer.from_file(file)
+
+
+def eos_id(config: Mapping[str, Any]) -> int | None:
+    """The config's ``eos_token_id`` (the first, when it lists several), or None."""
+    eos = config.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos
+
+
+def generate_text(
+    model,
+    tokenizer: Tokenizer,
+    prompt: str | Sequence[str],
+    steps: int,
+    rng: jax.Array | None = None,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+) -> str | list[str]:
+    """The text ``model`` writes after ``prompt`` (greedy by default).
+
+    Several prompts run as one left-padded batch (``prompt_mask``): each row's text is
+    the one it gets alone.
+
+    Args:
+      model: a ``LanguageModel`` (``from_pretrained``'s).
+      tokenizer: its tokenizer (``load_tokenizer``).
+      prompt: a string, or a list of them.
+      steps: the most new tokens per prompt.
+      rng: a PRNG key, needed when sampling (``temperature > 0``).
+      temperature: as in ``LanguageModel.generate``; ``0`` (the default) is greedy.
+      top_k: as in ``LanguageModel.generate``.
+      top_p: as in ``LanguageModel.generate``.
+      eos_id: a row stops after this token (``eos_id(config)`` gives the config's); it is
+        not part of the text.
+
+    Returns:
+      The new text (a string, or a list of them for a list of prompts), the prompt left out.
+
+    Raises:
+      ValueError: an empty prompt (no tokens), or ``generate``'s errors.
+    """
+    single = isinstance(prompt, str)
+    prompts = [prompt] if single else list(prompt)
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"prompt must be a string or a non-empty list of strings, got {prompt!r}")
+    ids = [tokenizer.encode(p).ids for p in prompts]
+    empty = [p for p, i in zip(prompts, ids, strict=True) if not i]
+    if empty:
+        raise ValueError(f"prompt {empty[0]!r} has no tokens (generate needs one at least)")
+    t = max(len(i) for i in ids)
+    tokens = np.zeros((len(ids), t), np.int32)
+    mask = np.zeros((len(ids), t), bool)
+    for row, i in enumerate(ids):  # left padding: the real tokens end every row
+        tokens[row, t - len(i) :], mask[row, t - len(i) :] = i, True
+    out = model.generate(
+        jnp.asarray(tokens),
+        steps,
+        rng,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_id=eos_id,
+        prompt_mask=None if mask.all() else jnp.asarray(mask),
+    )
+    texts = []
+    for row in np.asarray(out[:, t:]).tolist():
+        if eos_id is not None and eos_id in row:
+            row = row[: row.index(eos_id)]
+        texts.append(tokenizer.decode(row))
+    return texts[0] if single else texts

@@ -1,0 +1,489 @@
+"""Qwen3.5 checkpoints in Hugging Face format, against the real thing: ``transformers``'
+own PyTorch Qwen3.5 (its pure-torch Gated DeltaNet path, on the CPU, no network).
+
+Tiny random models (tied and untied, both layer kinds, 2 key / 4 value heads in the Gated
+DeltaNet layers, GQA in attention, random norm gains so that the zero-centred ``1 + w``
+convention matters) are saved by ``transformers`` once per module and loaded by ours.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+from linattn_jax import hf
+from tests.helpers import assert_close_normwise
+
+LOGITS_RTOL = 1e-5  # float32 against float32: the sums' order differs (chunks vs scans)
+# bfloat16 weights and activations against float32 ones: each of the ~25 matmuls rounds to
+# 8 bits of mantissa (2^-8 = 4e-3 relative); measured 6e-3 on the untied model.
+BF16_RTOL = 2e-2
+
+SIZES = dict(
+    vocab_size=101,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+CONFIGS = {
+    # Qwen3.5's layout (three Gated DeltaNet layers, then attention); untied; eps not 1e-6.
+    "untied": dict(SIZES, hidden_size=64, num_hidden_layers=4, rms_norm_eps=1e-5),
+    # Attention first and last, width 128, tied embeddings.
+    "tied": dict(
+        SIZES,
+        hidden_size=128,
+        num_hidden_layers=3,
+        tie_word_embeddings=True,
+        layer_types=["full_attention", "linear_attention", "full_attention"],
+        rope_parameters=dict(rope_type="default", rope_theta=1e6, partial_rotary_factor=0.5),
+    ),
+}
+
+
+def torch_model(name: str, seed: int = 0) -> Qwen3_5ForCausalLM:
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**CONFIGS[name])).eval()
+    with torch.no_grad():  # the norms start at 0 (1 + w): random gains test the convention
+        for key, p in model.named_parameters():
+            if "norm" in key:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+# Compiled once per model structure and shape (eager calls would run op by op, slowly).
+forward = nnx.jit(lambda model, tokens, mask: model(tokens, key_mask=mask))
+decode = nnx.jit(lambda model, tokens, state: model(tokens, state=state, return_state=True))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``name -> (torch model, its directory, our model, our config)``, each made once."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            ref = torch_model(name)
+            path = str(tmp_path_factory.mktemp(name))
+            ref.save_pretrained(path)
+            cache[name] = (ref, path, *hf.from_pretrained(path))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(params=sorted(CONFIGS))
+def pair(request, saved):
+    return saved(request.param)
+
+
+def torch_logits(ref, tokens, mask=None) -> np.ndarray:
+    kwargs = {}
+    if mask is not None:  # transformers' generate's positions: real tokens counted
+        position_ids = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+        kwargs = dict(
+            attention_mask=torch.tensor(mask.astype(np.int64)),
+            position_ids=torch.tensor(position_ids),
+        )
+    with torch.no_grad():
+        return ref(torch.tensor(tokens), **kwargs).logits.numpy()
+
+
+def test_logits_match_transformers(pair):
+    ref, _, model, _ = pair
+    tokens = np.random.default_rng(0).integers(0, SIZES["vocab_size"], (3, 17))
+    ours = forward(model, jnp.asarray(tokens, jnp.int32), jnp.ones((3, 17), bool))
+    assert ours.shape == (3, 17, SIZES["vocab_size"])
+    assert_close_normwise(ours, torch_logits(ref, tokens), LOGITS_RTOL)
+
+
+def test_left_padding_matches_transformers(pair):
+    ref, _, model, _ = pair
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, SIZES["vocab_size"], (3, 17))
+    mask = np.ones((3, 17), bool)
+    mask[0, :5], mask[1, :1] = False, False  # rows of 12, 16 and 17 real tokens
+    ours = np.asarray(forward(model, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask)))
+    expected = torch_logits(ref, tokens, mask)
+    assert_close_normwise(ours[mask], expected[mask], LOGITS_RTOL)
+    # Each row's real positions equal the row alone, unpadded, in transformers.
+    assert_close_normwise(ours[0, 5:], torch_logits(ref, tokens[:1, 5:])[0], LOGITS_RTOL)
+
+
+def test_greedy_generation_matches_transformers(pair):
+    ref, _, model, _ = pair
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, SIZES["vocab_size"], n) for n in (5, 9, 1)]
+    t = max(len(p) for p in prompts)
+    tokens = np.zeros((len(prompts), t), np.int32)
+    mask = np.zeros((len(prompts), t), bool)
+    for i, p in enumerate(prompts):
+        tokens[i, t - len(p) :], mask[i, t - len(p) :] = p, True
+    ours = np.asarray(model.generate(jnp.asarray(tokens), 32, temperature=0.0, prompt_mask=mask))
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            expected = ref.generate(
+                torch.tensor(p[None]), max_new_tokens=32, do_sample=False, min_new_tokens=32
+            ).numpy()
+        np.testing.assert_array_equal(ours[i, t:], expected[0, len(p) :])
+
+
+def test_decode_step_logits_match_transformers(saved):
+    """Prefill through the chunked form, then one O(1) step: the step's logits equal
+    transformers' over the whole sequence at its last position (the untied model: its
+    three Gated DeltaNet layers carry their state and conv window, attention its cache)."""
+    ref, _, model, _ = saved("untied")
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, SIZES["vocab_size"], (2, 11))
+    expected = torch_logits(ref, tokens)
+    state = model.init_state(2, 16)
+    prefill, state = decode(model, jnp.asarray(tokens[:, :10], jnp.int32), state)
+    step, _ = decode(model, jnp.asarray(tokens[:, 10:], jnp.int32), state)
+    assert_close_normwise(prefill, expected[:, :10], LOGITS_RTOL)
+    assert_close_normwise(step[:, 0], expected[:, 10], LOGITS_RTOL)
+
+
+def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
+    ref, _, model, config = pair
+    hf.save_pretrained(model, tmp_path, config)
+    back = Qwen3_5ForCausalLM.from_pretrained(tmp_path).eval()
+    for key, value in ref.state_dict().items():  # every tensor, bit for bit
+        np.testing.assert_array_equal(back.state_dict()[key].numpy(), value.numpy(), err_msg=key)
+    tokens = np.random.default_rng(4).integers(0, SIZES["vocab_size"], (2, 9))
+    assert_close_normwise(torch_logits(back, tokens), torch_logits(ref, tokens), 1e-7)
+    again, again_config = hf.from_pretrained(tmp_path)
+    assert again_config["layer_types"] == config["layer_types"]
+    jax.tree.map(np.testing.assert_array_equal, nnx_params(again), nnx_params(model))
+
+
+def test_bfloat16_load_is_within_rounding(saved):
+    _, path, model, _ = saved("tied")
+    model16, _ = hf.from_pretrained(path, jnp.bfloat16)
+    dtypes = {x.dtype for x in jax.tree.leaves(nnx_params(model16))}
+    assert dtypes == {jnp.dtype(jnp.bfloat16)}
+    tokens = np.random.default_rng(0).integers(0, SIZES["vocab_size"], (3, 17))
+    tokens, mask = jnp.asarray(tokens, jnp.int32), jnp.ones((3, 17), bool)
+    assert_close_normwise(forward(model16, tokens, mask), forward(model, tokens, mask), BF16_RTOL)
+
+
+def nnx_params(model):
+    return nnx.state(model, nnx.Param)
+
+
+def test_sharded_safetensors_load_the_same(pair, tmp_path):
+    ref, _, model, _ = pair
+    ref.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert os.path.exists(tmp_path / "model.safetensors.index.json")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
+    sharded, _ = hf.from_pretrained(tmp_path)
+    jax.tree.map(np.testing.assert_array_equal, nnx_params(sharded), nnx_params(model))
+    ours = tmp_path / "ours"  # and ours sharded, read by transformers
+    hf.save_pretrained(model, ours, max_shard_size="20KB")
+    assert len(list(ours.glob("model-*.safetensors"))) > 2
+    back = Qwen3_5ForCausalLM.from_pretrained(ours).eval()
+    for key, value in ref.state_dict().items():
+        np.testing.assert_array_equal(back.state_dict()[key].numpy(), value.numpy(), err_msg=key)
+
+
+def test_multimodal_directory_loads_its_text_model(pair, tmp_path):
+    """A ``qwen3_5`` (image-text) directory: the text model under
+    ``model.language_model.``, the vision tower and MTP weights skipped."""
+    _, path, model, config = pair
+    text = {k: v for k, v in config.items() if k not in ("architectures", "dtype")}
+    tie = text.pop("tie_word_embeddings")
+    text["tie_word_embeddings"] = not tie  # transformers reads the top-level field
+    outer = dict(model_type="qwen3_5", text_config=text, tie_word_embeddings=tie)
+    (tmp_path / "config.json").write_text(json.dumps(outer))
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    renamed = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
+    renamed["model.visual.patch_embed.proj.weight"] = np.zeros((4, 3), np.float32)
+    renamed["mtp.fc.weight"] = np.zeros((2, 2), np.float32)
+    save_file(renamed, tmp_path / "model.safetensors")
+    loaded, loaded_config = hf.from_pretrained(tmp_path)
+    assert loaded_config["model_type"] == "qwen3_5_text"
+    jax.tree.map(np.testing.assert_array_equal, nnx_params(loaded), nnx_params(model))
+
+
+def test_real_size_config_maps_every_tensor():
+    """Qwen3.5's published dimensions (``transformers``' defaults, the 9B-style config:
+    width 4096, 248,320 tokens, 16 x 256 attention heads over 4 KV heads, 16 key / 32
+    value heads of 128 in the Gated DeltaNet layers) at 2 layers: every tensor's name and
+    shape, against transformers' model built on the meta device (no memory), for the text
+    model and for the text part of the image-text one."""
+    text = Qwen3_5TextConfig(
+        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]
+    )
+    config = hf.qwen3_5.normalize_config(text.to_dict())
+    with torch.device("meta"):
+        reference = Qwen3_5ForCausalLM(text).state_dict()
+    ours = hf.expected_tensors(config)
+    assert sorted(ours) == sorted(reference)
+    for name, (shape, _) in ours.items():
+        assert shape == tuple(reference[name].shape), name
+    outer = Qwen3_5Config(text_config=text.to_dict())
+    config = hf.qwen3_5.normalize_config(outer.to_dict())
+    assert config["hidden_size"] == 4096 and config["vocab_size"] == 248320
+    ours = hf.expected_tensors(config, "model.language_model.")
+    assert sorted(ours) == sorted(
+        k.replace("model.", "model.language_model.", 1) for k in reference
+    )
+    model = hf.abstract_model(config, jnp.bfloat16)  # nothing allocated
+    assert model.embed.embedding.shape == (248320, 4096)
+
+
+@pytest.fixture
+def broken(saved, tmp_path):
+    """A copy of the untied model's directory to break."""
+    _, path, _, _ = saved("untied")
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    return tmp_path
+
+
+def _edit_tensors(path, edit):
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def _edit_config(path, **fields):
+    config = json.loads((path / "config.json").read_text())
+    config.update(fields)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_missing_tensor_is_named(broken):
+    name = "model.layers.0.mlp.up_proj.weight"
+    _edit_tensors(broken, lambda t: t.pop(name))
+    with pytest.raises(
+        ValueError, match=r"tensor 'model\.layers\.0\.mlp\.up_proj\.weight' is missing"
+    ):
+        hf.from_pretrained(broken)
+
+
+def test_wrong_shape_is_named(broken):
+    name = "model.layers.1.linear_attn.in_proj_qkv.weight"
+
+    def edit(t):
+        t[name] = t[name][:-1]
+
+    _edit_tensors(broken, edit)
+    with pytest.raises(ValueError, match=r"in_proj_qkv\.weight' has shape \(\d+, \d+\), config"):
+        hf.from_pretrained(broken)
+
+
+def test_unexpected_tensor_is_named(broken):
+    _edit_tensors(broken, lambda t: t.update({"model.layers.9.extra": np.zeros(2, np.float32)}))
+    with pytest.raises(ValueError, match=r"does not have, such as \['model\.layers\.9\.extra'\]"):
+        hf.from_pretrained(broken)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(model_type="llama"), r"model_type must be one of .* got 'llama'"),
+        (dict(hidden_size=None), r"hidden_size must be an int >= 1, got None"),
+        (dict(layer_types=["linear_attention"]), r"layer_types must list num_hidden_layers=4"),
+        (dict(hidden_act="gelu"), r"hidden_act must be 'silu'"),
+        (dict(rope_parameters=dict(rope_type="yarn")), r"rope_type must be 'default'"),
+        (dict(rope_parameters="x"), r"rope_parameters must be a dict, got 'x'"),
+        (dict(tie_word_embeddings="no"), r"tie_word_embeddings must be true or false"),
+    ],
+)
+def test_bad_config_field_is_named(broken, fields, message):
+    _edit_config(broken, **fields)
+    with pytest.raises(ValueError, match=message):
+        hf.from_pretrained(broken)
+
+
+def test_missing_files_and_bad_dtype(broken, tmp_path_factory):
+    empty = tmp_path_factory.mktemp("empty")
+    with pytest.raises(ValueError, match="has no config.json"):
+        hf.from_pretrained(empty)
+    shutil.copy(broken / "config.json", empty / "config.json")
+    with pytest.raises(ValueError, match="holds neither model.safetensors nor"):
+        hf.from_pretrained(empty)
+    with pytest.raises(ValueError, match=r"dtype must be one of \('float32', 'bfloat16'\)"):
+        hf.from_pretrained(broken, jnp.int8)
+    index = {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}
+    (empty / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"names model-00001-of-00002.safetensors, missing"):
+        hf.from_pretrained(empty)
+
+
+# -- text in, text out ---------------------------------------------------------------------
+
+WORDS = [f"w{i}" for i in range(SIZES["vocab_size"])]
+
+
+@pytest.fixture
+def with_tokenizer(saved, tmp_path):
+    """The untied model's directory with a word-level ``tokenizer.json`` (``w0`` .. ``w100``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    _, path, model, _ = saved("untied")
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    return tmp_path, model
+
+
+PROMPT_IDS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7], [42]]
+
+
+def test_generate_text_is_the_tokens_generate_writes(with_tokenizer):
+    path, model = with_tokenizer
+    tokenizer = hf.load_tokenizer(path)
+    prompts = [" ".join(WORDS[i] for i in ids) for ids in PROMPT_IDS]
+    texts = hf.generate_text(model, tokenizer, prompts, 32)  # greedy
+    t = max(map(len, PROMPT_IDS))  # the same batch as the greedy test: left padded
+    tokens = np.zeros((3, t), np.int32)
+    mask = np.zeros((3, t), bool)
+    for i, ids in enumerate(PROMPT_IDS):
+        tokens[i, t - len(ids) :], mask[i, t - len(ids) :] = ids, True
+    ids = np.asarray(model.generate(jnp.asarray(tokens), 32, temperature=0.0, prompt_mask=mask))
+    assert texts == [" ".join(WORDS[j] for j in row[t:]) for row in ids]
+    assert hf.generate_text(model, tokenizer, prompts[1], 32) == texts[1]  # one prompt alone
+
+
+@pytest.mark.slow  # compiles a second decoding loop (sampling, an EOS)
+def test_generate_command_line_and_sampling(with_tokenizer, capsys):
+    from experiments import generate
+
+    path, model = with_tokenizer
+    tokenizer = hf.load_tokenizer(path)
+    prompt = " ".join(WORDS[i] for i in PROMPT_IDS[1])
+    greedy = hf.generate_text(model, tokenizer, prompt, 32).split()
+    _edit_config(path, eos_token_id=[WORDS.index(greedy[3]), 0])  # the first one counts
+    argv = ["--checkpoint", str(path), "--prompt", prompt, "--steps", "32"]
+    assert generate.main(argv) == 0
+    # The prompt, then its continuation (this word-level tokenizer decodes without spaces
+    # at the ends; Qwen's byte-level one keeps them).
+    assert capsys.readouterr().out == prompt + " ".join(greedy[:3]) + "\n"
+    key = jax.random.key(1)
+    sampled = hf.generate_text(model, tokenizer, prompt, 8, key, temperature=0.8, top_k=5)
+    assert sampled == hf.generate_text(model, tokenizer, prompt, 8, key, temperature=0.8, top_k=5)
+    assert len(sampled.split()) == 8 and set(sampled.split()) <= set(WORDS)
+
+
+def test_text_errors_are_named(with_tokenizer, saved, capsys):
+    from experiments import generate
+
+    path, model = with_tokenizer
+    _, bare, _, _ = saved("untied")
+    with pytest.raises(ValueError, match="has no tokenizer.json"):
+        hf.load_tokenizer(bare)
+    with pytest.raises(ValueError, match="a string or a non-empty list of strings"):
+        hf.generate_text(model, hf.load_tokenizer(path), [], 4)
+    assert generate.main(["--checkpoint", bare, "--prompt", "w1"]) == 2
+    assert "has no tokenizer.json" in capsys.readouterr().err
+
+
+def test_trainer_builds_its_model_from_a_checkpoint(saved, tmp_path):
+    """``--config.init_from=DIR``: the run's model is the checkpoint's."""
+    from experiments import trainer
+    from tests.test_experiments import tiny_config
+
+    _, path, model, _ = saved("untied")
+    config = tiny_config("configs/mqar.py:small", f"init_from={path}")
+    built = trainer.build_model(config)
+    jax.tree.map(np.testing.assert_array_equal, nnx_params(built), nnx_params(model))
+    bad = tiny_config("configs/mqar.py:small", f"init_from={tmp_path}")
+    with pytest.raises(ValueError, match=r"init_from=.* has no config.json"):
+        trainer.train(bad, tmp_path / "bad")
+    wide = tiny_config("configs/mqar.py:small", f"init_from={path}", "mqar.vocab_size=256")
+    with pytest.raises(ValueError, match=r"knows 101 tokens, fewer than the task's 256"):
+        trainer.train(wide, tmp_path / "wide")
+
+
+@pytest.mark.slow  # compiles a training step of the hybrid
+def test_trainer_fine_tunes_from_a_checkpoint(saved, tmp_path):
+    from experiments import trainer
+    from tests.test_experiments import tiny_config
+
+    _, path, model, _ = saved("untied")
+    config = tiny_config("configs/mqar.py:small", f"init_from={path}", "steps=1", "seq_len=32")
+    with jax.numpy_dtype_promotion("standard"):
+        final = trainer.train(config, tmp_path / "run")
+    assert np.isfinite(final["loss"]) and final["step"] == 1
+
+
+def test_mesh_places_each_parameter_with_its_sharding(saved):
+    _, path, _, _ = saved("untied")
+    mesh = jax.make_mesh((1,), ("data",))
+    model, _ = hf.from_pretrained(path, mesh=mesh)
+    for x in jax.tree.leaves(nnx_params(model)):
+        assert isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh
+
+
+def test_save_refuses_a_model_not_of_qwen3_5s_form(tmp_path):
+    from linattn_jax.models import LanguageModel
+
+    model = LanguageModel(16, 8, 1, 2, attention="linear", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"blocks\[0\]: Qwen3.5 has gated_deltanet and softmax"):
+        hf.save_pretrained(model, tmp_path)
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_the_docs_weight_table_lists_every_rule():
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs/guide/pretrained.md").read_text()
+    rules = hf.qwen3_5.MODEL_RULES + hf.qwen3_5.BLOCK_RULES + (hf.qwen3_5.HEAD_RULE,)
+    rules += sum(hf.qwen3_5.LAYER_RULES.values(), ())
+    for rule in rules:  # each row names the tensor, or its sibling (up_proj beside gate_proj)
+        name = rule.hf.removesuffix(".weight").rsplit(".", 1)[-1]
+        assert rule.hf in page or f"`{name}`" in page, rule.hf
+        for ours in rule.ours:
+            assert ours in page or f"`{ours.split('.')[-2]}`" in page, ours
+
+
+def test_a_stored_config_without_init_from_resumes():
+    from experiments import validation
+    from experiments.configuration import load_config
+
+    config = load_config("configs/mqar.py:small")
+    stored = config.to_dict()
+    del stored["init_from"]  # a workdir written before the field existed
+    assert validation.config_changes(stored, config) == []
+    config.init_from = "somewhere"
+    assert validation.config_changes(stored, config) == ["init_from='' there, 'somewhere' now"]
+
+
+def test_a_model_of_one_kind_saves_and_transformers_loads_it(tmp_path):
+    """Built from options, not loaded: Gated DeltaNet layers only (the attention's sizes in
+    config.json are placeholders, as no layer reads them)."""
+    config = hf.qwen3_5.normalize_config(
+        dict(
+            CONFIGS["untied"],
+            model_type="qwen3_5_text",
+            layer_types=["linear_attention"] * 2,
+            num_hidden_layers=2,
+            head_dim=16,
+            rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.25),
+        )
+    )
+    from linattn_jax.models import LanguageModel
+
+    model = LanguageModel(**hf.qwen3_5.model_options(config), rngs=nnx.Rngs(0))
+    hf.save_pretrained(model, tmp_path, max_shard_size=None)
+    back = Qwen3_5ForCausalLM.from_pretrained(tmp_path)
+    assert back.config.layer_types == ["linear_attention"] * 2
+    loaded, _ = hf.from_pretrained(tmp_path)
+    jax.tree.map(np.testing.assert_array_equal, nnx_params(loaded), nnx_params(model))
+    with pytest.raises(ValueError, match=r"config\['vocab_size'\]=7, but the model has 101"):
+        hf.save_pretrained(model, tmp_path / "bad", dict(config, vocab_size=7))
