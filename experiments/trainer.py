@@ -369,13 +369,15 @@ class Run:
 
 def _on_the_mesh(train):
     """``train`` under its config's mesh (``jax.set_mesh``), where the models pin their
-    activations' batch and length (``linattn_jax.sharding.constrain``)."""
+    activations' batch and length (``linattn_jax.sharding.constrain``), and under the
+    logical axis rules (``nnx.logical_axis_rules``: Flax's own transforms, such as
+    ``nnx.eval_shape``, then read the layers' names as mesh axes)."""
 
     @functools.wraps(train)
     def on_the_mesh(config: ConfigDict, *args, **kwargs):
         distributed.initialize(config)  # before any device is used (train's call: a no-op)
         validate(config)  # before the mesh is made of its fields
-        with jax.set_mesh(Sharder.of(config).mesh):
+        with jax.set_mesh(Sharder.of(config).mesh), nnx.logical_axis_rules(sharding.RULES):
             return train(config, *args, **kwargs)
 
     return on_the_mesh
