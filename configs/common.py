@@ -23,6 +23,9 @@ def base() -> ConfigDict:
     c.init_from = ""
 
     c.mesh = ConfigDict()
+    # The mesh: data x fsdp x sequence x tensor devices, data taking what the others leave.
+    c.mesh.fsdp = 1  # parameters and optimizer state split (and batches, with data)
+    c.mesh.tensor = 1  # heads and MLP hidden units split (tensor parallelism)
     c.mesh.sequence = 1  # devices along the sequence (sequence-parallel linear attention)
 
     # Several processes, one per host (experiments.distributed): every process runs the same

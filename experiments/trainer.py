@@ -1,5 +1,5 @@
-"""Training: a config's model and optimiser, the jitted train and eval steps, data
-(and sequence) parallelism over every device, and ``train``, the loop that resumes
+"""Training: a config's model and optimiser, the jitted train and eval steps, data,
+FSDP, tensor and sequence parallelism over every device, and ``train``, the loop that resumes
 exactly from a workdir's latest checkpoint, logs, evaluates and saves at the config's
 cadence, and stops with one line on a non-finite loss.
 """
@@ -34,7 +34,7 @@ from experiments.checkpoints import (
 )
 from experiments.tasks import TASKS, Task, build_task
 from experiments.validation import validate
-from linattn_jax import hf, models
+from linattn_jax import hf, models, sharding
 from linattn_jax.layers import registry
 
 # ----------------------------------------------------------------------------
@@ -83,7 +83,7 @@ def build_model(config: ConfigDict, mesh: Mesh | None = None) -> nnx.Module:
         {k: v for k in _MODEL_FIELDS if (v := _OPTION.get(k, _same)(m.get(k))) is not None}
     )
     if config.mesh.sequence > 1:
-        kwargs.update(sequence_axis="sequence", batch_axis="data", mesh=mesh)
+        kwargs.update(sequence_axis="sequence", batch_axis=Sharder.BATCH, mesh=mesh)
     if spec.kind == "lm":
         return models.LanguageModel(
             spec.vocab_size(config),
@@ -246,27 +246,74 @@ def eval_step(model, inputs, labels, key_mask, kind):
 
 
 class Sharder:
-    """A ``data x sequence`` mesh over every device: batches split over ``data`` (and
-    their length over ``sequence``), parameters replicated."""
+    """A ``data x fsdp x sequence x tensor`` mesh over every device, the data axis taking
+    what the others leave: batches split over ``data`` and ``fsdp`` (their length over
+    ``sequence``); parameters and optimizer state placed by their layers' logical axes
+    (``linattn_jax.sharding.RULES``: split over ``fsdp`` and ``tensor``, replicated over
+    ``data`` and ``sequence``)."""
 
-    def __init__(self, sequence: int = 1):
-        devices = np.array(jax.devices()).reshape(-1, sequence)
-        self.mesh = Mesh(devices, ("data", "sequence"))
+    AXES = ("data", "fsdp", "sequence", "tensor")
+    BATCH = ("data", "fsdp")  # the axes that split a batch
+
+    def __init__(self, sequence: int = 1, *, fsdp: int = 1, tensor: int = 1):
+        devices = np.array(jax.devices()).reshape(-1, fsdp, sequence, tensor)
+        self.mesh = Mesh(devices, self.AXES)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
+
+    @classmethod
+    def of(cls, config: ConfigDict) -> Sharder:
+        """The mesh of ``config.mesh`` (fields missing from an older config: 1)."""
+        m = config.mesh
+        return cls(m.sequence, fsdp=m.get("fsdp", 1), tensor=m.get("tensor", 1))
 
     def put_batch(self, batch: data.Batch):
         """The global batch (every process makes the same one) as sharded arrays."""
 
         def put(x):
-            sharding = NamedSharding(self.mesh, PartitionSpec(*("data", "sequence")[: x.ndim]))
+            spec = PartitionSpec(*(self.BATCH, "sequence")[: x.ndim])
+            sharding = NamedSharding(self.mesh, spec)
             return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
         return put(batch.inputs), put(batch.labels), put(batch.key_mask)
+
+    def create(self, make):
+        """``make()``'s modules (a tuple of them), created under jit straight into their
+        shardings (``linattn_jax.sharding.place``): no parameter or moment is ever whole
+        on one device."""
+
+        @nnx.jit
+        def create():
+            modules = make()
+            state = nnx.state(modules)
+            placed = sharding.place(state, self.mesh)
+            nnx.update(modules, jax.lax.with_sharding_constraint(state, placed))
+            return modules
+
+        return create()
+
+    def place(self, *modules) -> tuple:
+        """The modules, their state moved into its shardings (``linattn_jax.sharding.place``);
+        for modules that cannot be created under jit."""
+        state = nnx.state(modules)
+        nnx.update(modules, jax.device_put(state, sharding.place(state, self.mesh)))
+        return modules
 
     def replicate(self, *modules) -> None:
         """Puts the modules' state on every device."""
         state = nnx.state(modules)
         nnx.update(modules, jax.device_put(state, self.replicated))
+
+
+def create_state(config: ConfigDict, sharder: Sharder) -> tuple[nnx.Module, nnx.Optimizer]:
+    """The config's model and its optimiser, split over ``sharder``'s mesh."""
+
+    def make():
+        model = build_model(config, sharder.mesh)
+        return model, nnx.Optimizer(model, build_optimizer(config), wrt=nnx.Param)
+
+    if config.get("init_from"):  # weights read from disk: built whole, then split
+        return sharder.place(*make())
+    return sharder.create(make)
 
 
 def evaluate(model, task: Task, config: ConfigDict, sharder: Sharder) -> dict:
@@ -301,7 +348,7 @@ class Run:
     Attributes:
       config: the run's config (validated).
       task: its task.
-      model: the model, replicated over the mesh.
+      model: the model, split over the mesh.
       optimizer: its optimiser.
       sharder: the mesh that batches are split over.
       manager: the orbax manager of ``workdir/checkpoints``.
@@ -321,6 +368,23 @@ class Run:
     end: int
 
 
+def _on_the_mesh(train):
+    """``train`` under its config's mesh (``jax.set_mesh``), where the models pin their
+    activations' batch and length (``linattn_jax.sharding.constrain``), and under the
+    logical axis rules (``nnx.logical_axis_rules``: Flax's own transforms, such as
+    ``nnx.eval_shape``, then read the layers' names as mesh axes)."""
+
+    @functools.wraps(train)
+    def on_the_mesh(config: ConfigDict, *args, **kwargs):
+        distributed.initialize(config)  # before any device is used (train's call: a no-op)
+        validate(config)  # before the mesh is made of its fields
+        with jax.set_mesh(Sharder.of(config).mesh), nnx.logical_axis_rules(sharding.RULES):
+            return train(config, *args, **kwargs)
+
+    return on_the_mesh
+
+
+@_on_the_mesh
 def train(
     config: ConfigDict, workdir: str | Path, *, verbose: bool = False, lines: bool = True
 ) -> dict:
@@ -346,10 +410,8 @@ def train(
     workdir = Path(workdir).absolute()
     _prepare_workdir(config, workdir)
     task = build_task(config)
-    sharder = Sharder(config.mesh.sequence)
-    model = build_model(config, sharder.mesh)
-    optimizer = nnx.Optimizer(model, build_optimizer(config), wrt=nnx.Param)
-    sharder.replicate(model, optimizer)
+    sharder = Sharder.of(config)
+    model, optimizer = create_state(config, sharder)
 
     options = ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True)
     manager = checkpoints = None

@@ -125,6 +125,8 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stop_at": (_integer(0)[0], "an integer >= 0 (0: run to `steps`)"),
     "progress": _BOOL,
     "resume": _BOOL,
+    "mesh.fsdp": _integer(1),
+    "mesh.tensor": _integer(1),
     "init_from": ((lambda v: isinstance(v, str)), "a directory (a string; '': none)"),
     "mesh.sequence": _integer(1),
     "distributed.num_processes": (_integer(0)[0], "an integer >= 0 (0: detected by JAX)"),
@@ -198,20 +200,33 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 
 def _mesh_rule(config: ConfigDict) -> str | None:
-    seq_devices = config.mesh.sequence
-    if jax.device_count() % seq_devices:
-        return f"mesh.sequence={seq_devices} must divide the {jax.device_count()} devices"
-    data_devices = jax.device_count() // seq_devices
-    if config.batch_size % data_devices:
+    seq_devices, fsdp, tensor = config.mesh.sequence, config.mesh.fsdp, config.mesh.tensor
+    model_devices = seq_devices * fsdp * tensor
+    if jax.device_count() % model_devices:
+        sizes = {"fsdp": fsdp, "tensor": tensor, "sequence": seq_devices}
+        named = " x ".join(f"mesh.{k}={v}" for k, v in sizes.items() if v > 1)
+        product = f" = {model_devices}" if "x" in named else ""
         return (
-            f"batch_size={config.batch_size} must be divisible by the {data_devices} devices "
-            f"of the data axis"
+            f"{named}{product} must divide the {jax.device_count()} devices (the data axis "
+            f"takes the rest)"
+        )
+    batch_devices = jax.device_count() // (seq_devices * tensor)  # data x fsdp
+    axes = "data and fsdp axes" if fsdp > 1 else "data axis"
+    if config.batch_size % batch_devices:
+        return (
+            f"batch_size={config.batch_size} must be divisible by the {batch_devices} devices "
+            f"of the {axes}"
+        )
+    if tensor > 1 and seq_devices > 1:
+        return (
+            f"mesh.tensor={tensor} with mesh.sequence={seq_devices}: the sequence-parallel "
+            f"layers do not split heads yet; use one of them"
         )
     accumulate = config.optim.accumulate
-    if config.batch_size % (accumulate * data_devices):
+    if config.batch_size % (accumulate * batch_devices):
         return (
             f"batch_size={config.batch_size} must be divisible by optim.accumulate={accumulate} "
-            f"x the {data_devices} devices of the data axis (each micro-batch split over them)"
+            f"x the {batch_devices} devices of the {axes} (each micro-batch split over them)"
         )
     if seq_devices > 1:
         # A layout may mix in softmax layers: they run on the sharded sequence under jit.

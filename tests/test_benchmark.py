@@ -6,7 +6,7 @@ import re
 import pytest
 
 from experiments import benchmark
-from experiments.bench import cli, comm, train_step
+from experiments.bench import cli, comm, fsdp, train_step
 
 
 def test_benchmark_smoke(tmp_path):
@@ -91,6 +91,18 @@ def test_help_lists_the_suites_and_a_suite_its_flags(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "--scan-max" in out and "--softmax-max" not in out
+
+
+def test_the_fsdp_table_gives_each_mesh_its_bytes_against_data_parallel():
+    row = dict(config="c.py", parameters=1000, optimizer_bytes=8000, ms=5.0)
+    rows = [
+        row | dict(mesh="data parallel", param_bytes=4000),
+        row | dict(mesh="fsdp", param_bytes=500),
+    ]
+    lines = fsdp.table(rows).splitlines()
+    assert lines[2] == "| c.py | 1,000 | data parallel | 4,000 | 8,000 | 1.000 | 5 |"
+    assert lines[3] == "| c.py | 1,000 | fsdp | 500 | 8,000 | 0.125 | 5 |"
+    assert cli.parse(["fsdp", "--repeats", "2"])[0] == "fsdp"
 
 
 def test_flags_before_the_subcommand_are_refused(capsys):

@@ -1,9 +1,9 @@
 """The command line of ``python -m experiments.benchmark``: one subcommand per suite
-(``forms``, ``recurrences``, ``decode``, ``comm``, ``train-step``, ``compile``,
+(``forms``, ``recurrences``, ``decode``, ``comm``, ``fsdp``, ``train-step``, ``compile``,
 ``hf-load``, ``peers``, ``triangular``), each taking only its own flags, and the flat command
 line without a subcommand, which takes every flag and runs the suite that ``--recurrences``,
 ``--decode``, ``--comm`` or ``--train-steps`` names (the forms when none does; ``compile``,
-``hf-load``, ``peers`` and ``triangular`` are subcommands only).
+``fsdp``, ``hf-load``, ``peers`` and ``triangular`` are subcommands only).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from experiments.bench import (
     compile_time,
     decode,
     forms,
+    fsdp,
     hf_load,
     peers,
     recurrences,
@@ -104,6 +105,12 @@ SUITES = {
         ("--decode-contexts", "--decode-batches"),
     ),
     "comm": (comm, "communication of sequence parallelism on 8 (forced CPU) devices", ()),
+    "fsdp": (
+        fsdp,
+        "parameter and AdamW bytes per device and step time of the text LM at two sizes, "
+        "data parallel vs FSDP, on 8 (forced CPU) devices",
+        (("--repeats", dict(default=3, help="timed steps per median")),),
+    ),
     "train-step": (
         train_step,
         "a training step of CONFIG's model (default configs/mqar.py:small) for elu and "
@@ -184,10 +191,10 @@ def parse(argv: Sequence[str]) -> tuple[str, argparse.Namespace]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Runs the suite of ``argv`` (the process's arguments when None; the process
-    first restarts itself under ``MALLOC_ENV``, and ``comm.ENV`` for ``comm``)."""
+    first restarts itself under ``MALLOC_ENV``, and ``comm.ENV`` for ``comm`` and ``fsdp``)."""
     tokens = sys.argv[1:] if argv is None else list(argv)
     if argv is None:
-        on_devices = "--comm" in tokens or tokens[:1] == ["comm"]
+        on_devices = "--comm" in tokens or tokens[:1] in (["comm"], ["fsdp"])
         restart_with(MALLOC_ENV | (comm.ENV if on_devices else {}))
     suite, args = parse(tokens)
     command = ("python -m experiments.benchmark " + " ".join(tokens)).strip()

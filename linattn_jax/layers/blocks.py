@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from linattn_jax import sharding
 from linattn_jax.layers import registry
 from linattn_jax.layers.conv import CausalConv1D
 from linattn_jax.layers.norms import RMSNorm
@@ -22,8 +23,17 @@ class MLP(nnx.Module):
     def __init__(
         self, width: int, hidden: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32
     ):
-        self.up = nnx.Linear(width, hidden, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.down = nnx.Linear(hidden, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        options = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        embed, mlp = sharding.EMBED, sharding.MLP
+        zeros = nnx.initializers.zeros_init()
+        self.up = nnx.Linear(
+            width, hidden, kernel_init=sharding.kernel(embed, mlp),
+            bias_init=sharding.with_axes(zeros, mlp), **options,
+        )  # fmt: skip
+        self.down = nnx.Linear(
+            hidden, width, kernel_init=sharding.kernel(mlp, embed),
+            bias_init=sharding.with_axes(zeros, embed), **options,
+        )  # fmt: skip
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(jax.nn.gelu(self.up(x)))
@@ -36,11 +46,14 @@ class SwiGLU(nnx.Module):
     def __init__(
         self, width: int, hidden: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32
     ):
-        linear = lambda n_in, n_out: nnx.Linear(
-            n_in, n_out, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-        )
-        self.gate_proj, self.up_proj = linear(width, hidden), linear(width, hidden)
-        self.down_proj = linear(hidden, width)
+        linear = lambda n_in, n_out, *axes: nnx.Linear(
+            n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), dtype=dtype,
+            param_dtype=param_dtype, rngs=rngs,
+        )  # fmt: skip
+        embed, mlp = sharding.EMBED, sharding.MLP
+        self.gate_proj = linear(width, hidden, embed, mlp)
+        self.up_proj = linear(width, hidden, embed, mlp)
+        self.down_proj = linear(hidden, width, mlp, embed)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

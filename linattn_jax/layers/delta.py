@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from linattn_jax import sharding
 from linattn_jax.layers.common import (
     check_decoding,
     check_dropout_rate,
@@ -136,7 +137,7 @@ class DeltaRuleAttention(nnx.Module):
         method: str = "chunked",
         chunk_size: int | None = None,
         sequence_axis: str | None = None,
-        batch_axis: str | None = None,
+        batch_axis: str | tuple[str, ...] | None = None,
         mesh: jax.sharding.Mesh | None = None,
         dropout_rate: float = 0.0,
         rngs: nnx.Rngs,
@@ -177,10 +178,16 @@ class DeltaRuleAttention(nnx.Module):
         self.beta_max = 2.0 if allow_negative_eigenvalues else 1.0
         self.scale = 1.0 / math.sqrt(dk)
         options = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        linear = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, **options)
-        self.q_proj, self.k_proj = linear(width, h * dk), linear(width, h * dk)
-        self.v_proj = linear(width, hv * dv)
-        self.beta_proj = linear(width, hv)
+        linear = lambda n_in, n_out, *axes: nnx.Linear(
+            n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), **options
+        )
+        heads_in = (sharding.EMBED, sharding.HEADS)
+        self.q_proj, self.k_proj = (
+            linear(width, h * dk, *heads_in),
+            linear(width, h * dk, *heads_in),
+        )
+        self.v_proj = linear(width, hv * dv, *heads_in)
+        self.beta_proj = linear(width, hv, *heads_in)
         self.conv = nnx.data(
             CausalConv1D(2 * h * dk + hv * dv, conv_size, rngs=rngs, param_dtype=param_dtype)
             if conv_size
@@ -192,10 +199,10 @@ class DeltaRuleAttention(nnx.Module):
         elif variant == "kda":
             gate = MambaGate(width, hv, dk, dk if gate_rank is None else gate_rank, **options)
         self.gate = nnx.data(gate)
-        self.g_proj = nnx.data(linear(width, hv * dv) if output_gate else None)
+        self.g_proj = nnx.data(linear(width, hv * dv, *heads_in) if output_gate else None)
         # In float32 whatever dtype (Flax's RMSNorm would promote bfloat16 with float32).
         self.output_norm = GatedRMSNorm(dv, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
-        self.out_proj = linear(hv * dv, width)
+        self.out_proj = linear(hv * dv, width, sharding.HEADS, sharding.EMBED)
         # Last: its RNG stream (rate > 0) must not shift the parameters' initialisation.
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs if dropout_rate > 0 else None)
 

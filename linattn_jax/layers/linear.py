@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from linattn_jax import sharding
 from linattn_jax.layers.common import (
     check_decoding,
     check_dropout_rate,
@@ -121,7 +122,7 @@ class LinearAttention(nnx.Module):
         hedgehog_form: str = "softmax",
         feature_dim: int | None = None,
         sequence_axis: str | None = None,
-        batch_axis: str | None = None,
+        batch_axis: str | tuple[str, ...] | None = None,
         mesh: jax.sharding.Mesh | None = None,
         eps: float = 1e-6,
         dropout_rate: float = 0.0,
@@ -152,10 +153,16 @@ class LinearAttention(nnx.Module):
             None if sequence_axis is None else SequenceSharding(sequence_axis, batch_axis, mesh)
         )
         options = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        linear = lambda n_out: nnx.Linear(width, n_out, use_bias=False, **options)
-        qk_width = num_heads * self.qk_dim
-        self.q_proj, self.k_proj = linear(qk_width), linear(qk_width)
-        self.v_proj, self.out_proj = linear(width), linear(width)
+        linear = lambda n_in, n_out, *axes: nnx.Linear(
+            n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), **options
+        )
+        qk_width, heads_in = num_heads * self.qk_dim, (sharding.EMBED, sharding.HEADS)
+        self.q_proj, self.k_proj = (
+            linear(width, qk_width, *heads_in),
+            linear(width, qk_width, *heads_in),
+        )
+        self.v_proj = linear(width, width, *heads_in)
+        self.out_proj = linear(width, width, sharding.HEADS, sharding.EMBED)
         self.decay = nnx.data(checks.parse_decay(decay, num_heads))
         # Built in this order: it fixes which parameters each RNG draw initialises.
         head_gate = HeadGate(width, num_heads, **options) if gate is True else None

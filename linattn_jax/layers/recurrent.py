@@ -14,7 +14,7 @@ class SequenceSharding(NamedTuple):
     the axis that splits the batch beside it (or None), and the mesh (None: the current)."""
 
     axis: str
-    batch_axis: str | None = None
+    batch_axis: str | tuple[str, ...] | None = None
     mesh: jax.sharding.Mesh | None = None
 
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from linattn_jax import sharding
 from linattn_jax.layers import rope as rope_lib
 from linattn_jax.layers.common import (
     check_decoding,
@@ -130,12 +131,15 @@ class SoftmaxAttention(nnx.Module):
             rope, hd, rope_theta, partial_rotary_factor, rotary_dim
         )
         self.output_gate = output_gate
-        linear = lambda n_in, n_out: nnx.Linear(
-            n_in, n_out, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-        )
-        self.q_proj = linear(width, h * hd * (2 if output_gate else 1))
-        self.k_proj, self.v_proj = linear(width, kv * hd), linear(width, kv * hd)
-        self.out_proj = linear(h * hd, width)
+        linear = lambda n_in, n_out, *axes: nnx.Linear(
+            n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), dtype=dtype,
+            param_dtype=param_dtype, rngs=rngs,
+        )  # fmt: skip
+        embed, heads, kv_heads = sharding.EMBED, sharding.HEADS, sharding.KV_HEADS
+        self.q_proj = linear(width, h * hd * (2 if output_gate else 1), embed, heads)
+        self.k_proj = linear(width, kv * hd, embed, kv_heads)
+        self.v_proj = linear(width, kv * hd, embed, kv_heads)
+        self.out_proj = linear(h * hd, width, heads, embed)
         norm = lambda: RMSNorm(
             hd, zero_centred=zero_centred_qk_norm, dtype=jnp.float32, param_dtype=param_dtype,
             rngs=rngs,

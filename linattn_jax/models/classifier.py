@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from linattn_jax import sharding
 from linattn_jax.layers.norms import RMSNorm
 from linattn_jax.models import stack
 from linattn_jax.models.common import check_tokens
@@ -57,7 +58,10 @@ class SequenceClassifier(nnx.Module):
         **block_kwargs,
     ):
         self.vocab_size = vocab_size
-        self.embed = nnx.Embed(vocab_size, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.embed = nnx.Embed(
+            vocab_size, width, embedding_init=sharding.embedding(sharding.VOCAB, sharding.EMBED),
+            dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+        )  # fmt: skip
         self.blocks, self.layout, self.period = stack.make_blocks(
             depth,
             width,

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from linattn_jax import sharding
 from linattn_jax.layers.norms import RMSNorm
 from linattn_jax.models import sampling, stack
 from linattn_jax.models.common import check_state, check_tokens
@@ -64,7 +65,10 @@ class LanguageModel(nnx.Module):
         **block_kwargs,
     ):
         self.vocab_size = vocab_size
-        self.embed = nnx.Embed(vocab_size, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.embed = nnx.Embed(
+            vocab_size, width, embedding_init=sharding.embedding(sharding.VOCAB, sharding.EMBED),
+            dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+        )  # fmt: skip
         self.blocks, self.layout, self.period = stack.make_blocks(
             depth,
             width,
@@ -90,8 +94,14 @@ class LanguageModel(nnx.Module):
             None
             if tie_embeddings
             else nnx.Linear(
-                width, vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-            )
+                width,
+                vocab_size,
+                use_bias=False,
+                kernel_init=sharding.kernel(sharding.EMBED, sharding.VOCAB),
+                dtype=dtype,
+                param_dtype=param_dtype,
+                rngs=rngs,
+            )  # fmt: skip
         )
 
     def init_state(self, batch: int, max_length: int | None = None) -> list:
@@ -119,7 +129,7 @@ class LanguageModel(nnx.Module):
         """
         check_tokens(tokens, self.vocab_size)
         check_state(state, len(self.blocks), tokens.shape[0], 0 if self.period is None else 1)
-        x = self.embed(tokens)
+        x = sharding.constrain(self.embed(tokens), sharding.BATCH, sharding.LENGTH, None)
         x = stack.run_blocks(
             self.blocks,
             x,

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from linattn_jax import sharding
 from linattn_jax.layers import TransformerBlock, registry
 from linattn_jax.ops import checks
 
@@ -81,7 +82,12 @@ def make_blocks(
     period = registry.layout_period(kinds)
     stacked = []
     for kind in kinds[:period]:
-        make = nnx.vmap(functools.partial(block, kind), in_axes=(0,), out_axes=0)
+        make = nnx.vmap(
+            functools.partial(block, kind),
+            in_axes=(0,),
+            out_axes=0,
+            transform_metadata={nnx.PARTITION_NAME: sharding.LAYERS},  # the names gain "layers"
+        )
         stacked.append(nnx.split_rngs(splits=depth // period)(make)(rngs))
     return nnx.List(stacked), kinds, period
 

@@ -13,6 +13,8 @@ that ``linattn_jax.ops.chunking`` runs over:
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -219,12 +221,13 @@ def segment_resets(segment_ids, b: int, t: int, dtype) -> Array:
     return change.astype(dtype)[:, None, :, None]
 
 
-def check_mesh(mesh, axis_name: str, batch_axis: str | None, t: int):
+def check_mesh(mesh, axis_name: str, batch_axis: str | tuple[str, ...] | None, t: int):
     """The mesh (the current one when None), checked against the axes and the length."""
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    for name, axis in [("axis_name", axis_name), ("batch_axis", batch_axis)]:
-        if axis is not None and axis not in mesh.axis_names:
-            raise ValueError(f"{name}={axis!r} is not an axis of the mesh {mesh.axis_names}")
+    for name, axes in [("axis_name", axis_name), ("batch_axis", batch_axis)]:
+        for axis in (axes,) if isinstance(axes, str) else axes or ():
+            if axis not in mesh.axis_names:
+                raise ValueError(f"{name}={axes!r} is not an axis of the mesh {mesh.axis_names}")
     shards = mesh.shape[axis_name]
     if t % shards:
         raise ValueError(
@@ -349,17 +352,21 @@ def check_features(out, x) -> None:
         )
 
 
-def check_batch_axis(mesh, axis_name: str, batch_axis: str | None, b: int) -> None:
-    """A sequence-parallel call's ``batch_axis``: another axis than ``axis_name``, whose
-    devices divide the batch ``b`` (checked before ``shard_map`` would refuse it)."""
+def check_batch_axis(
+    mesh, axis_name: str, batch_axis: str | tuple[str, ...] | None, b: int
+) -> None:
+    """A sequence-parallel call's ``batch_axis``: another axis (or axes: ``("data",
+    "fsdp")``) than ``axis_name``, whose devices divide the batch ``b`` (checked before
+    ``shard_map`` would refuse it)."""
     if batch_axis is None:
         return
-    if batch_axis == axis_name:
+    axes = (batch_axis,) if isinstance(batch_axis, str) else tuple(batch_axis)
+    if axis_name in axes:
         raise ValueError(
             f"batch_axis={batch_axis!r} must differ from axis_name={axis_name!r} (the axis "
             f"that splits the sequence)"
         )
-    devices = mesh.shape[batch_axis]
+    devices = math.prod(mesh.shape[a] for a in axes)
     if b % devices:
         raise ValueError(
             f"batch b={b} must be divisible by the {devices} devices of batch_axis {batch_axis!r}"

@@ -38,7 +38,7 @@ def sequence_parallel(
     *,
     axis_name: str,
     mesh: jax.sharding.Mesh | None = None,
-    batch_axis: str | None = None,
+    batch_axis: str | tuple[str, ...] | None = None,
     feature_map: str | FeatureMap = "elu",
     chunk_size: int | None = None,
     initial_state: State | None = None,
@@ -57,7 +57,7 @@ def sequence_parallel(
       v: values ``[b, t, h, v]``.
       axis_name: the mesh axis that splits the sequence.
       mesh: the mesh; the current one (``jax.set_mesh``) when None.
-      batch_axis: an optional mesh axis that splits the batch too (a 2-D mesh).
+      batch_axis: an optional mesh axis (or axes) that splits the batch too.
       feature_map: as in ``causal``; position-aware maps see global positions.
       chunk_size: as in ``causal``.
       initial_state: as in ``causal``.

@@ -27,7 +27,7 @@ def sequence_parallel(
     *,
     axis_name: str,
     mesh: jax.sharding.Mesh | None = None,
-    batch_axis: str | None = None,
+    batch_axis: str | tuple[str, ...] | None = None,
     chunk_size: int | None = None,
     initial_state: State | None = None,
     return_state: bool = False,
@@ -55,7 +55,7 @@ def sequence_parallel(
       beta: writing strengths ``[b, t, hv]``.
       axis_name: the mesh axis that splits the sequence.
       mesh: the mesh; the current one (``jax.set_mesh``) when None.
-      batch_axis: an optional mesh axis that splits the batch too (a 2-D mesh).
+      batch_axis: an optional mesh axis (or axes) that splits the batch too.
       chunk_size: as in ``causal``.
       initial_state: as in ``causal``.
       return_state: as in ``causal``.
