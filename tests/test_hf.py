@@ -21,7 +21,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from linattn_jax import hf
+from linattn_jax import hf, sharding
 from tests.helpers import assert_close_normwise
 
 LOGITS_RTOL = 1e-5  # float32 against float32: the sums' order differs (chunks vs scans)
@@ -512,10 +512,14 @@ def test_trainer_fine_tunes_from_a_checkpoint(saved, tmp_path):
 
 def test_mesh_places_each_parameter_with_its_sharding(saved):
     _, path, _, _ = saved("untied")
-    mesh = jax.make_mesh((1,), ("data",))
+    # The layers' logical names (embed, heads, ...) are placed under sharding.RULES, not
+    # read as mesh axes (a mesh without an "embed" axis would refuse them).
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tensor"))
     model, _ = hf.from_pretrained(path, mesh=mesh)
-    for x in jax.tree.leaves(nnx_params(model)):
-        assert isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh
+    params = nnx_params(model)
+    expected = jax.tree.leaves(sharding.place(params, mesh))
+    for x, want in zip(jax.tree.leaves(params), expected, strict=True):
+        assert isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding == want
 
 
 def test_save_refuses_a_model_not_of_qwen3_5s_form(tmp_path):

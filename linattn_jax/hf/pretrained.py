@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from linattn_jax import sharding
 from linattn_jax.hf import qwen3_5, safetensors_io
 from linattn_jax.models import LanguageModel
 
@@ -70,9 +71,11 @@ def from_pretrained(
         checkpoint loads as float32).
       param_dtype: the parameters' dtype where it is not ``dtype`` (None), ``float32`` or
         ``bfloat16``: float32 parameters under a bfloat16 computation, as for training.
-      mesh: place each parameter with ``NamedSharding(mesh, its partition spec)`` (the
-        spec from the parameter's sharding metadata, replicated without one); None: the
-        default device.
+      mesh: place each parameter on ``mesh`` as it is read, split as
+        ``linattn_jax.sharding.place`` splits it (the layers' logical axis names under
+        ``sharding.RULES``: FSDP over a ``fsdp`` axis, heads and MLP over ``tensor``; axes
+        the mesh lacks are not used, unnamed parameters replicated); None: the default
+        device.
 
     Returns:
       ``(model, config)``: the ``LanguageModel`` (unrolled layers; ``model(tokens)``,
@@ -89,7 +92,7 @@ def from_pretrained(
     graphdef, state = nnx.split(abstract_model(config, dtype, param_dtype))
     variables = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(state)}
     flat = {p: v.get_value() for p, v in variables.items()}
-    specs = None if mesh is None else _flat(nnx.get_partition_spec(state))
+    shardings = None if mesh is None else _flat(sharding.place(state, mesh))
     with safetensors_io.Checkpoint(path) as checkpoint:
         names = checkpoint.names()
         prefix = next((p for p in TEXT_PREFIXES if any(n.startswith(p) for n in names)), "model.")
@@ -118,8 +121,7 @@ def from_pretrained(
             x = checkpoint.get(name)
             for p, part in zip(rule.ours, qwen3_5.to_ours(rule.how, x, shapes), strict=True):
                 part = np.asarray(part, param_dtype, order="C")  # cast, transpose: one copy
-                sharding = None if specs is None else _sharding(mesh, specs[p])
-                flat[p] = jax.device_put(part, sharding)
+                flat[p] = jax.device_put(part, None if shardings is None else shardings[p])
             del x  # one tensor at a time
     missing = [p for p, x in flat.items() if isinstance(x, jax.ShapeDtypeStruct)]
     if missing:  # a parameter the table does not fill: a bug of ours, not of the checkpoint
@@ -198,11 +200,6 @@ def _dtype(dtype, config, field: str = "dtype") -> jnp.dtype:
     if name not in DTYPES:
         raise ValueError(f"{field} must be one of {DTYPES} (or None), got {dtype!r}")
     return jnp.dtype(name)
-
-
-def _sharding(mesh, spec):
-    spec = spec if isinstance(spec, jax.sharding.PartitionSpec) else jax.sharding.PartitionSpec()
-    return jax.sharding.NamedSharding(mesh, spec)
 
 
 def _flat(state) -> dict[str, Any]:
