@@ -120,10 +120,13 @@ def _cotangent(outs):
     )
 
 
+# Every case with each pair of values of (normalize, with_state, diagonal) -- an
+# orthogonal array of 4 of the 8 combinations, the all-on one among them.
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("normalize", [True, False])
-@pytest.mark.parametrize("with_state", [False, True])
-@pytest.mark.parametrize("diagonal", [True, False])
+@pytest.mark.parametrize(
+    "normalize, with_state, diagonal",
+    [(True, True, True), (True, False, False), (False, True, False), (False, False, True)],
+)
 def test_backward_matches_plain_autodiff(case, normalize, with_state, diagonal):
     with jax.enable_x64(True):
         kw = dict(normalize=normalize, with_state=with_state, diagonal=diagonal)
@@ -247,9 +250,18 @@ def _inside_and_outside(case, feature_map, eps, poison):
     return jax.vjp(inside, *args), jax.vjp(outside, *args)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("feature_map", ["elu", "taylor"])
-@pytest.mark.parametrize("eps, poison", [(None, True), (1e-3, False)])
+# Every case with both maps and both (eps, poison) settings; each map meets each setting
+# in alternate cases (3 cases per pairing) instead of in all of them.
+@pytest.mark.parametrize(
+    "case, feature_map, eps, poison",
+    [
+        (case, feature_map, *setting)
+        for i, case in enumerate(CASES)
+        for feature_map, setting in zip(
+            ["elu", "taylor"], [(None, True), (1e-3, False)][:: 1 if i % 2 else -1], strict=True
+        )
+    ],
+)
 def test_features_inside_chunks_match_features_outside(case, feature_map, eps, poison):
     """A registered map applied by each chunk to raw, time-major q, k, v (NaN and inf at
     masked tokens with ``poison``; without a mask the last chunk's padding, where
@@ -300,8 +312,13 @@ TAYLOR_OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("option", list(TAYLOR_OPTIONS))
-@pytest.mark.parametrize("method", ["chunked", "quadratic"])
+# The chunked form with every option; the quadratic form with "everything" (which holds
+# "gate" and more) and "unnormalized" ("plain" is in both).
+@pytest.mark.parametrize(
+    "option, method",
+    [(option, "chunked") for option in TAYLOR_OPTIONS]
+    + [("everything", "quadratic"), ("unnormalized", "quadratic")],
+)
 def test_taylor_kernel_matches_features(option, method):
     """The kernel path equals the explicit features (the scan form), outputs and grads."""
     with jax.enable_x64(True):

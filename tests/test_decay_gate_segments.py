@@ -132,7 +132,15 @@ class CausalOptionsTest(chex.TestCase):
 
             check_grads(fn, (q, k, v, gate, s0, z0, decay), order=1, modes=["rev"])
 
-    @parameterized.product(method=METHODS, option=OPTIONS, split=[5, 8])
+    # Every form and option, split mid-chunk (5) or at a chunk boundary (8) in turn: each
+    # form meets both splits, and each option both splits across the forms.
+    @parameterized.parameters(
+        *[
+            (method, option, (5, 8)[(i + j) % 2])
+            for i, method in enumerate(METHODS)
+            for j, option in enumerate(OPTIONS)
+        ]
+    )
     def test_streaming_in_two_pieces_equals_whole(self, method, option, split):
         q, k, v = helpers.qkv(10, B, T, H, D, DV)
         opts = _options(option)

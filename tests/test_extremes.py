@@ -29,13 +29,33 @@ def _gates(position: int, value: float, channels: int | None = None):
 
 
 EXTREME_GATES = [-1e3, -1e10, -1e30, -jnp.inf]
+POSITIONS = [0, 5, 15]  # a chunk's first token, one inside, its last
 
 
-@pytest.mark.parametrize("value", EXTREME_GATES)
-@pytest.mark.parametrize("position", [0, 5, 15])
-@pytest.mark.parametrize("per_channel", [False, True])
-@pytest.mark.parametrize("method", ["chunked", "quadratic"])
-def test_additive_forms_equal_the_scan_for_any_gate(value, position, per_channel, method):
+def _gate_cases(shift: int):
+    """(value, position): -inf at every position, each finite value at one, rotated by
+    ``shift`` (so that over shifts 0, 1, 2 every value meets every position)."""
+    return [
+        (value, position)
+        for i, value in enumerate(EXTREME_GATES)
+        for j, position in enumerate(POSITIONS)
+        if value == -jnp.inf or j == (i + shift) % len(POSITIONS)
+    ]
+
+
+# Each (method, per_channel) with -inf everywhere and each finite value at a rotating
+# position: over the four, every (value, position) pair occurs.
+@pytest.mark.parametrize(
+    "method, per_channel, value, position",
+    [
+        (method, per_channel, *vp)
+        for shift, (method, per_channel) in enumerate(
+            [("chunked", False), ("chunked", True), ("quadratic", False), ("quadratic", True)]
+        )
+        for vp in _gate_cases(shift)
+    ],
+)
+def test_additive_forms_equal_the_scan_for_any_gate(method, per_channel, value, position):
     q, k, v = helpers.qkv(0, B, T, H, D, D)
     gate = _gates(position, value, D if per_channel else None)
     run = lambda m: la.causal_linear_attention(
@@ -46,10 +66,13 @@ def test_additive_forms_equal_the_scan_for_any_gate(value, position, per_channel
     chex.assert_trees_all_close(state, ref_state, **helpers.tol(jnp.float32))
 
 
-@pytest.mark.parametrize("value", EXTREME_GATES)
-@pytest.mark.parametrize("position", [0, 5, 15])
-@pytest.mark.parametrize("per_channel", [False, True])
-def test_delta_rule_chunked_equals_the_float64_loop_for_any_gate(value, position, per_channel):
+# Per head and per channel: -inf at every position, each finite value at one position
+# (a different one in each mode, so two of the three).
+@pytest.mark.parametrize(
+    "per_channel, value, position",
+    [(per_channel, *vp) for per_channel in (False, True) for vp in _gate_cases(int(per_channel))],
+)
+def test_delta_rule_chunked_equals_the_float64_loop_for_any_gate(per_channel, value, position):
     q, k, v = helpers.qkv(1, B, T, H, D, D)
     k = _unit(k)
     beta = jax.nn.sigmoid(jax.random.normal(jax.random.PRNGKey(4), (B, T, H)))
@@ -84,10 +107,18 @@ def _poisoned(x, position, value):
     return x.at[:, position, 0, 0].set(value)
 
 
-@pytest.mark.parametrize("value", [jnp.nan, jnp.inf])
-@pytest.mark.parametrize("which", ["k", "v"])
-@pytest.mark.parametrize("family", ["additive", "gated_additive", "delta", "kda"])
-def test_a_non_finite_input_reaches_no_earlier_output(value, which, family):
+# Every family with NaN and inf, in k and in v; each (input, value) pair in two families.
+@pytest.mark.parametrize(
+    "family, which, value",
+    [
+        (family, *wv)
+        for i, family in enumerate(["additive", "gated_additive", "delta", "kda"])
+        for wv in (
+            [("k", jnp.nan), ("v", jnp.inf)] if i % 2 == 0 else [("k", jnp.inf), ("v", jnp.nan)]
+        )
+    ],
+)
+def test_a_non_finite_input_reaches_no_earlier_output(family, which, value):
     """Causal means causal: a NaN or inf at token 13 (chunk 1, not its first token) leaves
     outputs 0..12 as they are without it, and makes the later ones non-finite."""
     pos = 13

@@ -206,13 +206,14 @@ class RandomFeaturesTest(parameterized.TestCase):
             kernel = kernel / jnp.sum(kernel, axis=-1, keepdims=True)
         exact = jnp.einsum("bhts,bshv->bthv", kernel, v)
 
+        @functools.partial(jax.jit, static_argnums=1)  # one program per m, not per draw
+        def error(i, m):
+            phi = draw(jax.random.fold_in(KEY, i), d, m)
+            out = la.linear_attention(q, k, v, feature_map=phi, normalize=normalize)
+            return jnp.linalg.norm(out - exact) / jnp.linalg.norm(exact)
+
         def mean_error(m):
-            errors = []
-            for i in range(16):
-                phi = draw(jax.random.fold_in(KEY, i), d, m)
-                out = la.linear_attention(q, k, v, feature_map=phi, normalize=normalize)
-                errors.append(jnp.linalg.norm(out - exact) / jnp.linalg.norm(exact))
-            return float(jnp.mean(jnp.stack(errors)))
+            return float(jnp.mean(jnp.stack([error(i, m) for i in range(16)])))
 
         errors = [mean_error(m) for m in (16, 64, 256, 1024)]
         assert all(a > b for a, b in zip(errors, errors[1:], strict=False)), errors
@@ -225,12 +226,12 @@ class RandomFeaturesTest(parameterized.TestCase):
         """Over 2000 draws the mean of phi(q).phi(k) is exp(q.k / sqrt(d)) within 4 s.e."""
         d = 8
         q, k = 0.5 * jax.random.normal(KEY, (2, d))
-        estimates = jnp.stack(
-            [
-                jnp.dot(phi(q), phi(k))
-                for phi in (draw(jax.random.fold_in(KEY, i), d, 16) for i in range(2000))
-            ]
-        )
+
+        def estimate(i):  # one draw's phi(q).phi(k); vectorised over the 2000 draws
+            phi = draw(jax.random.fold_in(KEY, i), d, 16)
+            return jnp.dot(phi(q), phi(k))
+
+        estimates = jax.jit(jax.vmap(estimate))(jnp.arange(2000))
         standard_error = jnp.std(estimates) / math.sqrt(estimates.size)
         exact = jnp.exp(jnp.dot(q, k) / math.sqrt(d))
         assert abs(float(jnp.mean(estimates) - exact)) < 4 * float(standard_error)
