@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,3 +82,22 @@ def segment_ids(seed: int, b: int, t: int, p: float = 0.15):
     """Non-decreasing int32 ids ``[b, t]``: a new segment starts with probability p."""
     starts = jax.random.bernoulli(jax.random.PRNGKey(seed), p, (b, t))
     return jnp.cumsum(starts, axis=1).astype(jnp.int32)
+
+
+def pytest_with_devices(devices: int, *args: str) -> str:
+    """Runs ``pytest *args`` in a new process whose CPU has ``devices`` devices (one
+    process, ``-n 0``: two xdist workers there would each start JAX and compile the shared
+    programs again, on the cores the calling run's other worker also uses); asserts it
+    passed and returns its stdout."""
+    env = os.environ | {
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "JAX_PLATFORMS": "cpu",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    return result.stdout

@@ -6,9 +6,6 @@ with ``--xla_force_host_platform_device_count=2``.
 """
 
 import functools
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -118,17 +115,8 @@ def test_grouped_heads_errors():
 @pytest.mark.slow
 @pytest.mark.skipif(TWO, reason="this is the launcher; the real test runs below")
 def test_in_a_process_with_two_devices():
-    env = os.environ | {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-        "JAX_PLATFORMS": "cpu",
-    }
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__,
-         "-k", "sequence_parallel or launcher"],
-        env=env, capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
-    assert "1 passed" in result.stdout
+    stdout = helpers.pytest_with_devices(2, __file__, "-k", "sequence_parallel or launcher")
+    assert "1 passed" in stdout
 
 
 @pytest.mark.skipif(not TWO, reason="needs 2 devices (run by the launcher test)")

@@ -6,10 +6,6 @@ The sequence-parallel check needs two devices: its launcher re-runs this file in
 with ``--xla_force_host_platform_device_count=2``.
 """
 
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -203,17 +199,8 @@ def test_classifier_takes_a_layout_and_scans():
 @pytest.mark.slow
 @pytest.mark.skipif(TWO, reason="this is the launcher; the real test runs below")
 def test_in_a_process_with_two_devices():
-    env = os.environ | {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-        "JAX_PLATFORMS": "cpu",
-    }
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__,
-         "-k", "sequence_parallel or launcher"],
-        env=env, capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
-    assert "1 passed" in result.stdout
+    stdout = helpers.pytest_with_devices(2, __file__, "-k", "sequence_parallel or launcher")
+    assert "1 passed" in stdout
 
 
 @pytest.mark.skipif(not TWO, reason="needs 2 devices (run by the launcher test)")

@@ -6,9 +6,6 @@ a subprocess with it; there the device-count guard lets the real tests run.
 """
 
 import functools
-import os
-import subprocess
-import sys
 
 import chex
 import jax
@@ -31,20 +28,8 @@ B, H, D, DV = 2, 3, 8, 5
 @pytest.mark.slow
 @pytest.mark.skipif(EIGHT, reason="this is the launcher; the real tests run below")
 def test_in_a_process_with_eight_devices():
-    env = os.environ | {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-    }
-    # One process (-n 0): two xdist workers there would each start JAX and compile the
-    # shared programs again, on the two cores this run's other worker also uses.
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
-    assert " passed" in result.stdout and "skipped" in result.stdout  # the launcher skipped
+    stdout = helpers.pytest_with_devices(8, __file__)
+    assert " passed" in stdout and "skipped" in stdout  # the launcher skipped
 
 
 def _mesh(shards, batch=1):
