@@ -25,7 +25,8 @@ F64 = dict(atol=1e-12, rtol=1e-12)
 
 
 def _plain_chunked(phi_q, phi_k, v, g, resets, state, chunk_size, *, diagonal, kernel=None):
-    """``chunked.run_chunks`` as a plain ``lax.scan`` of ``chunk_body``: autodiff only."""
+    """``chunked.run_chunks`` as a plain ``lax.scan`` of ``group_body`` (one chunk a
+    group): autodiff only."""
     t = phi_q.shape[2]
     n = -(-t // chunk_size)
     xs = (phi_q, phi_k, v, g, resets)
@@ -42,7 +43,7 @@ def _plain_chunked(phi_q, phi_k, v, g, resets, state, chunk_size, *, diagonal, k
         y = jnp.moveaxis(y, 0, 2)
         return y.reshape(y.shape[:2] + (n * chunk_size,) + y.shape[4:])[:, :, :t]
 
-    body = functools.partial(chunked.chunk_body, diagonal, fn)
+    body = functools.partial(chunked.group_body, c=chunk_size, diagonal=diagonal, kernel=fn)
     state, ys = jax.lax.scan(body, state, jax.tree.map(chunks, xs))
     return jax.tree.map(unchunk, ys), state
 
@@ -209,7 +210,7 @@ def test_backward_with_nan_padding(feature_map, case):
         chex.assert_trees_all_close(grads, ref_vjp(ct), **F64)
 
 
-def _inside_and_outside(case, feature_map, eps, poison):
+def _inside_and_outside(case, feature_map, eps, poison, group_tokens=None):
     """(outputs, vjp) pairs of ``chunked`` with the map inside the chunks (raw
     time-major q, k, v) and outside them (``features``, heads first); outputs heads
     first. With ``eps`` the first normalises in its chunks, the second afterwards."""
@@ -230,8 +231,9 @@ def _inside_and_outside(case, feature_map, eps, poison):
         live = None if key_mask is None else key_mask[:, :, None, None]
         phi = la.feature_maps.get(feature_map)
         (num, den), (s, z) = chunked.run_chunks(
-            q, k, v, g, r, (s, z), C, diagonal=True, time_axis=1, eps=eps, phi=phi, live=live
-        )
+            q, k, v, g, r, (s, z), C, diagonal=True, time_axis=1, eps=eps, phi=phi, live=live,
+            group_tokens=group_tokens,
+        )  # fmt: skip
         return heads_first(num), heads_first(den), s, z
 
     def outside(q, k, v, s, z, gate):
@@ -269,6 +271,52 @@ def test_features_inside_chunks_match_features_outside(case, feature_map, eps, p
     outside: outputs, final state and every input's gradient, in float64."""
     with jax.enable_x64(True):
         (outs, vjp), (ref_outs, ref_vjp) = _inside_and_outside(case, feature_map, eps, poison)
+        chex.assert_trees_all_close(outs, ref_outs, **F64)
+        ct = _cotangent(outs)
+        grads = vjp(ct)
+        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+        chex.assert_trees_all_close(grads, ref_vjp(ct), **F64)
+
+
+# Groups of chunks (the GPU/TPU layout, forced here): T = 13 is 4 chunks of C = 4, the
+# last one partial; 3 chunks a group become 2 groups of 2, 64 tokens one group of all 4.
+GROUPS = [3 * C, 64]
+
+
+@pytest.mark.parametrize("group_tokens", GROUPS)
+@pytest.mark.parametrize(
+    "case, feature_map, normalize, with_state, diagonal, poison",
+    [
+        ("everything", "elu", True, True, True, True),
+        ("per_channel_gate", "elu", False, False, False, False),
+        ("gate_with_resets", "taylor", True, False, True, True),
+    ],
+)
+def test_groups_of_chunks_match_plain_autodiff(
+    group_tokens, case, feature_map, normalize, with_state, diagonal, poison
+):
+    """Every chunk of a group at once, one state scan between (decays, resets, per-channel
+    gates, the Taylor kernel, NaN and inf at masked tokens): the outputs and gradients of
+    the one-chunk plain scan."""
+    with jax.enable_x64(True):
+        kw = dict(normalize=normalize, with_state=with_state, diagonal=diagonal, poison=poison)
+        form = functools.partial(chunked.run_chunks, group_tokens=group_tokens)
+        outs, vjp = _run(form, case, feature_map, **kw)
+        ref_outs, ref_vjp = _run(_plain_chunked, case, feature_map, **kw)
+        chex.assert_trees_all_close(outs, ref_outs, **F64)
+        ct = _cotangent(outs)
+        grads = vjp(ct)
+        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+        chex.assert_trees_all_close(grads, ref_vjp(ct), **F64)
+
+
+@pytest.mark.parametrize("group_tokens", GROUPS)
+def test_groups_of_chunks_with_features_inside(group_tokens):
+    """Groups of chunks that apply the map themselves to raw time-major inputs and
+    normalise (``eps``), NaN and inf at masked tokens: as the features outside."""
+    with jax.enable_x64(True):
+        pairs = _inside_and_outside("everything", "elu", 1e-3, True, group_tokens)
+        (outs, vjp), (ref_outs, ref_vjp) = pairs
         chex.assert_trees_all_close(outs, ref_outs, **F64)
         ct = _cotangent(outs)
         grads = vjp(ct)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import linattn_jax as la
-from linattn_jax.ops import checks
+from linattn_jax.ops import checks, chunking
 from linattn_jax.ops.delta import chunked
 from tests import helpers
 
@@ -76,3 +76,14 @@ def test_the_blocked_solve_and_its_gradient_match_xlas():
     helpers.assert_close_normwise(
         grads(chunked._blocked_solve)(lower, rhs), grads(chunked._xla_solve)(lower, rhs)
     )
+
+
+def test_groups_are_even_and_bounded_by_their_states():
+    """A long sequence splits into even groups (10 chunks at most 8 a group: 2 of 5, not
+    8 + 2 padded to 8), and wide states (Taylor's 1 + 64 + 64^2 features) run fewer
+    chunks at once."""
+    assert chunking.chunks_per_group(64, 10, 8 * 64) == 5
+    assert chunking.chunks_per_group(64, 3, 8192) == 3
+    assert chunking.chunks_per_group(64, 200, 8192, 64 * 64) == 100
+    assert chunking.chunks_per_group(64, 200, 8192, 4161 * 64) == 1
+    assert chunking.chunks_per_group(16, 200, 1) == 1

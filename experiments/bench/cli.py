@@ -53,6 +53,9 @@ FLAGS = {
     "--decode-steps": dict(type=int, default=64, help="hf-load: greedy steps timed (0: none)"),
     "--decode-batch": dict(type=int, default=1, help="hf-load: the decoding batch"),
     "--families": dict(default="", help="recurrences: the families timed (default all)"),
+    "--cpu-groups": dict(
+        default="", help="recurrences: tokens per group of chunks on CPU (default: one chunk)"
+    ),
     "--impl": dict(
         metavar="MODULE:FUNCTION",
         default=None,
@@ -85,6 +88,7 @@ SUITES = {
             "--scan-max",
             ("--chunk-sizes", dict(default="", help="chunk sizes (default: each family's)")),
             "--families",
+            "--cpu-groups",
         ),
     ),
     "peers": (

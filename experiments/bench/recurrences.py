@@ -1,12 +1,15 @@
 """Speed and memory of the recurrence families (additive decay, GLA, DeltaNet, Gated
 DeltaNet, KDA), chunked and as a per-token scan, against non-causal linear
 attention: forward ms, forward+backward ms and forward+backward scratch memory per
-length, as a markdown table.
+length, as a markdown table. ``--cpu-groups`` times the chunked forms with several
+chunks batched per group on CPU (``chunking.GROUP_TOKENS_CPU``, one chunk by default;
+GPU and TPU batch ``chunking.GROUP_TOKENS``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import jax.numpy as jnp
 
 import linattn_jax as la
 from experiments.bench.timing import scratch_mib, time_ms
+from linattn_jax.ops import chunking
 
 RECURRENCES = {
     # name: (form, gate shape: None, "head" or "channel")
@@ -49,30 +53,50 @@ def recurrence_case(
     return fn, (q, k, v, beta, gate)
 
 
+@contextlib.contextmanager
+def cpu_group(tokens: int | None):
+    """Traces inside batch ``tokens`` per group of chunks on CPU (None: the default)."""
+    default = chunking.GROUP_TOKENS_CPU
+    chunking.GROUP_TOKENS_CPU = default if tokens is None else tokens
+    try:
+        yield
+    finally:
+        chunking.GROUP_TOKENS_CPU = default
+
+
 def measure(
-    lengths, repeats: int, scan_max: int, names=tuple(RECURRENCES), chunk_sizes=(None,)
+    lengths,
+    repeats: int,
+    scan_max: int,
+    names=tuple(RECURRENCES),
+    chunk_sizes=(None,),
+    groups=(None,),
 ) -> list[dict]:
     """Forward and forward+backward of every recurrence family, chunked (at each of
-    ``chunk_sizes``, None: the default) and scan (up to ``scan_max``), one row each,
-    printed as it is measured."""
+    ``chunk_sizes``, None: the default, and each of ``groups`` tokens per group on CPU)
+    and scan (up to ``scan_max``), one row each, printed as it is measured."""
     rows = []
     for t in lengths:
         key = jax.random.PRNGKey(t)
         q, k, v = (jax.random.normal(kk, (1, t, 8, 64)) for kk in jax.random.split(key, 3))
-        cases = [("noncausal", "", la.linear_attention, (q, k, v))]
+        cases = [("noncausal", "", None, la.linear_attention, (q, k, v))]
         for name in names:
             for size in chunk_sizes:
-                method = "chunked" if size is None else f"chunked C={size}"
-                cases.append((name, method, *recurrence_case(name, "chunked", t, chunk_size=size)))
+                for group in groups:
+                    method = "chunked" + ("" if size is None else f" C={size}")
+                    method += "" if group is None else f" G={group}"
+                    case = recurrence_case(name, "chunked", t, chunk_size=size)
+                    cases.append((name, method, group, *case))
             if t <= scan_max:
-                cases.append((name, "scan", *recurrence_case(name, "scan", t)))
-        for name, method, fn, args in cases:
+                cases.append((name, "scan", None, *recurrence_case(name, "scan", t)))
+        for name, method, group, fn, args in cases:
             argnums = tuple(i for i, a in enumerate(args) if a is not None)
             grad = jax.grad(lambda *a, fn=fn: jnp.sum(fn(*a)), argnums=argnums)
             row = dict(t=t, recurrence=name, method=method)
-            row["fwd_ms"], row["fwd_cpu_ms"] = time_ms(jax.jit(fn), args, repeats)
-            row["fwd_bwd_ms"], row["fwd_bwd_cpu_ms"] = time_ms(jax.jit(grad), args, repeats)
-            row["fwd_bwd_scratch_mib"] = scratch_mib(grad, args)
+            with cpu_group(group):
+                row["fwd_ms"], row["fwd_cpu_ms"] = time_ms(jax.jit(fn), args, repeats)
+                row["fwd_bwd_ms"], row["fwd_bwd_cpu_ms"] = time_ms(jax.jit(grad), args, repeats)
+                row["fwd_bwd_scratch_mib"] = scratch_mib(grad, args)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -108,5 +132,6 @@ def run(args: argparse.Namespace, command: str) -> None:
     # The flat command line's --chunk-sizes are the forms suite's; the subcommand's are these.
     own = getattr(args, "suite", None) == "recurrences" and args.chunk_sizes
     sizes = tuple(ints(args.chunk_sizes)) if own else (None,)
-    rows = measure(ints(args.lengths), args.repeats, args.scan_max, names, sizes)
+    groups = tuple(ints(getattr(args, "cpu_groups", "") or "")) or (None,)
+    rows = measure(ints(args.lengths), args.repeats, args.scan_max, names, sizes, groups)
     print(write(rows, Path(args.out)))

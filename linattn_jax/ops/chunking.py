@@ -495,3 +495,69 @@ def _per_channel_scores_in_sub_chunks(
     eye = jnp.eye(n, dtype=a.dtype)[None, None, :, None, :, None]
     inside = inside.reshape(bsz, h, n, s, 1, s) * eye  # placed on the block diagonal
     return (off.reshape(bsz, h, n, s, n, s) + inside).reshape(bsz, h, c, c)
+
+
+# Chunk-parallel groups: a group of n chunks runs its chunk-local work as one batched
+# pass, the chunks folded into the head axis (``[b, h * n, c, .]``, chunk i of head j at
+# j * n + i: a free reshape of ``[b, h, n * c, .]``); only the state's recurrence then
+# runs chunk by chunk, in a scan over ``chunk_major`` arrays.
+
+# Tokens whose chunks run at once on GPU and TPU (all of a shorter sequence): their
+# batched [c, c] pieces, O(GROUP_TOKENS * c) per batch row and head, are the transient
+# peak. On CPU one chunk at a time (``GROUP_TOKENS_CPU``, rounded up to one chunk): the
+# batched products run no faster there than one chunk's, and a chunk's pieces stay in
+# cache (docs/benchmarks.md). Both are read when a form is traced (the benchmark's
+# ``recurrences --cpu-groups`` sets the CPU one).
+GROUP_TOKENS = 8192
+GROUP_TOKENS_CPU = 1
+
+
+# A group's states (one per chunk, kept through its backward) are at most this many
+# elements per batch row and head: 128 states of 64 x 64, GROUP_TOKENS at c = 64. Wide
+# feature maps (Taylor's 1 + d + d^2) then run fewer chunks at once.
+GROUP_STATE_ELEMENTS = 2**19
+
+
+def chunks_per_group(c: int, n: int, group_tokens: int, state_size: int = 1) -> int:
+    """How many of ``n`` chunks of ``c`` tokens a group holds: at most ``group_tokens //
+    c`` and ``GROUP_STATE_ELEMENTS // state_size`` (at least one), spread evenly, so the
+    last group is not mostly padding."""
+    most = max(1, min(group_tokens // c, GROUP_STATE_ELEMENTS // state_size, n))
+    groups = -(-n // most)
+    return -(-n // groups)
+
+
+def fold(x: Array | None, c: int, h: int) -> Array | None:
+    """``[b, h|1, g, ...]`` -> ``[b, h * n, c, ...]``: a group's chunks folded into the
+    head axis (one head broadcast to ``h``; the last chunk padded with zeros)."""
+    if x is None:
+        return None
+    b, length = x.shape[0], x.shape[2]
+    n = -(-length // c)
+    x = jnp.broadcast_to(x, (b, h) + x.shape[2:])
+    x = jnp.pad(x, [(0, 0), (0, 0), (0, n * c - length)] + [(0, 0)] * (x.ndim - 3))
+    return x.reshape((b, h * n, c) + x.shape[3:])
+
+
+def unfold(x: Array | None, h: int, length: int) -> Array | None:
+    """``[b, h * n, c, ...]`` -> ``[b, h, length, ...]`` (the inverse of ``fold``)."""
+    if x is None:
+        return None
+    b, m, c = x.shape[:3]
+    return x.reshape((b, h, m // h * c) + x.shape[3:])[:, :, :length]
+
+
+def chunk_major(h: int, x: Array | None) -> Array | None:
+    """``[b, h * n, ...]`` -> ``[n, b, h, ...]``: the chunks as a scan's leading axis."""
+    if x is None:
+        return None
+    b, m = x.shape[:2]
+    return jnp.moveaxis(x.reshape((b, h, m // h) + x.shape[2:]), 2, 0)
+
+
+def head_major(x: Array | None) -> Array | None:
+    """``[n, b, h, ...]`` -> ``[b, h * n, ...]`` (the inverse of ``chunk_major``)."""
+    if x is None:
+        return None
+    n, b, h = x.shape[:3]
+    return jnp.moveaxis(x, 0, 2).reshape((b, h * n) + x.shape[3:])

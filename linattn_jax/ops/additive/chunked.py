@@ -1,11 +1,24 @@
-"""The additive rule's chunked form: one chunk's masked matmuls and their transpose.
+"""The additive rule's chunked form, chunk-parallel: masked matmuls inside chunks, batched
+over a group of chunks, and a scan that carries only the state.
 
 Inside a chunk of c tokens the outputs are a masked ``[c, c]`` matmul of decayed scores
-plus the queries times the incoming state; ``linattn_jax.ops.chunking`` scans the
-chunks. The hand-written transpose (``chunk_body_bwd``) takes the state entering the
-chunk and the cotangent of the state after it, and runs only the transposed products:
-the chunk's outputs and its update of the state are never recomputed, only its decayed
-scores (``chunk_parts``).
+plus the queries times the state entering the chunk, and the chunk's own write to the
+state is ``B = K_out^T V`` (and ``sum K_out`` for Z): neither needs the state. So a group
+of chunks (their chunks folded into the head axis, ``chunking.fold``) forms every chunk's
+scores, decays and write in one batched pass (``chunk_parts``, ``_writes``); a
+``lax.scan`` then carries only ``(S, Z)`` through the group, one elementwise
+``S_next = a S + B`` per chunk (``_states``); and the outputs of all its chunks follow,
+batched, from the states entering them (``_outputs``). On GPU and TPU a group is
+``chunking.GROUP_TOKENS`` tokens (every chunk of a shorter sequence); on CPU one chunk
+(``chunking.GROUP_TOKENS_CPU``, measured in docs/benchmarks.md).
+
+Memory and recompute: ``linattn_jax.ops.chunking.scan`` stores the state entering each
+group; the hand-written backward (``group_body_bwd``) recomputes the group's scores and
+states (one batched pass and the cheap state scan) rather than store them, then runs the
+transposed products batched, with one reverse scan of ``dS_prev = a dS + Q_in^T dO``
+between them. What is kept between the passes is O(t (f + dv) + (t / C) f dv), never a
+state per token; the transient peak is one group's ``[c, c]`` scores and its states,
+O(group (c + f dv / c)) per head.
 
 Internal layout: ``[b, h, c, f]`` features, ``[b, h, c, v]`` values, ``[b, h, c, g]``
 log-decays (-inf: a reset) and ``[b, 1, c, 1]`` segment resets (see
@@ -20,6 +33,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from linattn_jax.ops import chunking, feature_maps
 from linattn_jax.ops.additive.inputs import divisor, kernel_from_dots
@@ -42,10 +56,12 @@ def run_chunks(
     eps: float | None = None,
     phi=None,
     live: Array | None = None,
+    group_tokens: int | None = None,
 ):
     """The additive recurrence over chunks, internal layout in and out.
 
-    Each chunk runs ``chunk_body``; its gradient is the hand-written ``chunk_body_bwd``.
+    The chunks run ``group_tokens // chunk_size`` at a time (``group_body``; its
+    gradient is the hand-written ``group_body_bwd``).
 
     Args:
       phi_q: query features ``[b, h, t, f]`` (the raw q with ``phi``).
@@ -60,11 +76,11 @@ def run_chunks(
         ``fn(q_i . k_j, d)`` equal to ``phi(q_i) . phi(k_j)`` for live tokens: the scores
         inside a chunk then come from the d-wide dot products, and the features only
         carry the state (per-head decays only).
-      dtype: the operand dtype of ``chunk_body``'s matmuls (``chunking.operand_dtype`` of
+      dtype: the operand dtype of the chunks' matmuls (``chunking.operand_dtype`` of
         the caller's inputs; None: the features' own dtype, no cast).
       time_axis: 2 for the internal heads-first layout; 1 for time-major inputs and
         outputs (every ``[b, h, t, .]`` above is then ``[b, t, h, .]``, resets and
-        ``live`` ``[b, t, 1, 1]``), which ``chunking.scan`` moves heads first one chunk
+        ``live`` ``[b, t, 1, 1]``), which ``chunking.scan`` moves heads first one group
         at a time.
       eps: None, or (with Z in the state) the chunks return the normalised output
         ``numerator / (denominator + eps)`` in place of the numerator, and None for the
@@ -76,18 +92,32 @@ def run_chunks(
         features zeroed after it, as ``inputs.features`` does. Its ``kernel_from_dots``
         (Taylor) then gives the scores inside a chunk wherever ``kernel`` would.
       live: see ``phi``.
+      group_tokens: tokens whose chunks run at once (at least one chunk); None:
+        ``chunking.GROUP_TOKENS_CPU`` (one chunk) on CPU, ``chunking.GROUP_TOKENS`` on GPU
+        and TPU
+        (``lax.platform_dependent``).
 
     Returns:
       ``((numerator [b,h,t,v], denominator [b,h,t] | None), final (S, Z | None))``.
     """
     if eps is not None and state[1] is None:
         raise ValueError("run_chunks: eps needs Z in the state")
+    run = functools.partial(
+        run_chunks, phi_q, phi_k, v, g, resets, chunk_size=chunk_size, diagonal=diagonal,
+        kernel=kernel, dtype=dtype, time_axis=time_axis, eps=eps, phi=phi, live=live,
+    )  # fmt: skip
+    if group_tokens is None:
+        on = lambda tokens: lambda s: run(s, group_tokens=tokens)
+        return jax.lax.platform_dependent(
+            state, cpu=on(chunking.GROUP_TOKENS_CPU), default=on(chunking.GROUP_TOKENS)
+        )
     xs = (phi_q, phi_k, v, g, resets)
     t = phi_q.shape[time_axis]
+    c, n = chunking.chunk_count(chunk_size, t)
+    per_group = chunking.chunks_per_group(c, n, group_tokens, state[0][0, 0].size)
     fn = None
     if phi is not None:
-        c, n = chunking.chunk_count(chunk_size, t)
-        if live is None and n * c != t:
+        if live is None and -(-n // per_group) * per_group * c != t:
             # The padding of the last chunk must be dead: phi(0) need not be 0 (elu + 1).
             shape = [phi_q.shape[0], 1, 1, 1]
             shape[time_axis] = t
@@ -97,10 +127,10 @@ def run_chunks(
     elif kernel is not None:
         fn, q, k, live = kernel
         xs = xs + (q, k, live)
-    options = dict(dtype=dtype, eps=eps, phi=phi)
-    body = functools.partial(chunk_body, diagonal, fn, **options)
-    body_bwd = functools.partial(chunk_body_bwd, diagonal, fn, **options)
-    return chunking.scan(body, state, xs, chunk_size, t, body_bwd=body_bwd, time_axis=time_axis)
+    options = dict(c=c, diagonal=diagonal, kernel=fn, dtype=dtype, eps=eps, phi=phi)
+    body = functools.partial(group_body, **options)
+    body_bwd = functools.partial(group_body_bwd, **options)
+    return chunking.scan(body, state, xs, per_group * c, t, body_bwd=body_bwd, time_axis=time_axis)
 
 
 def chunk_parts(diagonal: bool, kernel, x, *, dtype=None, phi=None):
@@ -148,40 +178,83 @@ def _live(live: Array | None, x: Array) -> Array:
     return x if live is None else jnp.where(live, x, jnp.zeros((), x.dtype))
 
 
-def chunk_body(diagonal: bool, kernel, state, x, *, dtype=None, eps=None, phi=None):
-    """One chunk of c tokens: a masked matmul inside, plus the incoming state.
+def group_body(state, x, *, c: int, diagonal: bool, kernel=None, dtype=None, eps=None, phi=None):
+    """One group of chunks (``chunking.scan``'s body): masked matmuls inside each chunk,
+    batched, plus the state entering each chunk.
 
     Args:
+      state: ``(S [b, h, f, v], Z [b, h, f] | None)`` before the group.
+      x: ``(phi_q [b,h,g,f], phi_k [b,h,g,f], v [b,h,g,v], log-decay [b,h,g,g] | None,
+        segment resets [b,1,g,1] | None[, q, k, live])``: ``run_chunks``' xs cut to the
+        group's g tokens.
+      c: tokens per chunk.
       diagonal: as in ``chunk_parts``.
       kernel: as in ``chunk_parts``.
       dtype: as in ``chunk_parts``, and also for the products that read the values and
-        the state (not the one that writes the state).
+        the states (not the ones that write the state).
       eps: None, or return ``(numerator / (denominator + eps), None)`` (needs Z).
       phi: None, or the feature map applied here to x's raw q and k (``run_chunks``).
-      state: ``(S [b, h, f, v], Z [b, h, f] | None)`` before the chunk.
-      x: ``(phi_q [b,h,c,f], phi_k [b,h,c,f], v [b,h,c,v], log-decay [b,h,c,g] | None,
-        segment resets [b,1,c,1] | None[, q, k, live])``.
 
     Returns:
-      ``(state after the chunk, (numerator [b, h, c, v], denominator [b, h, c] | None))``.
+      ``(state after the group, (numerator [b, h, g, v], denominator [b, h, g] | None))``.
     """
-    x, ok, bad_v, spoilt_v = _finite_inputs(x, phi)
-    bad, spoilt = chunking.poisoned(ok), ~jnp.all(ok, axis=2)
+    h, length = x[0].shape[1], x[0].shape[2]
+    x, masks = _finite_inputs(_fold(x, c, h), phi)
     v = _values(x, phi)
-    s, z = state
-    mixed = functools.partial(chunking.einsum, dtype=dtype)
     parts = chunk_parts(diagonal, kernel, _without_values(x), dtype=dtype, phi=phi)
-    scores, q_in, k_out, across = parts
-    num = mixed("bhij,bhjv->bhiv", scores, v) + mixed("bhif,bhfv->bhiv", q_in, s)
-    # The state's update keeps float32 operands: it is what the scan and step forms write.
-    s = chunking.nan_where(spoilt_v, _decay(across, s) + jnp.einsum("bhjf,bhjv->bhfv", k_out, v))
+    states, final = _states(h, parts[3], _writes(parts, v, state[1] is not None), masks, state)
+    num, den = _outputs(parts, v, states, masks, dtype=dtype, eps=eps)
+    return final, (chunking.unfold(num, h, length), chunking.unfold(den, h, length))
+
+
+def _fold(x, c: int, h: int):
+    """A group's inputs with its chunks folded into the head axis (``chunking.fold``)."""
+    return tuple(chunking.fold(y, c, h) for y in x)
+
+
+def _writes(parts, v: Array, with_z: bool):
+    """Each chunk's own write to the state, ``(K_out^T V [b,m,f,v], sum K_out [b,m,f] |
+    None)``: float32 operands (it is what the scan and step forms write)."""
+    k_out = parts[2]
+    b_z = jnp.sum(k_out, axis=2) if with_z else None
+    return jnp.einsum("bmjf,bmjv->bmfv", k_out, v), b_z
+
+
+def _states(h: int, across, writes, masks, state):
+    """The scan over a group's chunks: ``(the state entering each chunk (S [b,m,f,v], Z
+    [b,m,f] | None), the state after the group)``; the columns (S) or heads (Z) that a
+    non-finite input spoilt are NaN from then on."""
+    ok, _, _, spoilt_v = masks
+    spoilt = ~jnp.all(ok, axis=2)
+
+    def step(carry, y):
+        s, z = carry
+        a, b_s, b_z, bad_s, bad_z = y
+        s_next = chunking.nan_where(bad_s, _decay(a, s) + b_s)
+        z_next = None if z is None else chunking.nan_where(bad_z, _decay(a, z) + b_z)
+        return (s_next, z_next), (s, z)
+
+    ys = jax.tree.map(
+        functools.partial(chunking.chunk_major, h), (across, *writes, spoilt_v, spoilt)
+    )
+    final, states = jax.lax.scan(step, state, ys)
+    return jax.tree.map(chunking.head_major, states), final
+
+
+def _outputs(parts, v: Array, states, masks, *, dtype=None, eps=None):
+    """Every chunk's ``(numerator [b,m,c,v], denominator [b,m,c] | None)`` from the state
+    entering it (with ``eps``: the normalised output and None)."""
+    scores, q_in = parts[:2]
+    s, z = states
+    _, bad, bad_v, _ = masks
+    mixed = functools.partial(chunking.einsum, dtype=dtype)
+    num = mixed("bmij,bmjv->bmiv", scores, v) + mixed("bmif,bmfv->bmiv", q_in, s)
     if z is None:
-        return (s, None), (chunking.nan_where(bad_v, num), None)
+        return chunking.nan_where(bad_v, num), None
     den = _denominator(scores, q_in, z)
-    z = chunking.nan_where(spoilt, _decay(across, z) + jnp.sum(k_out, axis=2))
     if eps is not None:
-        return (s, z), (chunking.nan_where(bad_v, num / divisor(den, eps)[..., None]), None)
-    return (s, z), (chunking.nan_where(bad_v, num), chunking.nan_where(bad, den))
+        return chunking.nan_where(bad_v, num / divisor(den, eps)[..., None]), None
+    return chunking.nan_where(bad_v, num), chunking.nan_where(bad, den)
 
 
 # The entries of a chunk's x through which a later token reaches earlier ones (keys,
@@ -192,8 +265,9 @@ _KEYS, _VALUES, _LOG_DECAYS, _RAW_KEYS = 1, 2, 3, 6
 
 
 def _finite_inputs(x, phi):
-    """``(x with non-finite keys, log-decays and values zeroed, ok [b, h|1, c], the outputs
-    to poison [b, h, c, dv], the state columns to poison [b, h, 1, dv])``."""
+    """``(x with non-finite keys, log-decays and values zeroed, (ok [b, h, c], the tokens
+    from the first bad one on [b, h, c], the outputs to poison [b, h, c, dv], the state
+    columns to poison [b, h, 1, dv]))``."""
     x = list(x)
     if phi is not None and x[-1] is not None:  # dead tokens (raw inputs) hold anything
         for i in (_KEYS, _VALUES):
@@ -204,7 +278,7 @@ def _finite_inputs(x, phi):
     for i in (_KEYS, _LOG_DECAYS) + ((_RAW_KEYS,) if raw_keys is not None else ()):
         x[i] = chunking.where_finite(ok, x[i])
     x[_VALUES] = v
-    return tuple(x), ok, bad_v, spoilt_v
+    return tuple(x), (ok, chunking.poisoned(ok), bad_v, spoilt_v)
 
 
 def _denominator(scores, q_in, z):
@@ -212,63 +286,66 @@ def _denominator(scores, q_in, z):
     return jnp.sum(scores, axis=-1) + jnp.einsum("bhif,bhf->bhi", q_in, z)
 
 
-def chunk_body_bwd(diagonal: bool, kernel, d_state, inputs, *, dtype=None, eps=None, phi=None):
-    """The transpose of ``chunk_body`` (``chunking.scan``'s ``body_bwd``).
+def group_body_bwd(
+    d_final, inputs, *, c: int, diagonal: bool, kernel=None, dtype=None, eps=None, phi=None
+):
+    """The transpose of ``group_body`` (``chunking.scan``'s ``body_bwd``), from the state
+    entering the group: its chunks' scores and states are recomputed (batched, and the
+    elementwise state scan), then transposed.
 
     Args:
-      diagonal: as in ``chunk_body``.
-      kernel: as in ``chunk_body``.
-      dtype: as in ``chunk_body``.
-      eps: as in ``chunk_body``.
-      phi: as in ``chunk_body``.
-      d_state: ``(dS [b,h,f,v], dZ [b,h,f] | None)``, the cotangent of the state after
-        the chunk.
-      inputs: ``((S, Z | None) entering the chunk, x, the chunk's outputs, their
-        cotangents (d numerator [b,h,c,v], d denominator [b,h,c] | None))``; with
+      d_final: ``(dS [b,h,f,v], dZ [b,h,f] | None)``, the cotangent of the state after
+        the group.
+      inputs: ``((S, Z | None) entering the group, x, the group's outputs, their
+        cotangents (d numerator [b,h,g,v], d denominator [b,h,g] | None))``; with
         ``eps`` the output and its cotangent are the normalised output's.
+      c, diagonal, kernel, dtype, eps, phi: as in ``group_body``.
 
     Returns:
-      ``((dS, dZ | None) before the chunk, d x)``.
+      ``((dS, dZ | None) before the group, d x)``.
     """
-    (s, z), x, (out, _), (d_num, d_den) = inputs
-    raw = x
-    x, ok, bad_v, spoilt_v = _finite_inputs(x, phi)
-    # Poisoned outputs and states are constants (NaN): no cotangent flows from them.
-    d_num, out = (chunking.where_finite(~bad_v, y) for y in (d_num, out))
-    if d_den is not None:
-        d_den = chunking.where_finite(~chunking.poisoned(ok), d_den)
-    d_s, d_z = d_state
-    d_s = chunking.where_finite(~spoilt_v, d_s)
-    d_z = None if d_z is None else chunking.where_finite(jnp.all(ok, axis=2), d_z)
+    state, raw, (out, _), (d_num, d_den) = inputs
+    h = raw[0].shape[1]
+    folded = _fold(raw, c, h)
+    x, masks = _finite_inputs(folded, phi)
+    ok, bad, bad_v, _ = masks
     v = _values(x, phi)
-    mixed = functools.partial(chunking.einsum, dtype=dtype)
     parts, vjp = jax.vjp(
         functools.partial(chunk_parts, diagonal, kernel, dtype=dtype, phi=phi),
         _without_values(x),
     )
     scores, q_in, k_out, across = parts
+    (s, z), _ = _states(h, across, _writes(parts, v, state[1] is not None), masks, state)
+    # Poisoned outputs and states are constants (NaN): no cotangent flows from them.
+    d_num, out = (chunking.where_finite(~bad_v, chunking.fold(y, c, h)) for y in (d_num, out))
+    if d_den is not None:
+        d_den = chunking.where_finite(~bad, chunking.fold(d_den, c, h))
+    mixed = functools.partial(chunking.einsum, dtype=dtype)
     if eps is not None:  # out = num / (den + eps): the denominator's share of d out
         den = divisor(_denominator(scores, q_in, z), eps)
         d_den = -jnp.sum(d_num * out, axis=-1) / den
         d_num = d_num / den[..., None]
+    # What each chunk's outputs send back to the state entering it; then the state's
+    # scan transposed gives the cotangent of the state after each chunk.
+    into = (mixed("bmif,bmiv->bmfv", q_in, d_num), None)
+    if z is not None:
+        into = (into[0], jnp.einsum("bmif,bmi->bmf", q_in, d_den))
+    (d_s, d_z), d_state = _states_bwd(h, across, into, masks, d_final)
     # With a denominator, dScores (d_num v^T + d_den) and d(phi(q)) (d_num S^T + d_den Z)
     # are sums that cancel where an output is near its values' mean: float32 operands
     # (bfloat16 ones doubled the error of q's gradient).
     cancels = mixed if z is None else jnp.einsum
-    d_scores = cancels("bhiv,bhjv->bhij", d_num, v)
-    d_v = mixed("bhij,bhiv->bhjv", scores, d_num) + mixed("bhjf,bhfv->bhjv", k_out, d_s)
-    d_q_in = cancels("bhiv,bhfv->bhif", d_num, s)
-    d_k_out = mixed("bhjv,bhfv->bhjf", v, d_s)
+    d_scores = cancels("bmiv,bmjv->bmij", d_num, v)
+    d_v = mixed("bmij,bmiv->bmjv", scores, d_num) + mixed("bmjf,bmfv->bmjv", k_out, d_s)
+    d_q_in = cancels("bmiv,bmfv->bmif", d_num, s)
+    d_k_out = mixed("bmjv,bmfv->bmjf", v, d_s)
     d_across = None if across is None else _reduce_to(d_s * s, across.shape)
-    d_s_prev = _decay(across, d_s) + mixed("bhif,bhiv->bhfv", q_in, d_num)
-    d_z_prev = None
     if z is not None:
         d_scores = d_scores + d_den[..., None]
         d_q_in = d_q_in + d_den[..., None] * z[:, :, None]
         d_k_out = d_k_out + d_z[:, :, None]
         if across is not None:
             d_across = d_across + _reduce_to(d_z * z, across.shape)
-        d_z_prev = _decay(across, d_z) + jnp.einsum("bhif,bhi->bhf", q_in, d_den)
     (d_x,) = vjp((d_scores, d_q_in, d_k_out, d_across))
     if phi is not None:  # the raw values' cotangent: none at a dead token
         d_v = _live(x[-1], d_v)
@@ -276,8 +353,38 @@ def chunk_body_bwd(diagonal: bool, kernel, d_state, inputs, *, dtype=None, eps=N
     for i in (_KEYS, _LOG_DECAYS, _RAW_KEYS):  # no cotangent reaches a zeroed input
         if i < len(d_x) and d_x[i] is not None and d_x[i].ndim == 4:
             d_x[i] = chunking.where_finite(ok, d_x[i])
-    d_x[_VALUES] = chunking.where_finite(jnp.isfinite(raw[_VALUES]) & ok[..., None], d_v)
-    return (d_s_prev, d_z_prev), tuple(d_x)
+    d_x[_VALUES] = chunking.where_finite(jnp.isfinite(folded[_VALUES]) & ok[..., None], d_v)
+    return d_state, tuple(_unfold_like(d, y, h) for d, y in zip(d_x, raw, strict=True))
+
+
+def _states_bwd(h: int, across, into, masks, d_final):
+    """The transpose of ``_states``: from ``d_final``, the cotangent of the state after
+    the group, and ``into``, what each chunk's outputs send to the state entering it
+    (``(Q_in^T dO [b,m,f,v], Q_in^T dDen [b,m,f] | None)``), ``(the cotangent of the state
+    after each chunk, that of the state entering the group)``."""
+    ok, _, _, spoilt_v = masks
+    spoilt = ~jnp.all(ok, axis=2)
+
+    def step(carry, y):
+        d_s, d_z = carry
+        a, into_s, into_z, bad_s, bad_z = y
+        d_s = chunking.where_finite(~bad_s, d_s)  # a poisoned column is a constant
+        d_z = None if d_z is None else chunking.where_finite(~bad_z, d_z)
+        d_prev = _decay(a, d_s) + into_s, None if d_z is None else _decay(a, d_z) + into_z
+        return d_prev, (d_s, d_z)
+
+    ys = jax.tree.map(functools.partial(chunking.chunk_major, h), (across, *into, spoilt_v, spoilt))
+    d_state, d_after = jax.lax.scan(step, d_final, ys, reverse=True)
+    return jax.tree.map(chunking.head_major, d_after), d_state
+
+
+def _unfold_like(d, x, h: int):
+    """The cotangent ``d`` of ``chunking.fold(x)`` unfolded to ``x``'s shape (summed over
+    the heads that ``fold`` broadcast); a non-float input's (float0) as it came."""
+    if d is None or x is None or d.dtype == jax.dtypes.float0:
+        return d if x is None or d is None else np.zeros(x.shape, jax.dtypes.float0)
+    d = chunking.unfold(d, h, x.shape[2])
+    return jnp.sum(d, axis=1, keepdims=True) if x.shape[1] != d.shape[1] else d
 
 
 def _values(x, phi):

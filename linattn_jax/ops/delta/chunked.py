@@ -11,7 +11,7 @@ triangular solve, U and W, and its transition in state space, ``S_next = a S - M
 with ``M = K_out^T W [dk, dk]`` and ``B = K_out^T U [dk, dv]``, batched over a group of
 chunks; a ``lax.scan`` then carries only S through the group (one ``[dk, dk] x [dk, dv]``
 product per chunk), and the outputs of all its chunks follow, batched, from the states
-entering them (``chunk_outputs``). On GPU and TPU a group is ``GROUP_TOKENS`` tokens
+entering them (``chunk_outputs``). On GPU and TPU a group is ``chunking.GROUP_TOKENS`` tokens
 (every chunk of a shorter sequence), so the chunk-local work is a few large batched
 products, not one chunk's small ones at a time; on CPU a group is one chunk (measured:
 batching gains nothing there and costs cache, docs/benchmarks.md).
@@ -40,11 +40,6 @@ from linattn_jax.ops import chunking
 from linattn_jax.ops.delta.state import repeat_heads
 from linattn_jax.typing import Array
 
-# Tokens whose chunks run at once on GPU and TPU (all of a shorter sequence): their
-# batched [C, C] pieces, O(GROUP_TOKENS * C) per batch row and head, are the transient peak.
-# On CPU one chunk at a time: the batched products run no faster there than one chunk's,
-# and a chunk's pieces stay in cache (docs/benchmarks.md).
-GROUP_TOKENS = 8192
 # Tokens per chunk when the caller gives none (no gate or one per head): the accelerators'
 # usual tile, 64; on CPU 32, measured at t=8192 (docs/benchmarks.md): DeltaNet's
 # forward+backward 14% and Gated DeltaNet's 4% faster than at 64, for 1.2x the scratch.
@@ -82,7 +77,7 @@ def causal_chunks(
       dtype: the operand dtype of the products that make the output only
         (``chunking.operand_dtype``; None: no cast).
       group_tokens: tokens whose chunks run at once (at least one chunk); None: one
-        chunk on CPU, ``GROUP_TOKENS`` on GPU and TPU (``lax.platform_dependent``).
+        chunk on CPU, ``chunking.GROUP_TOKENS`` on GPU and TPU (``lax.platform_dependent``).
 
     Returns:
       ``(out [b, hv, t, dv], state after the last token)``.
@@ -94,12 +89,13 @@ def causal_chunks(
             size = CHUNK_SIZE[backend] if chunk_size is None else chunk_size
             if group_tokens is not None:
                 return functools.partial(run, chunk_size=size, group_tokens=group_tokens)
-            group = chunking.chunk_count(size, length)[0] if backend == "cpu" else GROUP_TOKENS
+            cpu = backend == "cpu"
+            group = chunking.GROUP_TOKENS_CPU if cpu else chunking.GROUP_TOKENS
             return functools.partial(run, chunk_size=size, group_tokens=group)
 
         return jax.lax.platform_dependent(xs, state, cpu=on("cpu"), default=on("default"))
     c, n = chunking.chunk_count(chunk_size, length)
-    per_group = max(1, min(group_tokens // c, n))
+    per_group = chunking.chunks_per_group(c, n, group_tokens, state[0, 0].size)
     options = dict(c=c, groups=groups, dtype=dtype)
     body = functools.partial(group_body, **options)
     body_bwd = functools.partial(group_body_bwd, **options)
@@ -111,24 +107,8 @@ def _group_parts(x, *, c: int, groups: int, dtype=None):
     g, .]``), its chunks folded into the head axis, the last one padded with zeros."""
     q, k, v, beta, g, r = x
     q, k = (repeat_heads(y, groups, 1) for y in (q, k))
-    b, h, length = v.shape[:3]
-    if r is not None:  # one reset row per head, so that chunks fold into the head axis
-        r = jnp.broadcast_to(r, (b, h) + r.shape[2:])
-    n = -(-length // c)
-
-    def fold(y):  # [b, h, g, ...] -> [b, h * n, c, ...] (chunk i of head j at j * n + i)
-        if y is None:
-            return None
-        y = jnp.pad(y, [(0, 0), (0, 0), (0, n * c - length)] + [(0, 0)] * (y.ndim - 3))
-        return y.reshape((b, h * n, c) + y.shape[3:])
-
-    return chunk_parts(tuple(fold(y) for y in (q, k, v, beta, g, r)), dtype=dtype)
-
-
-def _unfold(x: Array, h: int, length: int) -> Array:
-    """``[b, h * n, c, dv]`` -> ``[b, h, length, dv]``."""
-    b, m, c = x.shape[:3]
-    return x.reshape(b, h, m // h * c, -1)[:, :, :length]
+    h = v.shape[1]
+    return chunk_parts(tuple(chunking.fold(y, c, h) for y in (q, k, v, beta, g, r)), dtype=dtype)
 
 
 def group_body(s: Array, x, *, c: int, groups: int, dtype=None) -> tuple[Array, Array]:
@@ -138,7 +118,7 @@ def group_body(s: Array, x, *, c: int, groups: int, dtype=None) -> tuple[Array, 
     h, length = s.shape[1], x[2].shape[2]
     states, final = _states(h, transition, spoilt, s)
     out, _ = chunk_outputs(reads, states, bad, dtype=dtype)
-    return final, _unfold(out, h, length)
+    return final, chunking.unfold(out, h, length)
 
 
 def chunk_parts(x, *, dtype=None):
@@ -205,20 +185,6 @@ def _decay(a: Array | None, s: Array) -> Array:
     return s if a is None else a[..., None] * s
 
 
-def _by_chunk(h: int, x: Array | None) -> Array | None:
-    """``[b, h * n, ...]`` -> ``[n, b, h, ...]``: the chunks as the scan's leading axis."""
-    if x is None:
-        return None
-    b, m = x.shape[:2]
-    return jnp.moveaxis(x.reshape((b, h, m // h) + x.shape[2:]), 2, 0)
-
-
-def _folded(x: Array) -> Array:
-    """``[n, b, h, ...]`` -> ``[b, h * n, ...]`` (the inverse of ``_by_chunk``)."""
-    n, b, h = x.shape[:3]
-    return jnp.moveaxis(x, 0, 2).reshape((b, h * n) + x.shape[3:])
-
-
 def _states(h: int, transition, spoilt: Array, state: Array) -> tuple[Array, Array]:
     """The scan over chunks: ``(the state entering each chunk [b, h*n, dk, dv], the final
     state)``, with the columns that a non-finite value spoilt set to NaN."""
@@ -228,9 +194,9 @@ def _states(h: int, transition, spoilt: Array, state: Array) -> tuple[Array, Arr
         s_next = _decay(a, s) - jnp.einsum("bhkl,bhlv->bhkv", m, s) + b_
         return chunking.nan_where(bad, s_next), s
 
-    xs = jax.tree.map(functools.partial(_by_chunk, h), (*transition, spoilt))
+    xs = jax.tree.map(functools.partial(chunking.chunk_major, h), (*transition, spoilt))
     final, states = jax.lax.scan(step, state, xs)
-    return _folded(states), final
+    return chunking.head_major(states), final
 
 
 def group_body_bwd(d_final: Array, inputs, *, c: int, groups: int, dtype=None):
@@ -271,9 +237,9 @@ def group_body_bwd(d_final: Array, inputs, *, c: int, groups: int, dtype=None):
         d_prev = _decay(a, d_s) - jnp.einsum("bhkl,bhkv->bhlv", m_i, d_s) + d_local_i
         return d_prev, d_s
 
-    ys = jax.tree.map(functools.partial(_by_chunk, h), (across, m, spoilt, d_local))
+    ys = jax.tree.map(functools.partial(chunking.chunk_major, h), (across, m, spoilt, d_local))
     d_state, d_next = jax.lax.scan(step, d_final, ys, reverse=True)
-    d_next = _folded(d_next)  # [b, m, dk, dv]: the cotangent of the state after each chunk
+    d_next = chunking.head_major(d_next)  # [b, m, dk, dv]: d of the state after each chunk
     d_m = -jnp.einsum("bmkv,bmlv->bmkl", d_next, states)
     d_across = None
     if across is not None:
