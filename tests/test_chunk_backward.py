@@ -121,6 +121,17 @@ def _cotangent(outs):
     )
 
 
+def _assert_same(got, want):
+    """``(outputs, vjp)`` pairs: equal outputs, and for one random cotangent finite
+    gradients equal to the reference's (float64, so they may differ only by rounding)."""
+    (outs, vjp), (ref_outs, ref_vjp) = got, want
+    chex.assert_trees_all_close(outs, ref_outs, **F64)
+    ct = _cotangent(outs)
+    grads = vjp(ct)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+    chex.assert_trees_all_close(grads, ref_vjp(ct), **F64)
+
+
 # Every case with each pair of values of (normalize, with_state, diagonal) -- an
 # orthogonal array of 4 of the 8 combinations, the all-on one among them.
 @pytest.mark.parametrize("case", list(CASES))
@@ -131,13 +142,9 @@ def _cotangent(outs):
 def test_backward_matches_plain_autodiff(case, normalize, with_state, diagonal):
     with jax.enable_x64(True):
         kw = dict(normalize=normalize, with_state=with_state, diagonal=diagonal)
-        outs, vjp = _run(chunked.run_chunks, case, "elu", **kw)
-        ref_outs, ref_vjp = _run(_plain_chunked, case, "elu", **kw)
-        chex.assert_trees_all_close(outs, ref_outs, **F64)
-        ct = _cotangent(outs)
-        grads = vjp(ct)
-        chex.assert_trees_all_close(grads, ref_vjp(ct), **F64)
-        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+        _assert_same(
+            _run(chunked.run_chunks, case, "elu", **kw), _run(_plain_chunked, case, "elu", **kw)
+        )
 
 
 @pytest.mark.parametrize("chunk_size", [7, 13, 16])
@@ -201,13 +208,10 @@ def test_backward_with_nan_padding(feature_map, case):
     """NaN/inf in padded q, k, v under key_mask reach no output and no gradient."""
     with jax.enable_x64(True):
         kw = dict(normalize=True, with_state=True, diagonal=True, poison=True)
-        outs, vjp = _run(chunked.run_chunks, case, feature_map, **kw)
-        ref_outs, ref_vjp = _run(_plain_chunked, case, feature_map, **kw)
-        chex.assert_trees_all_close(outs, ref_outs, **F64)
-        ct = _cotangent(outs)
-        grads = vjp(ct)
-        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
-        chex.assert_trees_all_close(grads, ref_vjp(ct), **F64)
+        _assert_same(
+            _run(chunked.run_chunks, case, feature_map, **kw),
+            _run(_plain_chunked, case, feature_map, **kw),
+        )
 
 
 def _inside_and_outside(case, feature_map, eps, poison, group_tokens=None):
@@ -270,12 +274,7 @@ def test_features_inside_chunks_match_features_outside(case, feature_map, eps, p
     elu(0) + 1 = 1, must still count for nothing) equals the features computed
     outside: outputs, final state and every input's gradient, in float64."""
     with jax.enable_x64(True):
-        (outs, vjp), (ref_outs, ref_vjp) = _inside_and_outside(case, feature_map, eps, poison)
-        chex.assert_trees_all_close(outs, ref_outs, **F64)
-        ct = _cotangent(outs)
-        grads = vjp(ct)
-        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
-        chex.assert_trees_all_close(grads, ref_vjp(ct), **F64)
+        _assert_same(*_inside_and_outside(case, feature_map, eps, poison))
 
 
 # Groups of chunks (the GPU/TPU layout, forced here): T = 13 is 4 chunks of C = 4, the
@@ -301,13 +300,9 @@ def test_groups_of_chunks_match_plain_autodiff(
     with jax.enable_x64(True):
         kw = dict(normalize=normalize, with_state=with_state, diagonal=diagonal, poison=poison)
         form = functools.partial(chunked.run_chunks, group_tokens=group_tokens)
-        outs, vjp = _run(form, case, feature_map, **kw)
-        ref_outs, ref_vjp = _run(_plain_chunked, case, feature_map, **kw)
-        chex.assert_trees_all_close(outs, ref_outs, **F64)
-        ct = _cotangent(outs)
-        grads = vjp(ct)
-        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
-        chex.assert_trees_all_close(grads, ref_vjp(ct), **F64)
+        _assert_same(
+            _run(form, case, feature_map, **kw), _run(_plain_chunked, case, feature_map, **kw)
+        )
 
 
 @pytest.mark.parametrize("group_tokens", GROUPS)
@@ -315,13 +310,7 @@ def test_groups_of_chunks_with_features_inside(group_tokens):
     """Groups of chunks that apply the map themselves to raw time-major inputs and
     normalise (``eps``), NaN and inf at masked tokens: as the features outside."""
     with jax.enable_x64(True):
-        pairs = _inside_and_outside("everything", "elu", 1e-3, True, group_tokens)
-        (outs, vjp), (ref_outs, ref_vjp) = pairs
-        chex.assert_trees_all_close(outs, ref_outs, **F64)
-        ct = _cotangent(outs)
-        grads = vjp(ct)
-        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
-        chex.assert_trees_all_close(grads, ref_vjp(ct), **F64)
+        _assert_same(*_inside_and_outside("everything", "elu", 1e-3, True, group_tokens))
 
 
 # ----------------------------------------------------------------------------

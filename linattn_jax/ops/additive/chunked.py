@@ -94,8 +94,8 @@ def run_chunks(
       live: see ``phi``.
       group_tokens: tokens whose chunks run at once (at least one chunk); None:
         ``chunking.GROUP_TOKENS_CPU`` (one chunk) on CPU, ``chunking.GROUP_TOKENS`` on GPU
-        and TPU
-        (``lax.platform_dependent``).
+        and TPU (``lax.platform_dependent``), at most ``chunking.GROUP_STATE_ELEMENTS``
+        state elements per head.
 
     Returns:
       ``((numerator [b,h,t,v], denominator [b,h,t] | None), final (S, Z | None))``.
