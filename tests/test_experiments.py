@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import os
 import re
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from experiments import configuration, data, reporting, sweep, trainer
+from tests import helpers
 
 
 @pytest.fixture(autouse=True)
@@ -163,13 +163,9 @@ def test_sharded_step_gives_the_single_device_loss(tmp_path, devices, sequence, 
                               {str(tmp_path / "many")!r})
         print(json.dumps(final))
     """)
-    env = os.environ | {
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-        "JAX_PLATFORMS": "cpu",
-    }
     out = subprocess.run(
         [sys.executable, "-c", script],
-        env=env,
+        env=helpers.device_env(devices),
         capture_output=True,
         text=True,
         check=True,
