@@ -4,9 +4,13 @@ Hypothesis draws the shapes, the chunk size, gates with extreme values (-1e3, -1
 -1e30, -inf) at random tokens, beta in [0, 2] with repeated keys, padding that holds NaN
 and inf in every input, and packed segments. The loops below are the recurrences as
 written in the papers, one token at a time, sharing no code with the library.
-Derandomized: the same examples on every machine.
+Derandomized: the same examples on every machine; a few drawn ones beside explicit
+corners, each run under jit or eagerly (drawn; the corners alternate).
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -179,21 +183,30 @@ def _with_examples(corners, *extra):
     return wrap
 
 
+def _compiled_or_eager(fn, jit, **static):
+    """``fn`` with ``static`` bound, under jit or not (eager runs op by op: a compile of
+    each op per shape)."""
+    bound = functools.partial(fn, **static)
+    return jax.jit(bound) if jit else bound
+
+
+# Jitted or eager in turn: each corner alternates, hypothesis draws the rest.
 @pytest.mark.slow
 @FUZZ
-@given(cases("additive"), st.sampled_from(["chunked", "quadratic"]))
-@_with_examples(ADDITIVE_CORNERS, ["chunked", "quadratic"])
-def test_additive_chunked_forms_equal_the_float64_loop(case, method):
+@given(cases("additive"), st.sampled_from(["chunked", "quadratic"]), st.booleans())
+@_with_examples(ADDITIVE_CORNERS, ["chunked", "quadratic"], [False, True])
+def test_additive_chunked_forms_equal_the_float64_loop(case, method, jit):
     x = _poisoned(case)
-    out = la.causal_linear_attention(
+    fn = _compiled_or_eager(
+        la.causal_linear_attention, jit, method=method, chunk_size=case["chunk"]
+    )
+    out = fn(
         x["q"],
         x["k"],
         x["v"],
         gate=x.get("gate"),
         key_mask=jnp.asarray(case["mask"]),
         segment_ids=jnp.asarray(case["segments"], jnp.int32),
-        method=method,
-        chunk_size=case["chunk"],
     )
     ref = _additive_loop(*(case[n] for n in ("q", "k", "v", "gate", "mask", "segments")))
     _check(out, ref, case["mask"])
@@ -201,11 +214,12 @@ def test_additive_chunked_forms_equal_the_float64_loop(case, method):
 
 @pytest.mark.slow
 @FUZZ
-@given(cases("delta"))
-@_with_examples(DELTA_CORNERS)
-def test_delta_rule_chunked_form_equals_the_float64_loop(case):
+@given(cases("delta"), st.booleans())
+@_with_examples(DELTA_CORNERS, [True, False])
+def test_delta_rule_chunked_form_equals_the_float64_loop(case, jit):
     x = _poisoned(case)
-    out = la.delta_rule(
+    fn = _compiled_or_eager(la.delta_rule, jit, chunk_size=case["chunk"])
+    out = fn(
         x["q"],
         x["k"],
         x["v"],
@@ -213,7 +227,6 @@ def test_delta_rule_chunked_form_equals_the_float64_loop(case):
         gate=x.get("gate"),
         key_mask=jnp.asarray(case["mask"]),
         segment_ids=jnp.asarray(case["segments"], jnp.int32),
-        chunk_size=case["chunk"],
     )
     ref = _delta_loop(*(case[n] for n in ("q", "k", "v", "beta", "gate", "mask", "segments")))
     _check(out, ref, case["mask"])
