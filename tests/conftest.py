@@ -85,6 +85,16 @@ def _release_compiled_programs():
     jax.clear_caches()
 
 
+# The files whose tests are minutes of CPU in one test (processes of their own, on forced
+# devices) run first: xdist's other worker then runs the many short tests beside them,
+# rather than waiting idle at the end of the run for one of them to finish.
+FIRST = ("test_sequence_parallel.py", "test_multihost.py")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: otherwise unchanged
+
+
 def pytest_unconfigure(config):
     if _OWN_CACHE:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
