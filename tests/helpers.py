@@ -84,18 +84,21 @@ def segment_ids(seed: int, b: int, t: int, p: float = 0.15):
     return jnp.cumsum(starts, axis=1).astype(jnp.int32)
 
 
+def device_env(devices: int) -> dict:
+    """This process's environment for a new one whose CPU has ``devices`` devices: the XLA
+    flags tests/conftest.py set (compile speed) kept, the device count added."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    return os.environ | {"XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu"}
+
+
 def pytest_with_devices(devices: int, *args: str) -> str:
     """Runs ``pytest *args`` in a new process whose CPU has ``devices`` devices (one
     process, ``-n 0``: two xdist workers there would each start JAX and compile the shared
     programs again, on the cores the calling run's other worker also uses); asserts it
     passed and returns its stdout."""
-    env = os.environ | {
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-        "JAX_PLATFORMS": "cpu",
-    }
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *args],
-        env=env,
+        env=device_env(devices),
         capture_output=True,
         text=True,
     )

@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import os
 import re
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from experiments import configuration, data, reporting, sweep, trainer
+from tests import helpers
 
 
 @pytest.fixture(autouse=True)
@@ -142,6 +142,9 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path, monkeypatch):
     )
 
 
+_SINGLE_DEVICE_RUNS: dict[tuple, dict] = {}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "devices,sequence,attention",
@@ -152,7 +155,12 @@ def test_sharded_step_gives_the_single_device_loss(tmp_path, devices, sequence, 
     config = ["seq_len=32", "steps=3", "batch_size=8", f"model.attention={attention}"]
     if attention == "linear":
         config.append("model.gate=true")
-    single = trainer.train(tiny_config("configs/mqar.py:small", *config), tmp_path / "one")
+    key = tuple(config)  # the linear cases' single-device runs are the same run
+    if key not in _SINGLE_DEVICE_RUNS:
+        _SINGLE_DEVICE_RUNS[key] = trainer.train(
+            tiny_config("configs/mqar.py:small", *config), tmp_path / "one"
+        )
+    single = _SINGLE_DEVICE_RUNS[key]
     config.append(f"mesh.sequence={sequence}")
     script = textwrap.dedent(f"""
         import json, jax
@@ -163,13 +171,9 @@ def test_sharded_step_gives_the_single_device_loss(tmp_path, devices, sequence, 
                               {str(tmp_path / "many")!r})
         print(json.dumps(final))
     """)
-    env = os.environ | {
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-        "JAX_PLATFORMS": "cpu",
-    }
     out = subprocess.run(
         [sys.executable, "-c", script],
-        env=env,
+        env=helpers.device_env(devices),
         capture_output=True,
         text=True,
         check=True,

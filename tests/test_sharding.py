@@ -4,7 +4,6 @@ sequence training that gives the single-device losses, really splits every array
 compiles to the collectives of its kind and resumes on another mesh."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ from jax.sharding import AbstractMesh, PartitionSpec
 
 from experiments import trainer
 from linattn_jax import models, sharding
+from tests import helpers
 from tests.test_experiments import tiny_config
 
 MESH = AbstractMesh((2, 4, 1, 2), ("data", "fsdp", "sequence", "tensor"))
@@ -204,13 +204,9 @@ print(json.dumps(out))
 def eight_devices(tmp_path_factory) -> dict:
     """What ``_SCRIPT`` measured on 8 forced CPU devices."""
     workdir = tmp_path_factory.mktemp("resume")
-    env = os.environ | {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-    }
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_SCRIPT), str(workdir)],
-        env=env,
+        env=helpers.device_env(8),
         capture_output=True,
         text=True,
         cwd=Path(__file__).parents[1],
