@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import linattn_jax as la
+from experiments.bench.timing import write_table
 
 SHARDS = 8
 # XLA reads its flags at start-up: the benchmark restarts itself with these.
@@ -135,10 +136,7 @@ def table(rows: list[dict]) -> str:
 
 def write(rows: list[dict], out: Path) -> str:
     """``communication.md`` in ``out``; returns its table."""
-    out.mkdir(parents=True, exist_ok=True)
-    text = table(rows)
-    (out / "communication.md").write_text(text + "\n")
-    return text
+    return write_table(out, "communication.md", table(rows))
 
 
 def run(args: argparse.Namespace, command: str) -> None:

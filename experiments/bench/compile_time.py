@@ -20,6 +20,7 @@ import jax
 from flax import nnx
 
 from experiments import trainer
+from experiments.bench.timing import write_table
 from experiments.configuration import load_config, override
 from experiments.tasks import TASKS, build_task
 
@@ -84,9 +85,7 @@ def table(rows: list[dict], spec: str) -> str:
 
 def write(rows: list[dict], spec: str, out: Path) -> str:
     """``compile.md`` and ``compile.csv`` in ``out``; returns the table."""
-    out.mkdir(parents=True, exist_ok=True)
-    text = table(rows, spec)
-    (out / "compile.md").write_text(text)
+    text = write_table(out, "compile.md", table(rows, spec))
     with open(out / "compile.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=FIELDS)
         writer.writeheader()

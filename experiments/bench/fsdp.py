@@ -18,6 +18,7 @@ from flax import nnx
 
 from experiments import trainer
 from experiments.bench import comm
+from experiments.bench.timing import write_table
 from experiments.configuration import load_config, override
 from experiments.tasks import build_task
 from linattn_jax import sharding
@@ -89,10 +90,7 @@ def table(rows: list[dict]) -> str:
 
 def write(rows: list[dict], out: Path) -> str:
     """``fsdp.md`` in ``out``; returns its table."""
-    out.mkdir(parents=True, exist_ok=True)
-    text = table(rows)
-    (out / "fsdp.md").write_text(text + "\n")
-    return text
+    return write_table(out, "fsdp.md", table(rows))
 
 
 def run(args: argparse.Namespace, command: str) -> None:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 import linattn_jax as la
 from experiments.bench.recurrences import recurrence_case
-from experiments.bench.timing import scratch_mib, time_ms
+from experiments.bench.timing import scratch_mib, time_ms, write_table
 
 
 def _elu1(x):
@@ -173,7 +173,4 @@ def run(args: argparse.Namespace, command: str) -> None:
     lengths = [int(x) for x in args.lengths.split(",") if x]
     families = args.families.split(",") if args.families else ["gated_deltanet"]
     text = table(measure(lengths, args.repeats, families, args.impl))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "peers.md").write_text(f"`{command}`\n\n" + text)
-    print(text)
+    print(write_table(Path(args.out), "peers.md", text, command))

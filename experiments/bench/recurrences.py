@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 import linattn_jax as la
-from experiments.bench.timing import scratch_mib, time_ms
+from experiments.bench.timing import scratch_mib, time_ms, write_table
 from linattn_jax.ops import chunking
 
 RECURRENCES = {
@@ -119,10 +119,7 @@ def table(rows: list[dict]) -> str:
 
 def write(rows: list[dict], out: Path) -> str:
     """``recurrences.md`` in ``out``; returns its table."""
-    out.mkdir(parents=True, exist_ok=True)
-    text = table(rows)
-    (out / "recurrences.md").write_text(text)
-    return text
+    return write_table(out, "recurrences.md", table(rows))
 
 
 def run(args: argparse.Namespace, command: str) -> None:

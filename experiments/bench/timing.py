@@ -1,7 +1,7 @@
 """How the benchmark suites measure: the median wall and process-CPU time of a call
 after warm-up, XLA's compiled scratch memory, this machine's ``jnp.dot`` throughput
 as a yardstick, and the restart that gives the process glibc's malloc settings (and
-any XLA flags) that are read only at start-up.
+any XLA flags) that are read only at start-up; and where they write their tables.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -73,3 +74,12 @@ def restart_with(env: dict[str, str]) -> None:
             [sys.executable, "-m", "experiments.benchmark", *sys.argv[1:]],
             os.environ | env,
         )
+
+
+def write_table(out: Path, name: str, text: str, command: str | None = None) -> str:
+    """``text`` (a markdown table) as ``out / name``, ending in one newline, under the
+    command that made it when given; returns ``text``."""
+    out.mkdir(parents=True, exist_ok=True)
+    header = "" if command is None else f"`{command}`\n\n"
+    (out / name).write_text(header + text.rstrip("\n") + "\n")
+    return text

@@ -15,6 +15,7 @@ import jax
 from flax import nnx
 
 from experiments import trainer
+from experiments.bench.timing import write_table
 from experiments.configuration import load_config, override
 from experiments.tasks import build_task
 
@@ -69,10 +70,7 @@ def table(rows: list[dict], spec: str) -> str:
 
 def write(rows: list[dict], spec: str, out: Path) -> str:
     """``train_steps.md`` in ``out``; returns its table."""
-    out.mkdir(parents=True, exist_ok=True)
-    text = table(rows, spec)
-    (out / "train_steps.md").write_text(text + "\n")
-    return text
+    return write_table(out, "train_steps.md", table(rows, spec))
 
 
 def run(args: argparse.Namespace, command: str) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from experiments.bench.timing import time_ms
+from experiments.bench.timing import time_ms, write_table
 
 METHODS = ("blocked", "series", "xla", "inverse")
 
@@ -127,10 +127,7 @@ def run(args: argparse.Namespace, command: str) -> None:
     t = int(args.lengths.split(",")[0])
     sizes = [int(x) for x in args.chunk_sizes.split(",") if x]
     text = table(measure(t, sizes, args.repeats, args.limit_s))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "triangular.md").write_text(f"`{command}`\n\n" + text)
-    print(text)
+    print(write_table(Path(args.out), "triangular.md", text, command))
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--one"]:
