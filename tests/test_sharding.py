@@ -101,12 +101,13 @@ def _train_steps(config, steps: int = 3):
 
 
 _SCRIPT = """
-import dataclasses, json, math, re, sys
+import json, math, re, sys
 import jax
+import pytest
 import numpy as np
 from flax import nnx
 from experiments import checkpoints, trainer
-from tests.test_experiments import tiny_config
+from tests.test_experiments import record_train_batches, tiny_config
 from linattn_jax import sharding
 from tests.test_sharding import CONFIG, _train_steps
 
@@ -173,16 +174,7 @@ for name, mesh in {
 # Saved on FSDP 4 (x tensor 2) after step 2, resumed on FSDP 2 (x data 2 x sequence 2): its
 # first batch is step 3's. (The meshes above: their steps are compiled already.)
 workdir = sys.argv[1]
-asked = []
-build_task = trainer.build_task
-def recording(config):
-    task = build_task(config)
-    def batch(step, split):
-        if split == "train":
-            asked.append(step)
-        return task.batch(step, split)
-    return dataclasses.replace(task, batch=batch)
-trainer.build_task = recording
+asked = record_train_batches(pytest.MonkeyPatch())  # for the rest of this process
 fsdp4 = ["mesh.fsdp=4", "mesh.tensor=2", "stop_at=2"]
 trainer.train(tiny_config("configs/mqar.py:small", *CONFIG, *fsdp4), workdir)
 asked.clear()
