@@ -95,7 +95,21 @@ SUITES = {
         peers,
         "ours against other JAX implementations: a Performer-style baseline (additive, "
         "causal and non-causal) or --impl MODULE:FUNCTION on --families",
-        ("--lengths", "--repeats", "--families", "--impl"),
+        (
+            "--lengths",
+            "--repeats",
+            "--families",
+            "--impl",
+            (
+                "--feature-map",
+                dict(
+                    default="elu",
+                    choices=("elu", "relu"),
+                    help="peers: both sides' features against the Performer-style baseline",
+                ),
+            ),
+            ("--heads", dict(type=int, default=8, help="peers: heads of the Performer case")),
+        ),
     ),
     "triangular": (
         triangular,

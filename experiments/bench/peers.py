@@ -1,11 +1,12 @@
 """Ours against other JAX implementations of the same maths, on the same inputs (b=1, h=8,
 d=dv=64, float32), forward and forward+backward, interleaved repetitions in one process:
 
-* ``performer``: the additive form with elu + 1 features against a Performer-style
-  baseline written here (no peer code in this repository): non-causal, the two einsums
+* ``performer``: the additive form against a Performer-style baseline written here (no
+  peer code in this repository), with ``--feature-map`` features on both sides (elu + 1;
+  or relu, Performer's own ``relu(x) + 0.001`` on its side): non-causal, the two einsums
   on ``[b, t, h, d]``; causal, a per-token prefix sum in ``lax.scan`` with the custom
   gradient of Performer's JAX code (the backward rebuilds the earlier states by
-  subtracting outer products from the final one).
+  subtracting outer products from the final one); ``--heads`` heads.
 * ``--impl module:function``: any JAX function installed separately (e.g. a thin adapter
   over jax-linear-attention's ``jla.ops.linear_attention(kind, ..., impl="chunked")``),
   called with the arguments of ``recurrences.recurrence_case`` for ``--families``:
@@ -36,9 +37,16 @@ def _elu1(x):
     return jax.nn.elu(x) + 1.0
 
 
-def performer_noncausal(q, k, v):
+def _relu(x):  # Performer's relu kernel with its numerical stabiliser
+    return jax.nn.relu(x) + 0.001
+
+
+FEATURES = {"elu": _elu1, "relu": _relu}
+
+
+def performer_noncausal(q, k, v, phi=_elu1):
     """Performer-style non-causal linear attention: two einsums, ``[b, t, h, d]``."""
-    q, k = _elu1(q), _elu1(k)
+    q, k = phi(q), phi(k)
     kv = jnp.einsum("bthd,bthv->bhdv", k, v)
     num = jnp.einsum("bthd,bhdv->bthv", q, kv)
     den = jnp.einsum("bthd,bhd->bth", q, jnp.sum(k, axis=1))
@@ -81,10 +89,10 @@ def _prefix_num_bwd(residuals, d_out):
 _prefix_num.defvjp(_prefix_num_fwd, _prefix_num_bwd)
 
 
-def performer_causal(q, k, v):
+def performer_causal(q, k, v, phi=_elu1):
     """Performer-style causal linear attention (elu + 1 features)."""
     seq = functools.partial(jnp.moveaxis, source=1, destination=0)
-    q, k = seq(_elu1(q)), seq(_elu1(k))
+    q, k = seq(phi(q)), seq(phi(k))
     num = _prefix_num(q, k, seq(v))
     den = jnp.einsum("tbhd,tbhd->tbh", q, jnp.cumsum(k, axis=0))
     return jnp.moveaxis(num / (den[..., None] + 1e-6), 0, 1)
@@ -110,13 +118,16 @@ def load(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
-def cases(t: int, families, impl: str | None):
+def cases(t: int, families, impl: str | None, feature_map: str = "elu", heads: int = 8):
     """``(family, ours, theirs, args)`` per case at length ``t``."""
     if impl is None:
-        q, k, v = (jax.random.normal(key, (1, t, 8, 64)) for key in jax.random.split(
+        q, k, v = (jax.random.normal(key, (1, t, heads, 64)) for key in jax.random.split(
             jax.random.PRNGKey(t), 3))  # fmt: skip
-        yield "noncausal", la.linear_attention, performer_noncausal, (q, k, v)
-        yield "causal", la.causal_linear_attention, performer_causal, (q, k, v)
+        phi = FEATURES[feature_map]
+        ours = functools.partial(la.linear_attention, feature_map=feature_map)
+        yield "noncausal", ours, functools.partial(performer_noncausal, phi=phi), (q, k, v)
+        ours = functools.partial(la.causal_linear_attention, feature_map=feature_map)
+        yield "causal", ours, functools.partial(performer_causal, phi=phi), (q, k, v)
         return
     theirs = load(impl)
     for family in families:
@@ -126,12 +137,15 @@ def cases(t: int, families, impl: str | None):
         yield family, ours, theirs, args
 
 
-def measure(lengths, repeats: int, families, impl: str | None) -> list[dict]:
+def measure(
+    lengths, repeats: int, families, impl: str | None, feature_map: str = "elu", heads: int = 8
+) -> list[dict]:
     rows = []
     for t in lengths:
-        for family, ours, theirs, args in cases(t, families, impl):
+        for family, ours, theirs, args in cases(t, families, impl, feature_map, heads):
             argnums = tuple(i for i, a in enumerate(args) if a is not None)
-            row = dict(t=t, family=family, peer=impl or "performer (inline)")
+            peer = impl or f"performer (inline, {feature_map}, h={heads})"
+            row = dict(t=t, family=family, peer=peer)
             timings = {}
             for _ in range(2):  # interleaved: ours, theirs, ours, theirs
                 for who, fn in (("ours", ours), ("peer", theirs)):
@@ -172,5 +186,5 @@ def run(args: argparse.Namespace, command: str) -> None:
     """Measures at ``args.lengths``, writes ``peers.md`` to ``args.out``, prints it."""
     lengths = [int(x) for x in args.lengths.split(",") if x]
     families = args.families.split(",") if args.families else ["gated_deltanet"]
-    text = table(measure(lengths, args.repeats, families, args.impl))
+    text = table(measure(lengths, args.repeats, families, args.impl, args.feature_map, args.heads))
     print(write_table(Path(args.out), "peers.md", text, command))

@@ -369,6 +369,25 @@ def nan_where(mask: Array, x: Array | None) -> Array | None:
     return jnp.where(mask, jnp.full((), jnp.nan, x.dtype), x)
 
 
+def first_index(bad: Array, axis: int) -> Array:
+    """The index along ``axis`` of ``bad``'s first True (kept as a size-1 axis), or the
+    axis' length where there is none: from there on, what a non-finite input reaches is
+    NaN (``nan_from``). One reduction over the whole sequence, outside the chunk loop."""
+    index = jax.lax.broadcasted_iota(jnp.int32, bad.shape, axis)
+    length = bad.shape[axis]
+    return jnp.min(jnp.where(bad, index, length), axis=axis, keepdims=True, initial=length)
+
+
+def nan_from(first: Array, x: Array | None, axis: int) -> Array | None:
+    """``x`` with NaN at and after index ``first`` along ``axis`` (``first_index``'s,
+    broadcast from the left)."""
+    if x is None:
+        return None
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    first = first.reshape(first.shape + (1,) * (x.ndim - first.ndim))
+    return jnp.where(index >= first, jnp.full((), jnp.nan, x.dtype), x)
+
+
 def token_decays(g: Array | None, r: Array | None, shape: tuple[int, ...], dtype):
     """Each token's own decay ``a_i = exp(g_i)`` (0 at a reset; ``exp(-inf) = 0``) as
     ``[b, h, c, 1|g]``, or None: what the per-token (scan) forms multiply the state by."""

@@ -130,7 +130,18 @@ def run_chunks(
     options = dict(c=c, diagonal=diagonal, kernel=fn, dtype=dtype, eps=eps, phi=phi)
     body = functools.partial(group_body, **options)
     body_bwd = functools.partial(group_body_bwd, **options)
-    return chunking.scan(body, state, xs, per_group * c, t, body_bwd=body_bwd, time_axis=time_axis)
+    xs, first_v, first = _finite_inputs(xs, phi, time_axis)
+    (num, den), (s, z) = chunking.scan(
+        body, state, xs, per_group * c, t, body_bwd=body_bwd, time_axis=time_axis
+    )
+    # What a non-finite input reaches is NaN from its token on, as in the per-token
+    # recurrence: the outputs (a value channel, or all of them), the final state's columns.
+    num, den = chunking.nan_from(first_v, num, time_axis), chunking.nan_from(first, den, time_axis)
+    heads_first = (lambda x: x) if time_axis == 2 else (lambda x: jnp.swapaxes(x, 1, 2))
+    s = jnp.where(heads_first(first_v) < t, jnp.full((), jnp.nan, s.dtype), s)
+    if z is not None:
+        z = jnp.where(heads_first(first) < t, jnp.full((), jnp.nan, z.dtype), z)
+    return (num, den), (s, z)
 
 
 def chunk_parts(diagonal: bool, kernel, x, *, dtype=None, phi=None):
@@ -199,11 +210,11 @@ def group_body(state, x, *, c: int, diagonal: bool, kernel=None, dtype=None, eps
       ``(state after the group, (numerator [b, h, g, v], denominator [b, h, g] | None))``.
     """
     h, length = x[0].shape[1], x[0].shape[2]
-    x, masks = _finite_inputs(_fold(x, c, h), phi)
+    x = _fold(x, c, h)
     v = _values(x, phi)
     parts = chunk_parts(diagonal, kernel, _without_values(x), dtype=dtype, phi=phi)
-    states, final = _states(h, parts[3], _writes(parts, v, state[1] is not None), masks, state)
-    num, den = _outputs(parts, v, states, masks, dtype=dtype, eps=eps)
+    states, final = _states(h, parts[3], _writes(parts, v, state[1] is not None), state)
+    num, den = _outputs(parts, v, states, dtype=dtype, eps=eps)
     return final, (chunking.unfold(num, h, length), chunking.unfold(den, h, length))
 
 
@@ -220,65 +231,68 @@ def _writes(parts, v: Array, with_z: bool):
     return jnp.einsum("bmjf,bmjv->bmfv", k_out, v), b_z
 
 
-def _states(h: int, across, writes, masks, state):
+def _states(h: int, across, writes, state):
     """The scan over a group's chunks: ``(the state entering each chunk (S [b,m,f,v], Z
-    [b,m,f] | None), the state after the group)``; the columns (S) or heads (Z) that a
-    non-finite input spoilt are NaN from then on."""
-    ok, _, _, spoilt_v = masks
-    spoilt = ~jnp.all(ok, axis=2)
+    [b,m,f] | None), the state after the group)``."""
 
     def step(carry, y):
         s, z = carry
-        a, b_s, b_z, bad_s, bad_z = y
-        s_next = chunking.nan_where(bad_s, _decay(a, s) + b_s)
-        z_next = None if z is None else chunking.nan_where(bad_z, _decay(a, z) + b_z)
-        return (s_next, z_next), (s, z)
+        a, b_s, b_z = y
+        z_next = None if z is None else _decay(a, z) + b_z
+        return (_decay(a, s) + b_s, z_next), (s, z)
 
-    ys = jax.tree.map(
-        functools.partial(chunking.chunk_major, h), (across, *writes, spoilt_v, spoilt)
-    )
+    ys = jax.tree.map(functools.partial(chunking.chunk_major, h), (across, *writes))
     final, states = jax.lax.scan(step, state, ys)
     return jax.tree.map(chunking.head_major, states), final
 
 
-def _outputs(parts, v: Array, states, masks, *, dtype=None, eps=None):
+def _outputs(parts, v: Array, states, *, dtype=None, eps=None):
     """Every chunk's ``(numerator [b,m,c,v], denominator [b,m,c] | None)`` from the state
     entering it (with ``eps``: the normalised output and None)."""
     scores, q_in = parts[:2]
     s, z = states
-    _, bad, bad_v, _ = masks
     mixed = functools.partial(chunking.einsum, dtype=dtype)
     num = mixed("bmij,bmjv->bmiv", scores, v) + mixed("bmif,bmfv->bmiv", q_in, s)
     if z is None:
-        return chunking.nan_where(bad_v, num), None
+        return num, None
     den = _denominator(scores, q_in, z)
     if eps is not None:
-        return chunking.nan_where(bad_v, num / divisor(den, eps)[..., None]), None
-    return chunking.nan_where(bad_v, num), chunking.nan_where(bad, den)
+        return num / divisor(den, eps)[..., None], None
+    return num, den
 
 
-# The entries of a chunk's x through which a later token reaches earlier ones (keys,
+# The entries of run_chunks' xs through which a later token reaches earlier ones (keys,
 # log-decays; the raw keys of a kernel_from_dots map; the values apart, per channel):
-# non-finite ones are replaced by zeros and poison the outputs from their token on
-# (``chunking.finite_values``).
+# non-finite ones are replaced by zeros and poison the outputs from their token on.
 _KEYS, _VALUES, _LOG_DECAYS, _RAW_KEYS = 1, 2, 3, 6
 
 
-def _finite_inputs(x, phi):
-    """``(x with non-finite keys, log-decays and values zeroed, (ok [b, h, c], the tokens
-    from the first bad one on [b, h, c], the outputs to poison [b, h, c, dv], the state
-    columns to poison [b, h, 1, dv]))``."""
-    x = list(x)
-    if phi is not None and x[-1] is not None:  # dead tokens (raw inputs) hold anything
+def _finite_inputs(xs, phi, time_axis: int):
+    """Once per call, over the whole sequence (the chunk loop then never meets a
+    non-finite input): ``(xs with non-finite keys, log-decays and values zeroed, and
+    with phi a dead token's raw keys and values, the index of the first token whose
+    value channel is spoilt [b, h, 1, v] (time-major [b, 1, h, v]), that of the first
+    bad token [b, h, 1] ([b, 1, h]))``, each the sequence's length where there is none.
+
+    Zeroing (a replacement, ``where``) keeps a masked matmul from spreading ``0 * NaN``
+    to earlier tokens (causal: an output never depends on a later input);
+    ``chunking.nan_from`` then sets what the per-token recurrence would make non-finite:
+    every output from a bad token on (a bad key or gate), or one value channel from a
+    non-finite value on (the value channels never mix).
+    """
+    xs = list(xs)
+    if phi is not None and xs[-1] is not None:  # dead tokens (raw inputs) hold anything
         for i in (_KEYS, _VALUES):
-            x[i] = chunking.where_finite(x[-1][..., 0], x[i])
-    raw_keys = x[_RAW_KEYS] if len(x) > _RAW_KEYS and phi is None else None
-    ok = chunking.finite_tokens(x[_KEYS], raw_keys, log_decays=x[_LOG_DECAYS])
-    v, bad_v, spoilt_v = chunking.finite_values(ok, x[_VALUES])
+            xs[i] = chunking.where_finite(xs[-1][..., 0], xs[i])
+    raw_keys = xs[_RAW_KEYS] if len(xs) > _RAW_KEYS and phi is None else None
+    ok = chunking.finite_tokens(xs[_KEYS], raw_keys, log_decays=xs[_LOG_DECAYS])
     for i in (_KEYS, _LOG_DECAYS) + ((_RAW_KEYS,) if raw_keys is not None else ()):
-        x[i] = chunking.where_finite(ok, x[i])
-    x[_VALUES] = v
-    return tuple(x), (ok, chunking.poisoned(ok), bad_v, spoilt_v)
+        xs[i] = chunking.where_finite(ok, xs[i])
+    good_v = ok[..., None] & jnp.isfinite(xs[_VALUES])
+    xs[_VALUES] = chunking.where_finite(good_v, xs[_VALUES])
+    first_v = chunking.first_index(~good_v, time_axis)
+    first = chunking.first_index(~ok, time_axis)
+    return tuple(xs), first_v, first
 
 
 def _denominator(scores, q_in, z):
@@ -306,20 +320,17 @@ def group_body_bwd(
     """
     state, raw, (out, _), (d_num, d_den) = inputs
     h = raw[0].shape[1]
-    folded = _fold(raw, c, h)
-    x, masks = _finite_inputs(folded, phi)
-    ok, bad, bad_v, _ = masks
+    x = _fold(raw, c, h)
     v = _values(x, phi)
     parts, vjp = jax.vjp(
         functools.partial(chunk_parts, diagonal, kernel, dtype=dtype, phi=phi),
         _without_values(x),
     )
     scores, q_in, k_out, across = parts
-    (s, z), _ = _states(h, across, _writes(parts, v, state[1] is not None), masks, state)
-    # Poisoned outputs and states are constants (NaN): no cotangent flows from them.
-    d_num, out = (chunking.where_finite(~bad_v, chunking.fold(y, c, h)) for y in (d_num, out))
+    (s, z), _ = _states(h, across, _writes(parts, v, state[1] is not None), state)
+    d_num, out = (chunking.fold(y, c, h) for y in (d_num, out))
     if d_den is not None:
-        d_den = chunking.where_finite(~bad, chunking.fold(d_den, c, h))
+        d_den = chunking.fold(d_den, c, h)
     mixed = functools.partial(chunking.einsum, dtype=dtype)
     if eps is not None:  # out = num / (den + eps): the denominator's share of d out
         den = divisor(_denominator(scores, q_in, z), eps)
@@ -330,7 +341,7 @@ def group_body_bwd(
     into = (mixed("bmif,bmiv->bmfv", q_in, d_num), None)
     if z is not None:
         into = (into[0], jnp.einsum("bmif,bmi->bmf", q_in, d_den))
-    (d_s, d_z), d_state = _states_bwd(h, across, into, masks, d_final)
+    (d_s, d_z), d_state = _states_bwd(h, across, into, d_final)
     # With a denominator, dScores (d_num v^T + d_den) and d(phi(q)) (d_num S^T + d_den Z)
     # are sums that cancel where an output is near its values' mean: float32 operands
     # (bfloat16 ones doubled the error of q's gradient).
@@ -349,31 +360,23 @@ def group_body_bwd(
     (d_x,) = vjp((d_scores, d_q_in, d_k_out, d_across))
     if phi is not None:  # the raw values' cotangent: none at a dead token
         d_v = _live(x[-1], d_v)
-    d_x = list(d_x[:2] + (d_v,) + d_x[2:])
-    for i in (_KEYS, _LOG_DECAYS, _RAW_KEYS):  # no cotangent reaches a zeroed input
-        if i < len(d_x) and d_x[i] is not None and d_x[i].ndim == 4:
-            d_x[i] = chunking.where_finite(ok, d_x[i])
-    d_x[_VALUES] = chunking.where_finite(jnp.isfinite(folded[_VALUES]) & ok[..., None], d_v)
+    d_x = d_x[:2] + (d_v,) + d_x[2:]
     return d_state, tuple(_unfold_like(d, y, h) for d, y in zip(d_x, raw, strict=True))
 
 
-def _states_bwd(h: int, across, into, masks, d_final):
+def _states_bwd(h: int, across, into, d_final):
     """The transpose of ``_states``: from ``d_final``, the cotangent of the state after
     the group, and ``into``, what each chunk's outputs send to the state entering it
     (``(Q_in^T dO [b,m,f,v], Q_in^T dDen [b,m,f] | None)``), ``(the cotangent of the state
     after each chunk, that of the state entering the group)``."""
-    ok, _, _, spoilt_v = masks
-    spoilt = ~jnp.all(ok, axis=2)
 
     def step(carry, y):
         d_s, d_z = carry
-        a, into_s, into_z, bad_s, bad_z = y
-        d_s = chunking.where_finite(~bad_s, d_s)  # a poisoned column is a constant
-        d_z = None if d_z is None else chunking.where_finite(~bad_z, d_z)
+        a, into_s, into_z = y
         d_prev = _decay(a, d_s) + into_s, None if d_z is None else _decay(a, d_z) + into_z
         return d_prev, (d_s, d_z)
 
-    ys = jax.tree.map(functools.partial(chunking.chunk_major, h), (across, *into, spoilt_v, spoilt))
+    ys = jax.tree.map(functools.partial(chunking.chunk_major, h), (across, *into))
     d_state, d_after = jax.lax.scan(step, d_final, ys, reverse=True)
     return jax.tree.map(chunking.head_major, d_after), d_state
 

@@ -99,7 +99,30 @@ def causal_chunks(
     options = dict(c=c, groups=groups, dtype=dtype)
     body = functools.partial(group_body, **options)
     body_bwd = functools.partial(group_body_bwd, **options)
-    return chunking.scan(body, state, xs, per_group * c, length, body_bwd=body_bwd)
+    xs, first_v = _finite_inputs(xs, groups)
+    out, final = chunking.scan(body, state, xs, per_group * c, length, body_bwd=body_bwd)
+    # What a non-finite input reaches is NaN from its token on, as in the per-token
+    # recurrence: the outputs (a value channel, or all of them), the final state's columns.
+    out = chunking.nan_from(first_v, out, 2)
+    return out, jnp.where(first_v < length, jnp.full((), jnp.nan, final.dtype), final)
+
+
+def _finite_inputs(xs, groups: int):
+    """Once per call, over the whole sequence (the chunk loop then never meets a
+    non-finite input): ``(xs with non-finite keys, values, betas and gates zeroed, the
+    index of the first token whose value channel is spoilt [b, hv, 1, dv], the length
+    where none is)``. Zeros keep the masked products and the solve from spreading
+    ``0 * NaN`` to earlier tokens; every output from a bad token on (a bad key, beta or
+    gate), or one value channel from a non-finite value on (the value channels never
+    mix), is then set to NaN."""
+    q, k, v, beta, g, r = xs
+    ok_k = chunking.finite_tokens(k)
+    k = chunking.where_finite(ok_k, k)
+    ok = chunking.finite_tokens(beta, log_decays=g) & repeat_heads(ok_k, groups, 1)
+    beta, g = (chunking.where_finite(ok, y) for y in (beta, g))
+    good_v = ok[..., None] & jnp.isfinite(v)
+    v = chunking.where_finite(good_v, v)
+    return (q, k, v, beta, g, r), chunking.first_index(~good_v, 2)
 
 
 def _group_parts(x, *, c: int, groups: int, dtype=None):
@@ -114,10 +137,10 @@ def _group_parts(x, *, c: int, groups: int, dtype=None):
 def group_body(s: Array, x, *, c: int, groups: int, dtype=None) -> tuple[Array, Array]:
     """One group of chunks (``chunking.scan``'s body): ``(state after it, out [b, hv, g,
     dv])``, for ``s [b, hv, dk, dv]`` and ``x`` as ``causal_chunks``' xs cut to the group."""
-    (transition, reads), (bad, spoilt) = _group_parts(x, c=c, groups=groups, dtype=dtype)
+    transition, reads = _group_parts(x, c=c, groups=groups, dtype=dtype)
     h, length = s.shape[1], x[2].shape[2]
-    states, final = _states(h, transition, spoilt, s)
-    out, _ = chunk_outputs(reads, states, bad, dtype=dtype)
+    states, final = _states(h, transition, s)
+    out, _ = chunk_outputs(reads, states, dtype=dtype)
     return final, chunking.unfold(out, h, length)
 
 
@@ -130,17 +153,11 @@ def chunk_parts(x, *, dtype=None):
       dtype: as in ``causal_chunks`` (the scores ``Q K^T`` only).
 
     Returns:
-      ``(((a [b,m,1|dk] | None, M [b,m,dk,dk], B [b,m,dk,dv]), (Q_in [b,m,c,dk], scores
-      [b,m,c,c], W [b,m,c,dk], U [b,m,c,dv])), (the outputs to poison [b,m,c,dv], the
-      state's columns to poison [b,m,1,dv]))``: the transition ``S_next = a S - M S + B``,
-      what the outputs read, and (no gradient) the non-finite inputs' reach.
+      ``((a [b,m,1|dk] | None, M [b,m,dk,dk], B [b,m,dk,dv]), (Q_in [b,m,c,dk], scores
+      [b,m,c,c], W [b,m,c,dk], U [b,m,c,dv]))``: the transition ``S_next = a S - M S + B``
+      and what the outputs read. The inputs are finite (``_finite_inputs``).
     """
     q, k, v, beta, g, r = x
-    # Non-finite keys, values, betas or gates would reach earlier tokens as 0 * NaN in
-    # the masked products and the solve: zeros here, NaN outputs from their token on.
-    ok = chunking.finite_tokens(k, beta, log_decays=g)
-    k, beta, g = (chunking.where_finite(ok, y) for y in (k, beta, g))
-    v, bad, spoilt = chunking.finite_values(ok, v)
     dv = v.shape[-1]
     dec = chunking.decays(g, r, q.shape[:3], q.dtype)
     qk = chunking.decayed_scores(q, k, dec, diagonal=True, dtype=dtype)
@@ -157,16 +174,15 @@ def chunk_parts(x, *, dtype=None):
     # The transition in state space: float32 operands (it is what the state keeps).
     m = jnp.einsum("bmck,bmcl->bmkl", k_out, w)
     b_ = jnp.einsum("bmck,bmcv->bmkv", k_out, u)
-    return ((across, m, b_), (q_in, qk, w, u)), (bad, spoilt)
+    return (across, m, b_), (q_in, qk, w, u)
 
 
-def chunk_outputs(reads, states: Array, bad: Array, *, dtype=None):
+def chunk_outputs(reads, states: Array, *, dtype=None):
     """``O = Q_in S + scores (U - W S)`` of every chunk from the state entering it.
 
     Args:
       reads: ``(Q_in, scores, W, U)`` of ``chunk_parts``, ``[b, m, c, .]``.
       states: ``[b, m, dk, dv]``, the state entering each chunk.
-      bad: ``[b, m, c, dv]``, the outputs set to NaN.
       dtype: the operand dtype of the two products that read the state and U.
 
     Returns:
@@ -177,7 +193,7 @@ def chunk_outputs(reads, states: Array, bad: Array, *, dtype=None):
     u = u - jnp.einsum("bmck,bmkv->bmcv", w, states)
     mixed = functools.partial(chunking.einsum, dtype=dtype)
     out = mixed("bmck,bmkv->bmcv", q_in, states) + mixed("bmij,bmjv->bmiv", qk, u)
-    return chunking.nan_where(bad, out), u
+    return out, u
 
 
 def _decay(a: Array | None, s: Array) -> Array:
@@ -185,16 +201,15 @@ def _decay(a: Array | None, s: Array) -> Array:
     return s if a is None else a[..., None] * s
 
 
-def _states(h: int, transition, spoilt: Array, state: Array) -> tuple[Array, Array]:
+def _states(h: int, transition, state: Array) -> tuple[Array, Array]:
     """The scan over chunks: ``(the state entering each chunk [b, h*n, dk, dv], the final
-    state)``, with the columns that a non-finite value spoilt set to NaN."""
+    state)``."""
 
     def step(s, x):
-        a, m, b_, bad = x
-        s_next = _decay(a, s) - jnp.einsum("bhkl,bhlv->bhkv", m, s) + b_
-        return chunking.nan_where(bad, s_next), s
+        a, m, b_ = x
+        return _decay(a, s) - jnp.einsum("bhkl,bhlv->bhkv", m, s) + b_, s
 
-    xs = jax.tree.map(functools.partial(chunking.chunk_major, h), (*transition, spoilt))
+    xs = jax.tree.map(functools.partial(chunking.chunk_major, h), transition)
     final, states = jax.lax.scan(step, state, xs)
     return chunking.head_major(states), final
 
@@ -212,18 +227,14 @@ def group_body_bwd(d_final: Array, inputs, *, c: int, groups: int, dtype=None):
       ``(d S entering the group, d x)``.
     """
     s, x, _, d_out = inputs
-    parts, vjp, (bad, spoilt) = jax.vjp(
-        functools.partial(_group_parts, c=c, groups=groups, dtype=dtype), x, has_aux=True
-    )
+    parts, vjp = jax.vjp(functools.partial(_group_parts, c=c, groups=groups, dtype=dtype), x)
     (across, m, _), (q_in, qk, w, _) = parts
     h = s.shape[1]
-    states, _ = _states(h, parts[0], spoilt, s)
-    _, u = chunk_outputs(parts[1], states, bad, dtype=dtype)
-    pad = bad.shape[1] // h * c - d_out.shape[2]
-    d_out = jnp.pad(d_out, [(0, 0), (0, 0), (0, pad), (0, 0)]).reshape(bad.shape)
+    states, _ = _states(h, parts[0], s)
+    _, u = chunk_outputs(parts[1], states, dtype=dtype)
+    d_out = chunking.fold(d_out, c, h)  # [b, m, c, dv], the last chunk padded with zeros
     mixed = functools.partial(chunking.einsum, dtype=dtype)
-    # The outputs' transpose, batched: poisoned outputs are constants (no cotangent).
-    d_out = chunking.where_finite(~bad, d_out)
+    # The outputs' transpose, batched.
     d_u = mixed("bmij,bmiv->bmjv", qk, d_out)
     d_qk = mixed("bmiv,bmjv->bmij", d_out, u)
     d_q_in = mixed("bmiv,bmkv->bmik", d_out, states)
@@ -232,12 +243,11 @@ def group_body_bwd(d_final: Array, inputs, *, c: int, groups: int, dtype=None):
 
     # The transition's transpose, one chunk at a time from the last: d S_next -> d S.
     def step(d_s, y):
-        a, m_i, spoilt_i, d_local_i = y
-        d_s = chunking.where_finite(~spoilt_i, d_s)  # a poisoned column is a constant
+        a, m_i, d_local_i = y
         d_prev = _decay(a, d_s) - jnp.einsum("bhkl,bhkv->bhlv", m_i, d_s) + d_local_i
         return d_prev, d_s
 
-    ys = jax.tree.map(functools.partial(chunking.chunk_major, h), (across, m, spoilt, d_local))
+    ys = jax.tree.map(functools.partial(chunking.chunk_major, h), (across, m, d_local))
     d_state, d_next = jax.lax.scan(step, d_final, ys, reverse=True)
     d_next = chunking.head_major(d_next)  # [b, m, dk, dv]: d of the state after each chunk
     d_m = -jnp.einsum("bmkv,bmlv->bmkl", d_next, states)
