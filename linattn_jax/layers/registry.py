@@ -14,6 +14,7 @@ from flax import nnx
 
 from linattn_jax.layers.delta import DeltaRuleAttention
 from linattn_jax.layers.linear import LinearAttention
+from linattn_jax.layers.mamba2 import Mamba2Mixer
 from linattn_jax.layers.softmax import SoftmaxAttention
 
 
@@ -73,6 +74,7 @@ _SOFTMAX_OPTIONS = (
 )
 _DELTA_OPTIONS = ("num_heads", "num_v_heads", "head_dim", "value_head_dim", "conv_size")
 _DELTA = dict(section="delta", section_options=_DELTA_OPTIONS)
+_MAMBA2_OPTIONS = ("num_heads", "head_dim", "state_dim", "n_groups", "expand", "conv_size")
 _frozen = MappingProxyType
 
 KINDS: Mapping[str, AttentionKind] = _frozen(
@@ -117,6 +119,13 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
             options=("chunk_size",),
             **_DELTA,
         ),
+        "mamba2": AttentionKind(
+            Mamba2Mixer,
+            "Mamba-2",
+            options=("method", "chunk_size"),
+            section="mamba2",
+            section_options=_MAMBA2_OPTIONS,
+        ),
     }
 )
 ATTENTION_KINDS = tuple(KINDS)
@@ -136,7 +145,8 @@ def make_attention(kind: str, width: int, num_heads: int, **options: Any) -> nnx
     ``LinearAttention`` with GLA's per-channel gate (``gate="channel"``), by default over
     the identity map without a denominator (``feature_map="identity"``,
     ``normalize=False``: an output RMSNorm per head); ``"deltanet"``,
-    ``"gated_deltanet"``, ``"kda"``: ``DeltaRuleAttention`` of that variant.
+    ``"gated_deltanet"``, ``"kda"``: ``DeltaRuleAttention`` of that variant; ``"mamba2"``:
+    ``Mamba2Mixer`` (``num_heads`` its SSD heads).
 
     Raises:
       ValueError: an unknown kind, or an option that contradicts one the kind fixes.
@@ -148,7 +158,7 @@ def make_attention(kind: str, width: int, num_heads: int, **options: Any) -> nnx
     return spec.layer(width, num_heads, **{**spec.defaults, **options, **spec.fixed})
 
 
-_PART = re.compile(r"^\s*(?:(\d+)\s*)?([a-z_]+)\s*$")
+_PART = re.compile(r"^\s*(?:(\d+)\s*)?([a-z_][a-z0-9_]*)\s*$")  # kinds may hold digits
 
 
 def is_layout(attention: Any) -> bool:
