@@ -106,21 +106,38 @@ def test_every_parameter_names_its_dims():
         assert names is not None and len(names) == param.ndim, path
 
 
-def test_a_hybrid_layout_decodes_as_its_full_forward():
+def test_a_nemotron_h_shaped_layout_decodes_as_its_full_forward():
+    # Nemotron-H's "M-*-": a Mamba-2 layer and an attention layer without MLPs, each
+    # followed by a squared-ReLU MLP-only layer.
     model = models.LanguageModel(
-        50, 16, 2, 2, attention="mamba2 : softmax", tie_embeddings=False,
-        kind_options={"mamba2": dict(num_heads=4, state_dim=8, chunk_size=4)},
-        rngs=nnx.Rngs(0),
+        50, 16, 4, 2, attention="mamba2 : mlp : softmax : mlp", mlp="relu2",
+        tie_embeddings=False, rngs=nnx.Rngs(0),
+        kind_options={
+            "mamba2": dict(num_heads=4, state_dim=8, chunk_size=4, mlp="none"),
+            "softmax": dict(mlp="none"),
+        },
     )  # fmt: skip
-    assert [type(b.attention).__name__ for b in model.blocks] == [
-        "Mamba2Mixer",
-        "SoftmaxAttention",
+    parts = [
+        (type(b.attention).__name__, type(b.mlp).__name__, b.mlp_norm is None)
+        for b in model.blocks
     ]
+    assert parts == [
+        ("Mamba2Mixer", "NoneType", True),
+        ("NoneType", "ReLU2MLP", False),
+        ("SoftmaxAttention", "NoneType", True),
+        ("NoneType", "ReLU2MLP", False),
+    ]
+    assert model.blocks[1].attention_norm is None
+    mlp = model.blocks[1].mlp
+    x = _tokens(9, b=1, t=3)
+    up, down = mlp.up_proj.kernel[...], mlp.down_proj.kernel[...]
+    np.testing.assert_allclose(mlp(x), np.maximum(x @ up, 0) ** 2 @ down, rtol=1e-5, atol=1e-6)
     prompt = jax.random.randint(jax.random.PRNGKey(1), (1, 5), 0, 50)
     tokens = model.generate(prompt, 4, temperature=0.0)
-    logits = model(tokens)
-    greedy = jnp.argmax(logits[:, 4:-1], axis=-1)
+    greedy = jnp.argmax(model(tokens)[:, 4:-1], axis=-1)
     np.testing.assert_array_equal(greedy, tokens[:, 5:])
+    with pytest.raises(ValueError, match="needs a mixer or an MLP"):
+        layers.TransformerBlock(16, 2, attention="mlp", mlp="none", rngs=nnx.Rngs(0))
 
 
 def test_bad_options_raise():

@@ -14,7 +14,7 @@ passed in and returned explicitly (``layer.init_state(batch)``, ``state=``,
 """
 
 from linattn_jax.layers import norms, rope
-from linattn_jax.layers.blocks import MLP, MLPS, BlockState, SwiGLU, TransformerBlock
+from linattn_jax.layers.blocks import MLP, MLPS, BlockState, ReLU2MLP, SwiGLU, TransformerBlock
 from linattn_jax.layers.conv import CausalConv1D
 from linattn_jax.layers.delta import VARIANTS, DeltaRuleAttention, DeltaRuleCache
 from linattn_jax.layers.feature_maps import (
@@ -59,6 +59,7 @@ __all__ = [
     "MambaGate",
     "RMSNorm",
     "RandomProjection",
+    "ReLU2MLP",
     "SequenceSharding",
     "SoftmaxAttention",
     "SwiGLU",

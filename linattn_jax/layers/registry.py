@@ -23,7 +23,8 @@ class AttentionKind:
     """One attention kind.
 
     Attributes:
-      layer: the layer class, called as ``layer(width, num_heads, **options)``.
+      layer: the layer class, called as ``layer(width, num_heads, **options)``; None for
+        the kind without a mixer (``"mlp"``: the block is its MLP alone).
       label: a readable name (tables and plots).
       fixed: options the kind always sets (a caller may not change them).
       defaults: options the kind sets unless the caller gives them.
@@ -39,7 +40,7 @@ class AttentionKind:
         the model's for this kind's layers).
     """
 
-    layer: Callable[..., nnx.Module]
+    layer: Callable[..., nnx.Module] | None
     label: str
     fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -126,6 +127,8 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
             section="mamba2",
             section_options=_MAMBA2_OPTIONS,
         ),
+        # No mixer: an MLP-only block (Nemotron-H's "-" layers).
+        "mlp": AttentionKind(None, "MLP only"),
     }
 )
 ATTENTION_KINDS = tuple(KINDS)
@@ -149,9 +152,12 @@ def make_attention(kind: str, width: int, num_heads: int, **options: Any) -> nnx
     ``Mamba2Mixer`` (``num_heads`` its SSD heads).
 
     Raises:
-      ValueError: an unknown kind, or an option that contradicts one the kind fixes.
+      ValueError: an unknown kind, the kind without a mixer (``"mlp"``), or an option that
+        contradicts one the kind fixes.
     """
     spec = get(kind)
+    if spec.layer is None:
+        raise ValueError(f"kind {kind!r} has no mixer layer (its blocks are an MLP alone)")
     for name, value in spec.fixed.items():
         if name in options and options[name] != value:
             raise ValueError(f"{kind}'s {name} is {value!r}, got {name}={options[name]!r}")
