@@ -118,8 +118,7 @@ def test_a_nemotron_h_shaped_layout_decodes_as_its_full_forward():
         },
     )  # fmt: skip
     parts = [
-        (type(b.attention).__name__, type(b.mlp).__name__, b.mlp_norm is None)
-        for b in model.blocks
+        (type(b.attention).__name__, type(b.mlp).__name__, b.mlp_norm is None) for b in model.blocks
     ]
     assert parts == [
         ("Mamba2Mixer", "NoneType", True),
