@@ -1,0 +1,259 @@
+"""Mamba-2 checkpoints in Hugging Face format (``Mamba2ForCausalLM``, ``model_type``
+``mamba2``) <-> ``LanguageModel``: the config's fields as the model's options, and the one
+table of weights.
+
+A Mamba-2 model is ``num_hidden_layers`` blocks of ``x + mixer(RMSNorm(x))`` (no MLP: our
+blocks with ``mlp="none"``) between the embedding and a final RMSNorm, every mixer our
+``layers.Mamba2Mixer`` (``attention="mamba2"``). Its conventions, each mapped to an option
+of ours:
+
+* ``in_proj`` makes ``[z | x | B | C | dt]`` (``intermediate_size``, the same, ``n_groups *
+  state_size`` twice, ``num_heads``) as our ``in_proj``; the depthwise ``conv1d`` over
+  ``[x | B | C]`` is ``[c, 1, k]``, our ``conv.kernel`` ``[k, c]``, its bias our
+  ``conv_bias``;
+* ``A = -exp(A_log)``, ``dt = softplus(dt + dt_bias)`` clipped to ``time_step_limit``;
+  ``D`` the skip; ``norm`` the gated RMSNorm over ``n_groups`` groups (the gate first);
+* every RMSNorm's epsilon is ``layer_norm_epsilon``;
+* ``nn.Linear`` weights are ``[out, in]``, our kernels ``[in, out]`` (a transpose).
+
+The tensors live under ``backbone.`` (``lm_head.weight`` apart, untied only).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+from linattn_jax.hf.qwen3_5 import Rule
+
+MODEL_TYPES = ("mamba2",)
+PREFIX = "backbone."
+IGNORED_PREFIXES = ()
+
+
+def _rules(*rows) -> tuple[Rule, ...]:
+    return tuple(Rule(hf, (ours,), how) for hf, ours, how in rows)
+
+
+# The weight table: model-level rows, then each layer's.
+MODEL_RULES = _rules(
+    ("embeddings.weight", "embed.embedding", "copy"),
+    ("norm_f.weight", "norm.scale", "copy"),
+)
+HEAD_RULE = Rule("lm_head.weight", ("head.kernel",), "linear")  # untied only; no prefix
+BLOCK_RULES = _rules(
+    ("norm.weight", "attention_norm.scale", "copy"),
+    ("mixer.in_proj.weight", "attention.in_proj.kernel", "linear"),
+    ("mixer.conv1d.weight", "attention.conv.kernel", "conv"),
+    ("mixer.dt_bias", "attention.dt_bias", "copy"),
+    ("mixer.A_log", "attention.A_log", "copy"),
+    ("mixer.D", "attention.D", "copy"),
+    ("mixer.norm.weight", "attention.norm.weight", "copy"),
+    ("mixer.out_proj.weight", "attention.out_proj.kernel", "linear"),
+)
+CONV_BIAS_RULES = _rules(("mixer.conv1d.bias", "attention.conv_bias", "copy"))
+BIAS_RULES = _rules(
+    ("mixer.in_proj.bias", "attention.in_proj.bias", "copy"),
+    ("mixer.out_proj.bias", "attention.out_proj.bias", "copy"),
+)
+
+
+def weight_table(config: Mapping[str, Any], prefix: str = PREFIX) -> list[tuple[str, Rule]]:
+    """Every tensor of a checkpoint of ``config`` (``normalize_config``'s): ``(its full
+    Hugging Face name, the Rule with our full paths)``, in the model's order."""
+    rows = [(prefix + r.hf, r) for r in MODEL_RULES]
+    layer = BLOCK_RULES
+    layer += CONV_BIAS_RULES if config["use_conv_bias"] else ()
+    layer += BIAS_RULES if config["use_bias"] else ()
+    for i in range(config["num_hidden_layers"]):
+        for rule in layer:
+            ours = tuple(f"blocks.{i}.{path}" for path in rule.ours)
+            rows.append((f"{prefix}layers.{i}.{rule.hf}", Rule(rule.hf, ours, rule.how)))
+    if not config["tie_word_embeddings"]:
+        rows.append((HEAD_RULE.hf, HEAD_RULE))
+    return rows
+
+
+# ---------------------------------------------------------------------------- the config
+
+DEFAULTS = dict(
+    layer_norm_epsilon=1e-5,
+    expand=2,
+    conv_kernel=4,
+    n_groups=8,
+    use_bias=False,
+    use_conv_bias=True,
+    hidden_act="silu",
+    residual_in_fp32=True,
+    tie_word_embeddings=False,
+    time_step_limit=[0.0, math.inf],
+    num_heads=128,
+    head_dim=64,
+    state_size=128,
+)  # fmt: skip  (transformers' Mamba2Config defaults, for fields a config.json leaves out)
+INT_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "state_size",
+    "n_groups", "conv_kernel", "expand",
+)  # fmt: skip
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``config.json``'s contents with ``transformers``' defaults filled in, checked.
+
+    Raises:
+      ValueError: an unknown ``model_type``, or a field missing, of the wrong type or
+        unsupported, named.
+    """
+    if raw.get("model_type") not in MODEL_TYPES:
+        raise ValueError(
+            f"config.json: model_type must be one of {MODEL_TYPES}, got {raw.get('model_type')!r}"
+        )
+    config = {**DEFAULTS, **{k: v for k, v in raw.items() if v is not None or k not in DEFAULTS}}
+    config["time_step_limit"] = list(config["time_step_limit"])
+    check_config(config)
+    return config
+
+
+def check_config(config: Mapping[str, Any]) -> None:
+    """Raises ``ValueError`` naming the field of ``config`` that is missing, of the wrong
+    type, or that we do not support."""
+    for field in INT_FIELDS:
+        value = config.get(field)
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"config.json: {field} must be an int >= 1, got {value!r}")
+    inner = config["hidden_size"] * config["expand"]
+    if inner != config["num_heads"] * config["head_dim"]:
+        raise ValueError(
+            f"config.json: hidden_size * expand ({inner}) must equal num_heads * head_dim "
+            f"({config['num_heads'] * config['head_dim']})"
+        )
+    if config["num_heads"] % config["n_groups"]:
+        raise ValueError(
+            f"config.json: n_groups={config['n_groups']} must divide num_heads="
+            f"{config['num_heads']}"
+        )
+    if config["hidden_act"] != "silu":
+        raise ValueError(f"config.json: hidden_act must be 'silu', got {config['hidden_act']!r}")
+    for field in ("use_bias", "use_conv_bias", "tie_word_embeddings", "residual_in_fp32"):
+        if not isinstance(config[field], bool):
+            raise ValueError(f"config.json: {field} must be true or false, got {config[field]!r}")
+    eps = config["layer_norm_epsilon"]
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1:
+        raise ValueError(f"config.json: layer_norm_epsilon must be a number in (0, 1), got {eps!r}")
+    limit = config["time_step_limit"]
+    ok = len(limit) == 2 and all(
+        isinstance(x, int | float) and not isinstance(x, bool) for x in limit
+    )
+    if not ok or not 0 <= limit[0] <= limit[1]:
+        raise ValueError(
+            f"config.json: time_step_limit must be [low, high] with 0 <= low <= high, got "
+            f"{config['time_step_limit']!r}"
+        )
+
+
+def model_options(
+    config: Mapping[str, Any], dtype: Any = jnp.float32, param_dtype: Any = None
+) -> dict[str, Any]:
+    """``LanguageModel``'s arguments (all but ``rngs``) for a ``normalize_config`` config:
+    the computation in ``dtype``, the parameters in ``param_dtype`` (None: ``dtype``). The
+    blocks' and the final RMSNorm's epsilon is not an option: set it to
+    ``config["layer_norm_epsilon"]`` on the built model (``set_norm_eps``)."""
+    low, high = config["time_step_limit"]
+    return dict(
+        vocab_size=config["vocab_size"],
+        width=config["hidden_size"],
+        depth=config["num_hidden_layers"],
+        num_heads=config["num_heads"],
+        attention="mamba2",
+        kind_options={
+            "mamba2": dict(
+                head_dim=config["head_dim"],
+                state_dim=config["state_size"],
+                n_groups=config["n_groups"],
+                conv_size=config["conv_kernel"],
+                use_conv_bias=config["use_conv_bias"],
+                use_bias=config["use_bias"],
+                time_step_limit=(float(low), float(high)),
+                norm_eps=float(config["layer_norm_epsilon"]),
+            )
+        },
+        tie_embeddings=config["tie_word_embeddings"],
+        mlp="none",
+        dtype=dtype,
+        param_dtype=dtype if param_dtype is None else param_dtype,
+    )
+
+
+def set_norm_eps(model, config: Mapping[str, Any]) -> None:
+    """Sets the blocks' and the final RMSNorm's epsilon to ``layer_norm_epsilon`` (the
+    mixers' gated norms take it as ``norm_eps``)."""
+    eps = float(config["layer_norm_epsilon"])
+    model.norm.epsilon = eps
+    for block in model.blocks:
+        block.attention_norm.epsilon = eps
+
+
+def config_from_model(model) -> dict[str, Any]:
+    """The ``mamba2`` config of a ``LanguageModel`` in Mamba-2's form (its dimensions read
+    from the layers).
+
+    Raises:
+      ValueError: a model not of that form (scanned layers, a kind other than ``mamba2``,
+        an MLP or a short convolution in a block, zero-centred norms, layers of different
+        sizes), naming what differs.
+    """
+    if model.period is not None:
+        raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
+    fields: dict[str, Any] = {}
+
+    def agree(field, value, where):
+        if fields.setdefault(field, value) != value:
+            raise ValueError(
+                f"{where}: {field}={value} differs from the other layers' {fields[field]}"
+            )
+
+    for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):
+        where = f"blocks[{i}]"
+        if kind != "mamba2":
+            raise ValueError(f"{where}: Mamba-2 models have only mamba2 layers, got {kind!r}")
+        if block.mlp is not None or block.conv is not None:
+            raise ValueError(
+                f"{where}: Mamba-2's blocks have no MLP (mlp='none') and no short_conv"
+            )
+        if block.attention_norm.zero_centred:
+            raise ValueError(f"{where}: Mamba-2's RMSNorms are not zero-centred")
+        a = block.attention
+        agree("layer_norm_epsilon", block.attention_norm.epsilon, where)
+        agree("layer_norm_epsilon", a.norm.epsilon, where)
+        agree("num_heads", a.num_heads, where)
+        agree("head_dim", a.head_dim, where)
+        agree("state_size", a.state_dim, where)
+        agree("n_groups", a.n_groups, where)
+        agree("conv_kernel", a.conv.size, where)
+        agree("use_conv_bias", a.conv_bias is not None, where)
+        agree("use_bias", a.in_proj.use_bias, where)
+        agree("time_step_limit", list(a.time_step_limit), where)
+    width = model.embed.features
+    inner = fields["num_heads"] * fields["head_dim"]
+    if inner % width:
+        raise ValueError(f"num_heads * head_dim={inner} must be a multiple of the width {width}")
+    return {
+        "architectures": ["Mamba2ForCausalLM"],
+        "model_type": "mamba2",
+        "vocab_size": model.vocab_size,
+        "hidden_size": width,
+        "num_hidden_layers": model.depth,
+        "expand": inner // width,
+        "tie_word_embeddings": model.head is None,
+        "hidden_act": "silu",
+        "residual_in_fp32": True,
+        "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
+        **fields,
+    }
