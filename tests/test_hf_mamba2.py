@@ -52,7 +52,8 @@ def _ours(torch_model):
     for name, rule in table:
         shapes = [params[p].shape for p in rule.ours]
         assert tuple(tensors[name].shape) == qwen3_5.hf_shape(rule.how, shapes), name
-        for p, part in zip(rule.ours, qwen3_5.to_ours(rule.how, tensors[name], shapes)):
+        parts = qwen3_5.to_ours(rule.how, tensors[name], shapes)
+        for p, part in zip(rule.ours, parts, strict=True):
             params[p].set_value(jnp.asarray(np.array(part)))
     return model, config
 
