@@ -1,8 +1,8 @@
-"""Mamba-2 checkpoints (``linattn_jax.hf.mamba2``) against ``transformers``' own PyTorch
-``Mamba2ForCausalLM`` (CPU, float32, its pure-torch path), one tiny random model made here
-with random norms, ``A_log``, ``dt_bias``, ``D`` and convolution biases (so that a mapping
-error shows): logits to 1e-5 normwise, 16 greedy tokens, prefill then decode steps against
-the full forward."""
+"""Mamba-2 and Bamba checkpoints (``linattn_jax.hf.mamba2``, ``hf.bamba``) against
+``transformers``' own PyTorch ``Mamba2ForCausalLM`` and ``BambaForCausalLM`` (CPU, float32,
+their pure-torch paths), one tiny random model of each made here with random norms,
+``A_log``, ``dt_bias``, ``D`` and convolution biases (so that a mapping error shows): logits
+to 1e-5 normwise, 16 greedy tokens, prefill then decode steps against the full forward."""
 
 import jax
 import jax.numpy as jnp
@@ -11,13 +11,24 @@ import pytest
 from flax import nnx
 
 from linattn_jax import models
-from linattn_jax.hf import mamba2, qwen3_5
+from linattn_jax.hf import bamba, mamba2, qwen3_5
 from tests import helpers
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 64
+
+
+def _randomize(model):
+    """Random values where the initialisation puts constants (so a mapping error shows)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias", "D", "conv1d.bias")):
+                p.copy_(torch.randn_like(p))
+            elif "norm" in name:
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -29,25 +40,30 @@ def torch_model():
         eos_token_id=1,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.Mamba2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias", "D", "conv1d.bias")):
-                p.copy_(torch.randn_like(p))
-            elif "norm" in name:
-                p.copy_(1 + 0.5 * torch.randn_like(p))
-    return model
+    return _randomize(transformers.Mamba2ForCausalLM(config).eval())
 
 
-def _ours(torch_model):
+@pytest.fixture(scope="module")
+def torch_bamba():
+    config = transformers.BambaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, attn_layer_indices=[1],
+        mamba_n_heads=4, mamba_d_head=8, mamba_d_state=6, mamba_n_groups=2, mamba_chunk_size=8,
+        rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    return _randomize(transformers.BambaForCausalLM(config).eval())
+
+
+def _ours(torch_model, module=mamba2):
     """Our ``LanguageModel`` of the torch model's config, its weights through the table."""
-    config = mamba2.normalize_config(torch_model.config.to_dict())
-    model = models.LanguageModel(**mamba2.model_options(config), rngs=nnx.Rngs(0))
-    mamba2.set_norm_eps(model, config)
+    config = module.normalize_config(torch_model.config.to_dict())
+    model = models.LanguageModel(**module.model_options(config), rngs=nnx.Rngs(0))
+    module.set_norm_eps(model, config)
     tensors = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     params = {".".join(map(str, k)): v for k, v in params.items()}
-    table = mamba2.weight_table(config)
+    table = module.weight_table(config)
     assert sorted(name for name, _ in table) == sorted(tensors)
     for name, rule in table:
         shapes = [params[p].shape for p in rule.ours]
@@ -63,8 +79,10 @@ def _torch_logits(torch_model, tokens):
         return torch_model(torch.from_numpy(np.array(tokens))).logits.numpy()
 
 
-def test_logits_and_greedy_tokens_equal_transformers(torch_model):
-    model, _ = _ours(torch_model)
+@pytest.mark.parametrize("which", ["mamba2", "bamba"])
+def test_logits_and_greedy_tokens_equal_transformers(which, request):
+    torch_model = request.getfixturevalue({"mamba2": "torch_model", "bamba": "torch_bamba"}[which])
+    model, _ = _ours(torch_model, {"mamba2": mamba2, "bamba": bamba}[which])
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 13), 2, VOCAB)
     helpers.assert_close_normwise(model(tokens), _torch_logits(torch_model, tokens))
     prompt = tokens[:1, :5]

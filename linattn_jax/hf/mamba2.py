@@ -44,32 +44,40 @@ MODEL_RULES = _rules(
     ("norm_f.weight", "norm.scale", "copy"),
 )
 HEAD_RULE = Rule("lm_head.weight", ("head.kernel",), "linear")  # untied only; no prefix
-BLOCK_RULES = _rules(
-    ("norm.weight", "attention_norm.scale", "copy"),
-    ("mixer.in_proj.weight", "attention.in_proj.kernel", "linear"),
-    ("mixer.conv1d.weight", "attention.conv.kernel", "conv"),
-    ("mixer.dt_bias", "attention.dt_bias", "copy"),
-    ("mixer.A_log", "attention.A_log", "copy"),
-    ("mixer.D", "attention.D", "copy"),
-    ("mixer.norm.weight", "attention.norm.weight", "copy"),
-    ("mixer.out_proj.weight", "attention.out_proj.kernel", "linear"),
+BLOCK_RULES = _rules(("norm.weight", "attention_norm.scale", "copy"))
+# A Mamba-2 mixer's rows, under its Hugging Face prefix ("mixer.", Bamba's "mamba.") and our
+# "attention." (``mixer_rules``); Bamba and Nemotron-H read them too.
+MIXER_RULES = _rules(
+    ("in_proj.weight", "in_proj.kernel", "linear"),
+    ("conv1d.weight", "conv.kernel", "conv"),
+    ("dt_bias", "dt_bias", "copy"),
+    ("A_log", "A_log", "copy"),
+    ("D", "D", "copy"),
+    ("norm.weight", "norm.weight", "copy"),
+    ("out_proj.weight", "out_proj.kernel", "linear"),
 )
-CONV_BIAS_RULES = _rules(("mixer.conv1d.bias", "attention.conv_bias", "copy"))
+CONV_BIAS_RULES = _rules(("conv1d.bias", "conv_bias", "copy"))
 BIAS_RULES = _rules(
-    ("mixer.in_proj.bias", "attention.in_proj.bias", "copy"),
-    ("mixer.out_proj.bias", "attention.out_proj.bias", "copy"),
+    ("in_proj.bias", "in_proj.bias", "copy"),
+    ("out_proj.bias", "out_proj.bias", "copy"),
 )
+
+
+def mixer_rules(hf_prefix: str, *, conv_bias: bool, bias: bool) -> tuple[Rule, ...]:
+    """A mixer's rows: Hugging Face names under ``hf_prefix``, ours under ``attention.``."""
+    rows = MIXER_RULES + (CONV_BIAS_RULES if conv_bias else ()) + (BIAS_RULES if bias else ())
+    return tuple(
+        Rule(hf_prefix + r.hf, tuple("attention." + p for p in r.ours), r.how) for r in rows
+    )
 
 
 def weight_table(config: Mapping[str, Any], prefix: str = PREFIX) -> list[tuple[str, Rule]]:
     """Every tensor of a checkpoint of ``config`` (``normalize_config``'s): ``(its full
     Hugging Face name, the Rule with our full paths)``, in the model's order."""
     rows = [(prefix + r.hf, r) for r in MODEL_RULES]
-    layer = BLOCK_RULES
-    layer += CONV_BIAS_RULES if config["use_conv_bias"] else ()
-    layer += BIAS_RULES if config["use_bias"] else ()
+    mixer = mixer_rules("mixer.", conv_bias=config["use_conv_bias"], bias=config["use_bias"])
     for i in range(config["num_hidden_layers"]):
-        for rule in layer:
+        for rule in BLOCK_RULES + mixer:
             ours = tuple(f"blocks.{i}.{path}" for path in rule.ours)
             rows.append((f"{prefix}layers.{i}.{rule.hf}", Rule(rule.hf, ours, rule.how)))
     if not config["tie_word_embeddings"]:
@@ -165,7 +173,6 @@ def model_options(
     the computation in ``dtype``, the parameters in ``param_dtype`` (None: ``dtype``). The
     blocks' and the final RMSNorm's epsilon is not an option: set it to
     ``config["layer_norm_epsilon"]`` on the built model (``set_norm_eps``)."""
-    low, high = config["time_step_limit"]
     return dict(
         vocab_size=config["vocab_size"],
         width=config["hidden_size"],
@@ -173,15 +180,15 @@ def model_options(
         num_heads=config["num_heads"],
         attention="mamba2",
         kind_options={
-            "mamba2": dict(
+            "mamba2": mixer_options(
                 head_dim=config["head_dim"],
                 state_dim=config["state_size"],
                 n_groups=config["n_groups"],
                 conv_size=config["conv_kernel"],
                 use_conv_bias=config["use_conv_bias"],
                 use_bias=config["use_bias"],
-                time_step_limit=(float(low), float(high)),
-                norm_eps=float(config["layer_norm_epsilon"]),
+                time_step_limit=config["time_step_limit"],
+                norm_eps=config["layer_norm_epsilon"],
             )
         },
         tie_embeddings=config["tie_word_embeddings"],
@@ -189,6 +196,28 @@ def model_options(
         dtype=dtype,
         param_dtype=dtype if param_dtype is None else param_dtype,
     )
+
+
+def mixer_options(*, time_step_limit, norm_eps, **sizes) -> dict[str, Any]:
+    """``Mamba2Mixer``'s options (``kind_options["mamba2"]``), the limits and epsilon as
+    floats."""
+    low, high = time_step_limit
+    return dict(**sizes, time_step_limit=(float(low), float(high)), norm_eps=float(norm_eps))
+
+
+def mixer_fields(mixer) -> dict[str, Any]:
+    """A ``Mamba2Mixer``'s sizes and options under Mamba-2's config names."""
+    return {
+        "num_heads": mixer.num_heads,
+        "head_dim": mixer.head_dim,
+        "state_size": mixer.state_dim,
+        "n_groups": mixer.n_groups,
+        "conv_kernel": mixer.conv.size,
+        "use_conv_bias": mixer.conv_bias is not None,
+        "use_bias": mixer.in_proj.use_bias,
+        "time_step_limit": list(mixer.time_step_limit),
+        "layer_norm_epsilon": mixer.norm.epsilon,
+    }
 
 
 def set_norm_eps(model, config: Mapping[str, Any]) -> None:
@@ -229,17 +258,9 @@ def config_from_model(model) -> dict[str, Any]:
             )
         if block.attention_norm.zero_centred:
             raise ValueError(f"{where}: Mamba-2's RMSNorms are not zero-centred")
-        a = block.attention
         agree("layer_norm_epsilon", block.attention_norm.epsilon, where)
-        agree("layer_norm_epsilon", a.norm.epsilon, where)
-        agree("num_heads", a.num_heads, where)
-        agree("head_dim", a.head_dim, where)
-        agree("state_size", a.state_dim, where)
-        agree("n_groups", a.n_groups, where)
-        agree("conv_kernel", a.conv.size, where)
-        agree("use_conv_bias", a.conv_bias is not None, where)
-        agree("use_bias", a.in_proj.use_bias, where)
-        agree("time_step_limit", list(a.time_step_limit), where)
+        for field, value in mixer_fields(block.attention).items():
+            agree(field, value, where)
     width = model.embed.features
     inner = fields["num_heads"] * fields["head_dim"]
     if inner % width:
