@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from linattn_jax import models
-from linattn_jax.hf import bamba, mamba2, qwen3_5
+from linattn_jax import hf
+from linattn_jax.hf import mamba2
 from tests import helpers
 
 torch = pytest.importorskip("torch")
@@ -55,23 +55,10 @@ def torch_bamba():
     return _randomize(transformers.BambaForCausalLM(config).eval())
 
 
-def _ours(torch_model, module=mamba2):
-    """Our ``LanguageModel`` of the torch model's config, its weights through the table."""
-    config = module.normalize_config(torch_model.config.to_dict())
-    model = models.LanguageModel(**module.model_options(config), rngs=nnx.Rngs(0))
-    module.set_norm_eps(model, config)
-    tensors = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
-    params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    params = {".".join(map(str, k)): v for k, v in params.items()}
-    table = module.weight_table(config)
-    assert sorted(name for name, _ in table) == sorted(tensors)
-    for name, rule in table:
-        shapes = [params[p].shape for p in rule.ours]
-        assert tuple(tensors[name].shape) == qwen3_5.hf_shape(rule.how, shapes), name
-        parts = qwen3_5.to_ours(rule.how, tensors[name], shapes)
-        for p, part in zip(rule.ours, parts, strict=True):
-            params[p].set_value(jnp.asarray(np.array(part)))
-    return model, config
+def _ours(torch_model, tmp_path):
+    """``hf.from_pretrained`` of the directory ``transformers`` saves the torch model to."""
+    torch_model.save_pretrained(tmp_path / "hf")
+    return hf.from_pretrained(tmp_path / "hf")
 
 
 def _torch_logits(torch_model, tokens):
@@ -79,10 +66,10 @@ def _torch_logits(torch_model, tokens):
         return torch_model(torch.from_numpy(np.array(tokens))).logits.numpy()
 
 
-@pytest.mark.parametrize("which", ["mamba2", "bamba"])
-def test_logits_and_greedy_tokens_equal_transformers(which, request):
-    torch_model = request.getfixturevalue({"mamba2": "torch_model", "bamba": "torch_bamba"}[which])
-    model, _ = _ours(torch_model, {"mamba2": mamba2, "bamba": bamba}[which])
+@pytest.mark.parametrize("fixture", ["torch_model", "torch_bamba"])
+def test_logits_and_greedy_tokens_equal_transformers(fixture, request, tmp_path):
+    torch_model = request.getfixturevalue(fixture)
+    model, _ = _ours(torch_model, tmp_path)
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 13), 2, VOCAB)
     helpers.assert_close_normwise(model(tokens), _torch_logits(torch_model, tokens))
     prompt = tokens[:1, :5]
@@ -95,25 +82,45 @@ def test_logits_and_greedy_tokens_equal_transformers(which, request):
     np.testing.assert_array_equal(ours, theirs)
 
 
-def test_prefill_then_decode_steps_equal_the_full_forward(torch_model):
-    model, _ = _ours(torch_model)
+def test_prefill_then_decode_steps_equal_the_full_forward(torch_model, tmp_path):
+    model, _ = _ours(torch_model, tmp_path)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 9), 2, VOCAB)
     full = model(tokens)
     logits, state = model(tokens[:, :6], state=model.init_state(2), return_state=True)
     outs = [logits]
+    step = nnx.jit(lambda m, token, s: m(token, state=s, return_state=True))
     for i in range(6, 9):
-        logits, state = model(tokens[:, i : i + 1], state=state, return_state=True)
+        logits, state = step(model, tokens[:, i : i + 1], state)
         outs.append(logits)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=2e-5, atol=2e-5)
 
 
-def test_config_round_trips_through_the_model(torch_model):
-    model, config = _ours(torch_model)
-    derived = mamba2.config_from_model(model)
-    for field, value in derived.items():
-        if field not in ("architectures", "dtype"):
-            assert config[field] == value, field
+@pytest.mark.parametrize("fixture", ["torch_model", "torch_bamba"])
+def test_save_load_round_trip_and_transformers_reads_it(fixture, request, tmp_path):
+    torch_model = request.getfixturevalue(fixture)
+    model, config = _ours(torch_model, tmp_path)
+    hf.save_pretrained(model, tmp_path / "ours", config)
+    again, config_again = hf.from_pretrained(tmp_path / "ours")
+    assert config_again == config
+    before, after = (nnx.to_flat_state(nnx.state(m, nnx.Param)) for m in (model, again))
+    for (path, x), (path_again, y) in zip(before, after, strict=True):
+        assert path == path_again
+        np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]))
+    theirs = type(torch_model).from_pretrained(tmp_path / "ours").eval()
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (1, 7), 2, VOCAB)
+    helpers.assert_close_normwise(model(tokens), _torch_logits(theirs, tokens))
+    # Without a config, the model's form picks its model type.
+    hf.save_pretrained(model, tmp_path / "bare")
+    assert hf.read_config(tmp_path / "bare")["model_type"] == config["model_type"]
+
+
+def test_bad_configs_are_refused_by_field(torch_model, torch_bamba, tmp_path):
+    _, config = _ours(torch_model, tmp_path)
     with pytest.raises(ValueError, match="n_groups=3 must divide"):
         mamba2.normalize_config({**config, "n_groups": 3})
-    with pytest.raises(ValueError, match="model_type must be one of"):
-        mamba2.normalize_config({**config, "model_type": "mamba"})
+    with pytest.raises(ValueError, match="time_step_limit"):
+        mamba2.normalize_config({**config, "time_step_limit": [1.0, 0.5]})
+    with pytest.raises(ValueError, match="hidden_act must be 'silu'"):
+        hf.bamba.normalize_config({**torch_bamba.config.to_dict(), "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="attn_layer_indices"):
+        hf.bamba.normalize_config({**torch_bamba.config.to_dict(), "attn_layer_indices": [5]})

@@ -25,9 +25,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
+from flax import nnx
 
-from linattn_jax.hf import mamba2
-from linattn_jax.hf.qwen3_5 import Rule
+from linattn_jax.hf import common, mamba2
+from linattn_jax.hf.common import Rule
 
 MODEL_TYPES = ("bamba",)
 PREFIX = "model."
@@ -36,23 +37,19 @@ LAYER_KINDS = {"linear_attention": "mamba2", "full_attention": "softmax"}
 PARTIAL_ROTARY_FACTOR = 0.5  # transformers' BambaConfig fixes it
 
 
-def _rules(*rows) -> tuple[Rule, ...]:
-    return tuple(Rule(hf, (ours,), how) for hf, ours, how in rows)
-
-
-MODEL_RULES = _rules(
+MODEL_RULES = common.rules(
     ("embed_tokens.weight", "embed.embedding", "copy"),
     ("final_layernorm.weight", "norm.scale", "copy"),
 )
 HEAD_RULE = mamba2.HEAD_RULE
-BLOCK_RULES = _rules(
+BLOCK_RULES = common.rules(
     ("input_layernorm.weight", "attention_norm.scale", "copy"),
     ("pre_ff_layernorm.weight", "mlp_norm.scale", "copy"),
     ("feed_forward.gate_proj.weight", "mlp.gate_proj.kernel", "linear"),
     ("feed_forward.up_proj.weight", "mlp.up_proj.kernel", "linear"),
     ("feed_forward.down_proj.weight", "mlp.down_proj.kernel", "linear"),
 )
-ATTENTION_RULES = _rules(
+ATTENTION_RULES = common.rules(
     ("self_attn.q_proj.weight", "attention.q_proj.kernel", "linear"),
     ("self_attn.k_proj.weight", "attention.k_proj.kernel", "linear"),
     ("self_attn.v_proj.weight", "attention.v_proj.kernel", "linear"),
@@ -67,11 +64,11 @@ def weight_table(config: Mapping[str, Any], prefix: str = PREFIX) -> list[tuple[
     mixer = mamba2.mixer_rules(
         "mamba.", conv_bias=config["mamba_conv_bias"], bias=config["mamba_proj_bias"]
     )
-    for i, layer_type in enumerate(config["layer_types"]):
+    for i, layer_type in enumerate(layer_types(config)):
         own = mixer if layer_type == "linear_attention" else ATTENTION_RULES
         for rule in BLOCK_RULES + own:
-            ours = tuple(f"blocks.{i}.{path}" for path in rule.ours)
-            rows.append((f"{prefix}layers.{i}.{rule.hf}", Rule(rule.hf, ours, rule.how)))
+            name = f"{prefix}layers.{i}.{rule.hf}"
+            rows.append((name, rule.at(name, [f"blocks.{i}.{path}" for path in rule.ours])))
     if not config["tie_word_embeddings"]:
         rows.append((HEAD_RULE.hf, HEAD_RULE))
     return rows
@@ -105,7 +102,7 @@ INT_FIELDS = (
 
 def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     """A ``config.json``'s contents with ``transformers``' defaults filled in and
-    ``layer_types`` derived from ``attn_layer_indices``, checked.
+    checked (``layer_types`` derives the layers from ``attn_layer_indices``).
 
     Raises:
       ValueError: an unknown ``model_type``, or a field missing, of the wrong type or
@@ -118,22 +115,28 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     config = {**DEFAULTS, **{k: v for k, v in raw.items() if v is not None or k not in DEFAULTS}}
     if config.get("num_key_value_heads") is None:  # transformers' backward compatibility
         config["num_key_value_heads"] = config.get("num_attention_heads")
-    if config["mamba_d_head"] == "auto" and mamba2._is_int(config.get("hidden_size")):
+    if config["mamba_d_head"] == "auto" and common.is_int(config.get("hidden_size")):
         heads = config["mamba_n_heads"]
         config["mamba_d_head"] = config["mamba_expand"] * config["hidden_size"] // heads
-    config["time_step_limit"] = list(config["time_step_limit"])
+    config["time_step_limit"] = mamba2.time_step_limit(config["time_step_limit"])
     rope = dict(config.get("rope_parameters") or {})
     rope.setdefault("rope_type", "default")
     rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     rope.setdefault("partial_rotary_factor", PARTIAL_ROTARY_FACTOR)
     config["rope_parameters"] = rope
+    config.pop("layer_types", None)  # transformers derives it from attn_layer_indices
     check_config(config)
+    return config
+
+
+def layer_types(config: Mapping[str, Any]) -> list[str]:
+    """Each layer's type, ``"full_attention"`` at ``attn_layer_indices``, else
+    ``"linear_attention"`` (transformers' ``layers_block_type``)."""
     indices = config["attn_layer_indices"] or []
-    config["layer_types"] = [
+    return [
         "full_attention" if i in indices else "linear_attention"
         for i in range(config["num_hidden_layers"])
     ]
-    return config
 
 
 def check_config(config: Mapping[str, Any]) -> None:
@@ -141,7 +144,7 @@ def check_config(config: Mapping[str, Any]) -> None:
     type, or that we do not support."""
     for field in INT_FIELDS:
         value = config.get(field)
-        if not mamba2._is_int(value) or value < 1:
+        if not common.is_int(value) or value < 1:
             raise ValueError(f"config.json: {field} must be an int >= 1, got {value!r}")
     inner = config["hidden_size"] * config["mamba_expand"]
     if inner != config["mamba_n_heads"] * config["mamba_d_head"]:
@@ -161,7 +164,7 @@ def check_config(config: Mapping[str, Any]) -> None:
     indices = config["attn_layer_indices"]
     n = config["num_hidden_layers"]
     if indices is not None and (
-        not isinstance(indices, list) or not all(mamba2._is_int(i) and 0 <= i < n for i in indices)
+        not isinstance(indices, list) or not all(common.is_int(i) and 0 <= i < n for i in indices)
     ):
         raise ValueError(
             f"config.json: attn_layer_indices must list layer indices below num_hidden_layers="
@@ -208,14 +211,14 @@ def model_options(
 ) -> dict[str, Any]:
     """``LanguageModel``'s arguments (all but ``rngs``) for a ``normalize_config`` config:
     the computation in ``dtype``, the parameters in ``param_dtype`` (None: ``dtype``). The
-    blocks' and the final RMSNorm's epsilon is set on the built model (``set_norm_eps``)."""
+    blocks' and the final RMSNorm's epsilon is set on the built model (``finish``)."""
     heads = config["num_attention_heads"]
     return dict(
         vocab_size=config["vocab_size"],
         width=config["hidden_size"],
         depth=config["num_hidden_layers"],
         num_heads=heads,
-        attention=[LAYER_KINDS[t] for t in config["layer_types"]],
+        attention=[LAYER_KINDS[t] for t in layer_types(config)],
         kind_options={
             "mamba2": dict(
                 num_heads=config["mamba_n_heads"],
@@ -247,9 +250,109 @@ def model_options(
     )
 
 
-def set_norm_eps(model, config: Mapping[str, Any]) -> None:
+def finish(model, config: Mapping[str, Any]) -> None:
     """Sets the blocks' and the final RMSNorm's epsilon to ``rms_norm_eps``."""
-    eps = float(config["rms_norm_eps"])
-    model.norm.epsilon = eps
-    for block in model.blocks:
-        block.attention_norm.epsilon = block.mlp_norm.epsilon = eps
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.RMSNorm):
+            node.epsilon = float(config["rms_norm_eps"])
+
+
+def config_from_model(model) -> dict[str, Any]:
+    """The ``bamba`` config of a ``LanguageModel`` in Bamba's form (its dimensions read from
+    the layers).
+
+    Raises:
+      ValueError: a model not of that form (scanned layers, a kind other than ``mamba2``
+        and ``softmax``, an MLP other than SwiGLU, attention other than Llama's, layers of
+        one kind with different sizes), naming what differs.
+    """
+    if model.period is not None:
+        raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
+    fields: dict[str, Any] = {}
+    renamed = {
+        "num_heads": "mamba_n_heads", "head_dim": "mamba_d_head", "state_size": "mamba_d_state",
+        "n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv",
+        "use_conv_bias": "mamba_conv_bias", "use_bias": "mamba_proj_bias",
+        "layer_norm_epsilon": "rms_norm_eps", "time_step_limit": "time_step_limit",
+    }  # fmt: skip
+    width = model.embed.features
+    for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):
+        where = f"blocks[{i}]"
+        if kind not in ("mamba2", "softmax"):
+            raise ValueError(f"{where}: Bamba has mamba2 and softmax layers, got {kind!r}")
+        if type(block.mlp).__name__ != "SwiGLU" or block.conv is not None:
+            raise ValueError(f"{where}: Bamba's blocks have a SwiGLU MLP and no short_conv")
+        if block.attention_norm.zero_centred or block.mlp_norm.zero_centred:
+            raise ValueError(f"{where}: Bamba's RMSNorms are not zero-centred")
+        common.agree(fields, "rms_norm_eps", block.attention_norm.epsilon, where)
+        common.agree(fields, "intermediate_size", block.mlp.gate_proj.out_features, where)
+        a = block.attention
+        if kind == "mamba2":
+            for field, value in mamba2.mixer_fields(a).items():
+                common.agree(fields, renamed[field], value, where)
+            continue
+        llama = a.rotary_dim is not None and a.rotary_dim * 2 == a.head_dim
+        llama = llama and not a.output_gate and a.q_norm is None and a.sliding_window is None
+        if not llama or a.head_dim * a.num_heads != width:
+            raise ValueError(
+                f"{where}: Bamba's attention has RoPE on half of each head of hidden_size / "
+                "num_attention_heads channels, no output gate, QK-norm or sliding window"
+            )
+        common.agree(fields, "num_attention_heads", a.num_heads, where)
+        common.agree(fields, "num_key_value_heads", a.num_kv_heads, where)
+        common.agree(fields, "rope_theta", a.rope_theta, where)
+    theta = fields.pop("rope_theta", 10000.0)
+    mamba_heads = fields.get("mamba_n_heads")
+    if mamba_heads is None:
+        raise ValueError("Bamba needs at least one mamba2 layer")
+    inner = mamba_heads * fields["mamba_d_head"]
+    if inner % width:
+        raise ValueError(f"mamba heads * head_dim={inner} must be a multiple of the width {width}")
+    return {
+        "architectures": ["BambaForCausalLM"],
+        "model_type": "bamba",
+        "vocab_size": model.vocab_size,
+        "hidden_size": width,
+        "num_hidden_layers": model.depth,
+        "attn_layer_indices": [i for i, k in enumerate(model.layout) if k == "softmax"],
+        "mamba_expand": inner // width,
+        "tie_word_embeddings": model.head is None,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": theta,
+            "partial_rotary_factor": PARTIAL_ROTARY_FACTOR,
+        },
+        **fields,
+    }
+
+
+def config_for_save(model, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The config ``save_pretrained`` writes for ``model``: ``config_from_model``'s fields
+    over ``config``'s others (``eos_token_id``, ``max_position_embeddings``, ...).
+
+    Raises:
+      ValueError: ``config_from_model``'s, or a field of ``config`` that describes another
+        model (named).
+    """
+    derived = config_from_model(model)
+    if config is not None and not any(k == "softmax" for k in model.layout):
+        derived.pop("rope_parameters")  # nothing of the model uses RoPE: keep the config's
+    merged = common.merge_for_save(derived, config, mamba2.UNCHECKED)
+    return normalize_config(merged)
+
+
+FORMAT = common.ModelFormat(
+    name="Bamba",
+    model_types=MODEL_TYPES,
+    normalize_config=normalize_config,
+    model_options=model_options,
+    weight_table=weight_table,
+    config_for_save=config_for_save,
+    prefixes=(PREFIX,),
+    ignored_prefixes=lambda config: ("lm_head.",) if config["tie_word_embeddings"] else (),
+    finish=finish,
+)

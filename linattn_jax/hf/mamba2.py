@@ -26,28 +26,26 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
+from flax import nnx
 
-from linattn_jax.hf.qwen3_5 import Rule
+from linattn_jax.hf import common
+from linattn_jax.hf.common import Rule
 
 MODEL_TYPES = ("mamba2",)
 PREFIX = "backbone."
 IGNORED_PREFIXES = ()
 
 
-def _rules(*rows) -> tuple[Rule, ...]:
-    return tuple(Rule(hf, (ours,), how) for hf, ours, how in rows)
-
-
 # The weight table: model-level rows, then each layer's.
-MODEL_RULES = _rules(
+MODEL_RULES = common.rules(
     ("embeddings.weight", "embed.embedding", "copy"),
     ("norm_f.weight", "norm.scale", "copy"),
 )
 HEAD_RULE = Rule("lm_head.weight", ("head.kernel",), "linear")  # untied only; no prefix
-BLOCK_RULES = _rules(("norm.weight", "attention_norm.scale", "copy"))
+BLOCK_RULES = common.rules(("norm.weight", "attention_norm.scale", "copy"))
 # A Mamba-2 mixer's rows, under its Hugging Face prefix ("mixer.", Bamba's "mamba.") and our
 # "attention." (``mixer_rules``); Bamba and Nemotron-H read them too.
-MIXER_RULES = _rules(
+MIXER_RULES = common.rules(
     ("in_proj.weight", "in_proj.kernel", "linear"),
     ("conv1d.weight", "conv.kernel", "conv"),
     ("dt_bias", "dt_bias", "copy"),
@@ -56,8 +54,8 @@ MIXER_RULES = _rules(
     ("norm.weight", "norm.weight", "copy"),
     ("out_proj.weight", "out_proj.kernel", "linear"),
 )
-CONV_BIAS_RULES = _rules(("conv1d.bias", "conv_bias", "copy"))
-BIAS_RULES = _rules(
+CONV_BIAS_RULES = common.rules(("conv1d.bias", "conv_bias", "copy"))
+BIAS_RULES = common.rules(
     ("in_proj.bias", "in_proj.bias", "copy"),
     ("out_proj.bias", "out_proj.bias", "copy"),
 )
@@ -66,9 +64,7 @@ BIAS_RULES = _rules(
 def mixer_rules(hf_prefix: str, *, conv_bias: bool, bias: bool) -> tuple[Rule, ...]:
     """A mixer's rows: Hugging Face names under ``hf_prefix``, ours under ``attention.``."""
     rows = MIXER_RULES + (CONV_BIAS_RULES if conv_bias else ()) + (BIAS_RULES if bias else ())
-    return tuple(
-        Rule(hf_prefix + r.hf, tuple("attention." + p for p in r.ours), r.how) for r in rows
-    )
+    return tuple(r.at(hf_prefix + r.hf, ["attention." + p for p in r.ours]) for r in rows)
 
 
 def weight_table(config: Mapping[str, Any], prefix: str = PREFIX) -> list[tuple[str, Rule]]:
@@ -78,8 +74,8 @@ def weight_table(config: Mapping[str, Any], prefix: str = PREFIX) -> list[tuple[
     mixer = mixer_rules("mixer.", conv_bias=config["use_conv_bias"], bias=config["use_bias"])
     for i in range(config["num_hidden_layers"]):
         for rule in BLOCK_RULES + mixer:
-            ours = tuple(f"blocks.{i}.{path}" for path in rule.ours)
-            rows.append((f"{prefix}layers.{i}.{rule.hf}", Rule(rule.hf, ours, rule.how)))
+            name = f"{prefix}layers.{i}.{rule.hf}"
+            rows.append((name, rule.at(name, [f"blocks.{i}.{path}" for path in rule.ours])))
     if not config["tie_word_embeddings"]:
         rows.append((HEAD_RULE.hf, HEAD_RULE))
     return rows
@@ -108,10 +104,6 @@ INT_FIELDS = (
 )  # fmt: skip
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     """A ``config.json``'s contents with ``transformers``' defaults filled in, checked.
 
@@ -124,9 +116,18 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             f"config.json: model_type must be one of {MODEL_TYPES}, got {raw.get('model_type')!r}"
         )
     config = {**DEFAULTS, **{k: v for k, v in raw.items() if v is not None or k not in DEFAULTS}}
-    config["time_step_limit"] = list(config["time_step_limit"])
+    config["time_step_limit"] = time_step_limit(config["time_step_limit"])
     check_config(config)
     return config
+
+
+def time_step_limit(value) -> Any:
+    """``config.json``'s ``time_step_limit`` as a list of floats: ``transformers`` writes an
+    infinite bound as ``{"__float__": "Infinity"}``; anything else is left for the checks."""
+    if not isinstance(value, list | tuple):
+        return value
+    decode = lambda x: float(x["__float__"]) if isinstance(x, Mapping) and "__float__" in x else x
+    return [decode(x) for x in value]
 
 
 def check_config(config: Mapping[str, Any]) -> None:
@@ -134,7 +135,7 @@ def check_config(config: Mapping[str, Any]) -> None:
     type, or that we do not support."""
     for field in INT_FIELDS:
         value = config.get(field)
-        if not _is_int(value) or value < 1:
+        if not common.is_int(value) or value < 1:
             raise ValueError(f"config.json: {field} must be an int >= 1, got {value!r}")
     inner = config["hidden_size"] * config["expand"]
     if inner != config["num_heads"] * config["head_dim"]:
@@ -171,8 +172,8 @@ def model_options(
 ) -> dict[str, Any]:
     """``LanguageModel``'s arguments (all but ``rngs``) for a ``normalize_config`` config:
     the computation in ``dtype``, the parameters in ``param_dtype`` (None: ``dtype``). The
-    blocks' and the final RMSNorm's epsilon is not an option: set it to
-    ``config["layer_norm_epsilon"]`` on the built model (``set_norm_eps``)."""
+    blocks' and the final RMSNorm's epsilon is not an option: ``finish`` sets it on the
+    built model."""
     return dict(
         vocab_size=config["vocab_size"],
         width=config["hidden_size"],
@@ -220,13 +221,12 @@ def mixer_fields(mixer) -> dict[str, Any]:
     }
 
 
-def set_norm_eps(model, config: Mapping[str, Any]) -> None:
+def finish(model, config: Mapping[str, Any]) -> None:
     """Sets the blocks' and the final RMSNorm's epsilon to ``layer_norm_epsilon`` (the
-    mixers' gated norms take it as ``norm_eps``)."""
-    eps = float(config["layer_norm_epsilon"])
-    model.norm.epsilon = eps
-    for block in model.blocks:
-        block.attention_norm.epsilon = eps
+    layers take no epsilon option; the mixers' gated norms take it as ``norm_eps``)."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.RMSNorm):
+            node.epsilon = float(config["layer_norm_epsilon"])
 
 
 def config_from_model(model) -> dict[str, Any]:
@@ -274,7 +274,37 @@ def config_from_model(model) -> dict[str, Any]:
         "expand": inner // width,
         "tie_word_embeddings": model.head is None,
         "hidden_act": "silu",
-        "residual_in_fp32": True,
         "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
         **fields,
     }
+
+
+UNCHECKED = ("architectures", "dtype", "model_type")  # save_pretrained writes the model's
+
+
+def config_for_save(model, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The config ``save_pretrained`` writes for ``model``: ``config_from_model``'s fields
+    over ``config``'s others (``eos_token_id``, ``chunk_size``, ...).
+
+    Raises:
+      ValueError: ``config_from_model``'s, or a field of ``config`` that describes another
+        model (named).
+    """
+    return normalize_config(common.merge_for_save(config_from_model(model), config, UNCHECKED))
+
+
+def _ignored(config: Mapping[str, Any]) -> tuple[str, ...]:
+    return ("lm_head.",) if config["tie_word_embeddings"] else ()
+
+
+FORMAT = common.ModelFormat(
+    name="Mamba-2",
+    model_types=MODEL_TYPES,
+    normalize_config=normalize_config,
+    model_options=model_options,
+    weight_table=weight_table,
+    config_for_save=config_for_save,
+    prefixes=(PREFIX,),
+    ignored_prefixes=_ignored,
+    finish=finish,
+)
