@@ -55,6 +55,19 @@ def torch_bamba():
     return _randomize(transformers.BambaForCausalLM(config).eval())
 
 
+@pytest.fixture(scope="module")
+def torch_nemotron_h():
+    config = transformers.NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24,
+        layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, mamba_num_heads=4,
+        mamba_head_dim=8, ssm_state_size=6, n_groups=2, chunk_size=8, layer_norm_epsilon=1e-5,
+        pad_token_id=0, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(2)
+    return _randomize(transformers.NemotronHForCausalLM(config).eval())
+
+
 def _ours(torch_model, tmp_path):
     """``hf.from_pretrained`` of the directory ``transformers`` saves the torch model to."""
     torch_model.save_pretrained(tmp_path / "hf")
@@ -66,7 +79,7 @@ def _torch_logits(torch_model, tokens):
         return torch_model(torch.from_numpy(np.array(tokens))).logits.numpy()
 
 
-@pytest.mark.parametrize("fixture", ["torch_model", "torch_bamba"])
+@pytest.mark.parametrize("fixture", ["torch_model", "torch_bamba", "torch_nemotron_h"])
 def test_logits_and_greedy_tokens_equal_transformers(fixture, request, tmp_path):
     torch_model = request.getfixturevalue(fixture)
     model, _ = _ours(torch_model, tmp_path)
@@ -95,7 +108,7 @@ def test_prefill_then_decode_steps_equal_the_full_forward(torch_model, tmp_path)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("fixture", ["torch_model", "torch_bamba"])
+@pytest.mark.parametrize("fixture", ["torch_model", "torch_bamba", "torch_nemotron_h"])
 def test_save_load_round_trip_and_transformers_reads_it(fixture, request, tmp_path):
     torch_model = request.getfixturevalue(fixture)
     model, config = _ours(torch_model, tmp_path)
@@ -114,7 +127,7 @@ def test_save_load_round_trip_and_transformers_reads_it(fixture, request, tmp_pa
     assert hf.read_config(tmp_path / "bare")["model_type"] == config["model_type"]
 
 
-def test_bad_configs_are_refused_by_field(torch_model, torch_bamba, tmp_path):
+def test_bad_configs_are_refused_by_field(torch_model, torch_bamba, torch_nemotron_h, tmp_path):
     _, config = _ours(torch_model, tmp_path)
     with pytest.raises(ValueError, match="n_groups=3 must divide"):
         mamba2.normalize_config({**config, "n_groups": 3})
@@ -124,3 +137,9 @@ def test_bad_configs_are_refused_by_field(torch_model, torch_bamba, tmp_path):
         hf.bamba.normalize_config({**torch_bamba.config.to_dict(), "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="attn_layer_indices"):
         hf.bamba.normalize_config({**torch_bamba.config.to_dict(), "attn_layer_indices": [5]})
+    nemotron = torch_nemotron_h.config.to_dict()
+    with pytest.raises(ValueError, match="'moe' layers, which are not supported yet"):
+        hf.nemotron_h.normalize_config({**nemotron, "layers_block_type": ["moe", "mlp"]})
+    legacy = {k: v for k, v in nemotron.items() if k != "layers_block_type"}
+    legacy = hf.nemotron_h.normalize_config({**legacy, "hybrid_override_pattern": "M-*-"})
+    assert legacy["layers_block_type"] == nemotron["layers_block_type"]

@@ -14,7 +14,7 @@ The layout: one module per model type over a shared loader.
 * ``common``: what the model types' modules share: ``Rule`` (a weight table's row) and
   ``CONVERSIONS`` (``copy``, ``linear``, ``split``, ``conv``; ``Rule.index`` stacks
   per-expert tensors into one parameter), ``ModelFormat``, and the checks of config fields.
-* one module per model type (``qwen3_5``, ``mamba2``, ``bamba``): its ``FORMAT``, a
+* one module per model type (``qwen3_5``, ``mamba2``, ``bamba``, ``nemotron_h``): its ``FORMAT``, a
   ``common.ModelFormat``, holds
   ``normalize_config`` (``config.json``'s fields checked, an unsupported one refused by
   name, defaults as ``transformers``'), ``model_options`` (``LanguageModel``'s
@@ -26,11 +26,20 @@ The layout: one module per model type over a shared loader.
   and ``generate_text``.
 """
 
-from linattn_jax.hf import bamba, common, mamba2, pretrained, qwen3_5, safetensors_io, text
+from linattn_jax.hf import (
+    bamba,
+    common,
+    mamba2,
+    nemotron_h,
+    pretrained,
+    qwen3_5,
+    safetensors_io,
+    text,
+)
 
-# The Mamba-2 model types join the loader's registry here (pretrained._MODULES lists
-# qwen3_5's; these two belong there too).
-for _module in (mamba2, bamba):
+# The Mamba-2 model types (and the hybrids over its mixer) join the loader's registry here
+# (pretrained._MODULES lists qwen3_5's; these belong there too).
+for _module in (mamba2, bamba, nemotron_h):
     pretrained.FORMATS.update({t: _module.FORMAT for t in _module.FORMAT.model_types})
 pretrained.MODEL_TYPES = tuple(pretrained.FORMATS)
 
@@ -61,6 +70,7 @@ __all__ = [
     "generate_text",
     "load_tokenizer",
     "mamba2",
+    "nemotron_h",
     "qwen3_5",
     "read_config",
     "safetensors_io",
