@@ -2,7 +2,7 @@
 CPU, float32) with random weights copied across (random ``A_log``, ``dt_bias``, ``D``,
 norm and convolution weights, so that a mapping error shows); prefill then one-token steps
 against the full forward; left padding and packed segments against each row alone; the
-kind in a hybrid layout through ``generate``."""
+kind in a hybrid layout through ``generate``; ``configs/hybrid.py:mamba2_small``."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from experiments import trainer
+from experiments.configuration import load_config
+from experiments.validation import validate
 from linattn_jax import layers, models
 from tests import helpers
 
@@ -147,3 +150,12 @@ def test_bad_options_raise():
     ]:
         with pytest.raises(ValueError, match=message):
             layers.Mamba2Mixer(WIDTH, HEADS, rngs=nnx.Rngs(0), **options)
+
+
+def test_the_mamba2_hybrid_config_builds_its_layout():
+    config = load_config("configs/hybrid.py:mamba2_small")
+    validate(config)
+    model = trainer.build_model(config)
+    assert model.layout == ("mamba2",) * 3 + ("softmax",)
+    mixer = model.blocks[0].attention
+    assert (mixer.num_heads, mixer.head_dim, mixer.state_dim) == (2, 64, 128)
