@@ -109,9 +109,8 @@ def test_prefill_then_decode_steps_equal_the_full_forward(torch_model, tmp_path)
     # A left-padded row (its padding any id) equals the row alone.
     mask = jnp.array([[False] * 3 + [True] * 6, [True] * 9])
     padded = tokens.at[0, 3:].set(tokens[0, :6])
-    alone = model(tokens[:1, :6])
-    out = model(padded, key_mask=mask)
-    np.testing.assert_allclose(out[0, 3:], alone[0], rtol=2e-5, atol=2e-5)
+    out = model(padded, key_mask=mask)  # causal: full[0, :6] is the row's first 6 alone
+    np.testing.assert_allclose(out[0, 3:], full[0, :6], rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("fixture", ["torch_model", "torch_bamba", "torch_nemotron_h"])

@@ -88,18 +88,21 @@ def test_prefill_then_steps_equal_the_full_forward():
 
 def test_left_padding_and_packed_segments_equal_each_row_alone():
     ours = _ours(_torch_mixer(4))
-    a, b = _tokens(5, b=1, t=7), _tokens(6, b=1, t=4)
-    alone_a, alone_b = ours(a), ours(b)
+    a, b, c = _tokens(5, b=1, t=7), _tokens(6, b=1, t=4), _tokens(7, b=1, t=3)
+    # Causal: row 0's first 4 outputs are b's alone, whatever follows (one shape throughout).
+    alone = ours(jnp.concatenate([jnp.concatenate([b, c], 1), a]))
     # Row 0 left-padded (its padding holding NaN), row 1 the full length.
     padded = jnp.concatenate([jnp.full((1, 3, WIDTH), jnp.nan), b], axis=1)
     mask = jnp.array([[False] * 3 + [True] * 4, [True] * 7])
     out = ours(jnp.concatenate([padded, a]), key_mask=mask)
-    np.testing.assert_allclose(out[0, 3:], alone_b[0], **helpers.tol(jnp.float32))
-    np.testing.assert_allclose(out[1], alone_a[0], **helpers.tol(jnp.float32))
-    # The two sequences packed in one row, told apart by segment ids.
-    packed = ours(jnp.concatenate([a, b], 1), segment_ids=jnp.array([[0] * 7 + [1] * 4]))
-    np.testing.assert_allclose(packed[0, :7], alone_a[0], **helpers.tol(jnp.float32))
-    np.testing.assert_allclose(packed[0, 7:], alone_b[0], **helpers.tol(jnp.float32))
+    np.testing.assert_allclose(out[0, 3:], alone[0, :4], **helpers.tol(jnp.float32))
+    np.testing.assert_allclose(out[1], alone[1], **helpers.tol(jnp.float32))
+    # c packed after b in one row, told apart by segment ids: c as if alone.
+    segments = jnp.array([[0] * 4 + [1] * 3, [0] * 7])
+    packed = ours(jnp.concatenate([jnp.concatenate([b, c], 1), a]), segment_ids=segments)
+    c_alone = ours(jnp.concatenate([jnp.concatenate([c, b], 1), a]))[0, :3]
+    np.testing.assert_allclose(packed[0, :4], alone[0, :4], **helpers.tol(jnp.float32))
+    np.testing.assert_allclose(packed[0, 4:], c_alone, **helpers.tol(jnp.float32))
 
 
 def test_every_parameter_names_its_dims():

@@ -1,11 +1,8 @@
 """Mamba-2's SSD recurrence (``linattn_jax.ops.ssd``) against a per-token float64 loop
 written here: outputs, final states and gradients, with groups, ``D``, initial states,
 padding (NaN and inf in the padded x, dt, B and C), segments and a ``-inf`` reset; the
-forms against each other (chunked, scan, quadratic, step by step); sequence parallel on
-two forced CPU devices against one device.
-
-The sequence-parallel check needs two devices: its launcher re-runs this file in a process
-with ``--xla_force_host_platform_device_count=2``.
+forms against each other (chunked, scan, quadratic, step by step). Sequence parallel
+against one device: ``tests/test_sequence_parallel.py`` (its process with eight devices).
 """
 
 import functools
@@ -14,14 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 import linattn_jax as la
 from linattn_jax.ops import ssd
 from tests import helpers
 
 B, T, H, G, P, N = 2, 13, 4, 2, 3, 5
-TWO = jax.device_count() == 2
 
 
 def _inputs(seed, t=T, dtype=jnp.float32):
@@ -211,29 +206,3 @@ def test_bad_inputs_raise_naming_the_argument():
             ssd.causal(**{**inputs, **change})
     with pytest.raises(ValueError, match="state must be the SSDState"):
         ssd.step(**{k: v[:, 0] if v.ndim > 1 else v for k, v in inputs.items()}, state=None)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(TWO, reason="this is the launcher; the real test runs below")
-def test_in_a_process_with_two_devices():
-    stdout = helpers.pytest_with_devices(2, __file__, "-k", "sequence_parallel")
-    assert "1 passed" in stdout
-
-
-@pytest.mark.skipif(not TWO, reason="needs 2 devices (run by the launcher test)")
-def test_sequence_parallel_equals_one_device():
-    inputs, s0 = _inputs(7, t=12)
-    w = jax.random.normal(jax.random.PRNGKey(8), (B, 12, H, P))
-    mesh = Mesh(np.array(jax.devices()), ("seq",))
-
-    def loss(fn, inputs):
-        out, state = fn(**inputs, initial_state=s0, return_state=True)
-        return jnp.sum(out * w) + jnp.sum(state.s), (out, state.s)
-
-    parallel = functools.partial(ssd.sequence_parallel, axis_name="seq", mesh=mesh, chunk_size=4)
-    single = functools.partial(ssd.causal, chunk_size=4)
-    grad = lambda fn: jax.jit(jax.grad(functools.partial(loss, fn), has_aux=True))(inputs)
-    (d, (out, s)), (ref_d, (ref_out, ref_s)) = grad(parallel), grad(single)
-    np.testing.assert_allclose(out, ref_out, **helpers.tol(jnp.float32))
-    np.testing.assert_allclose(s, ref_s, **helpers.tol(jnp.float32))
-    helpers.assert_close_normwise(d, ref_d)
