@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import linattn_jax as la
-from linattn_jax.ops import ssd
+from linattn_jax.ops import chunking, ssd
 from tests import helpers
 
 B, T, H, G, P, N = 2, 13, 4, 2, 3, 5
@@ -206,3 +206,22 @@ def test_bad_inputs_raise_naming_the_argument():
             ssd.causal(**{**inputs, **change})
     with pytest.raises(ValueError, match="state must be the SSDState"):
         ssd.step(**{k: v[:, 0] if v.ndim > 1 else v for k, v in inputs.items()}, state=None)
+
+
+def test_groups_of_chunks_as_on_gpu_equal_the_scan(monkeypatch):
+    # On GPU and TPU the chunked form runs several chunks at once (chunking.GROUP_TOKENS);
+    # on CPU one (GROUP_TOKENS_CPU): run the grouped path here, padding and segments on.
+    monkeypatch.setattr(chunking, "GROUP_TOKENS_CPU", 12)
+    inputs, s0, options = _case("mask")
+    options["segment_ids"] = helpers.segment_ids(4, B, T, p=0.25)
+    w_out, _ = _loss_weights(1)
+
+    def loss(method, inputs):
+        out = ssd.causal(**inputs, method=method, chunk_size=4, initial_state=s0, **options)
+        return jnp.sum(out * w_out), out
+
+    grads = [jax.jit(jax.grad(functools.partial(loss, m), has_aux=True))(inputs) for m in
+             ("chunked", "scan")]  # fmt: skip
+    (d, out), (ref_d, ref_out) = grads
+    np.testing.assert_allclose(out, ref_out, **helpers.tol(jnp.float32))
+    helpers.assert_close_normwise(d, ref_d)
