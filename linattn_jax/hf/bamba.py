@@ -273,7 +273,7 @@ def config_from_model(model) -> dict[str, Any]:
         "num_heads": "mamba_n_heads", "head_dim": "mamba_d_head", "state_size": "mamba_d_state",
         "n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv",
         "use_conv_bias": "mamba_conv_bias", "use_bias": "mamba_proj_bias",
-        "layer_norm_epsilon": "rms_norm_eps", "time_step_limit": "time_step_limit",
+        "time_step_limit": "time_step_limit",
     }  # fmt: skip
     width = model.embed.features
     for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):
@@ -284,7 +284,6 @@ def config_from_model(model) -> dict[str, Any]:
             raise ValueError(f"{where}: Bamba's blocks have a SwiGLU MLP and no short_conv")
         if block.attention_norm.zero_centred or block.mlp_norm.zero_centred:
             raise ValueError(f"{where}: Bamba's RMSNorms are not zero-centred")
-        common.agree(fields, "rms_norm_eps", block.attention_norm.epsilon, where)
         common.agree(fields, "intermediate_size", block.mlp.gate_proj.out_features, where)
         a = block.attention
         if kind == "mamba2":
@@ -315,6 +314,7 @@ def config_from_model(model) -> dict[str, Any]:
         "hidden_size": width,
         "num_hidden_layers": model.depth,
         "attn_layer_indices": [i for i, k in enumerate(model.layout) if k == "softmax"],
+        "rms_norm_eps": mamba2.one_epsilon(model),
         "mamba_expand": inner // width,
         "tie_word_embeddings": model.head is None,
         "hidden_act": "silu",

@@ -30,6 +30,7 @@ from flax import nnx
 
 from linattn_jax.hf import common
 from linattn_jax.hf.common import Rule
+from linattn_jax.layers.mamba2 import GroupedGatedRMSNorm
 
 MODEL_TYPES = ("mamba2",)
 PREFIX = "backbone."
@@ -217,8 +218,28 @@ def mixer_fields(mixer) -> dict[str, Any]:
         "use_conv_bias": mixer.conv_bias is not None,
         "use_bias": mixer.in_proj.use_bias,
         "time_step_limit": list(mixer.time_step_limit),
-        "layer_norm_epsilon": mixer.norm.epsilon,
     }
+
+
+def one_epsilon(model) -> float:
+    """The one epsilon of every RMSNorm of ``model`` (the blocks', the final and the mixers'
+    gated norms), as these model types have.
+
+    Raises:
+      ValueError: norms with different epsilons (named), e.g. a model built from
+        ``model_options`` without ``finish``.
+    """
+    found = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.RMSNorm | GroupedGatedRMSNorm):
+            found.setdefault(float(node.epsilon), ".".join(map(str, path)))
+    if len(found) > 1:
+        where = ", ".join(f"{p} {eps:g}" for eps, p in found.items())
+        raise ValueError(
+            f"the model's RMSNorms have different epsilons ({where}); the config has one (a "
+            "model built from model_options takes it from its module's finish(model, config))"
+        )
+    return next(iter(found))
 
 
 def finish(model, config: Mapping[str, Any]) -> None:
@@ -258,7 +279,6 @@ def config_from_model(model) -> dict[str, Any]:
             )
         if block.attention_norm.zero_centred:
             raise ValueError(f"{where}: Mamba-2's RMSNorms are not zero-centred")
-        agree("layer_norm_epsilon", block.attention_norm.epsilon, where)
         for field, value in mixer_fields(block.attention).items():
             agree(field, value, where)
     width = model.embed.features
@@ -272,6 +292,7 @@ def config_from_model(model) -> dict[str, Any]:
         "hidden_size": width,
         "num_hidden_layers": model.depth,
         "expand": inner // width,
+        "layer_norm_epsilon": one_epsilon(model),
         "tie_word_embeddings": model.head is None,
         "hidden_act": "silu",
         "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,

@@ -244,7 +244,6 @@ def config_from_model(model) -> dict[str, Any]:
         "num_heads": "mamba_num_heads", "head_dim": "mamba_head_dim",
         "state_size": "ssm_state_size", "n_groups": "n_groups", "conv_kernel": "conv_kernel",
         "use_conv_bias": "use_conv_bias", "use_bias": "use_bias",
-        "layer_norm_epsilon": "layer_norm_epsilon",
     }  # fmt: skip
     kinds = {kind: layer for layer, kind in LAYER_KINDS.items()}
     for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):
@@ -256,7 +255,6 @@ def config_from_model(model) -> dict[str, Any]:
         norm = block.mlp_norm if kind == "mlp" else block.attention_norm
         if norm.zero_centred:
             raise ValueError(f"{where}: Nemotron-H's RMSNorms are not zero-centred")
-        common.agree(fields, "layer_norm_epsilon", norm.epsilon, where)
         if kind == "mlp":
             if type(block.mlp).__name__ != "ReLU2MLP":
                 raise ValueError(f"{where}: Nemotron-H's MLP layers are squared ReLU (relu2)")
@@ -289,6 +287,7 @@ def config_from_model(model) -> dict[str, Any]:
         "vocab_size": model.vocab_size,
         "hidden_size": model.embed.features,
         "layers_block_type": [kinds[k] for k in model.layout],
+        "layer_norm_epsilon": mamba2.one_epsilon(model),
         "tie_word_embeddings": model.head is None,
         "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
         **fields,
