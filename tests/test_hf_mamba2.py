@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from linattn_jax import hf
+from linattn_jax import hf, models
 from linattn_jax.hf import mamba2
 from tests import helpers
 
@@ -134,6 +134,9 @@ def test_save_load_round_trip_and_transformers_reads_it(fixture, request, tmp_pa
 
 def test_bad_configs_are_refused_by_field(torch_model, torch_bamba, torch_nemotron_h, tmp_path):
     _, config = _ours(torch_model, tmp_path)
+    unfinished = models.LanguageModel(**mamba2.model_options(config), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="RMSNorms have different epsilons"):
+        hf.save_pretrained(unfinished, tmp_path / "unfinished", config)  # finish() not run
     with pytest.raises(ValueError, match="n_groups=3 must divide"):
         mamba2.normalize_config({**config, "n_groups": 3})
     with pytest.raises(ValueError, match="time_step_limit"):
