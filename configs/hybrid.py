@@ -6,19 +6,25 @@
     python -m experiments.train --config configs/hybrid.py:text --workdir runs/hybrid_text
     python -m experiments.train --config configs/hybrid.py:text_small \
         --workdir runs/hybrid_text_small
+    python -m experiments.train --config configs/hybrid.py:mamba2_small \
+        --workdir runs/hybrid_mamba2_small
 
 The layers follow Qwen3-Next / Qwen3.5, scaled down: Gated DeltaNet with grouped value heads
 (2 key heads, 4 value heads, dk = dv, a short convolution of 4), gated attention with GQA 4:1
 (one KV head), head_dim 64, partial RoPE (a quarter of each head, theta 1e7) and QK-norm;
 zero-centred RMSNorms (``x * (1 + w)``) and a SwiGLU MLP. ``:small`` (MQAR, dk = dv = 32)
 and ``:text_small`` run on a CPU in minutes; the others are the tasks' full settings.
+
+``:mamba2`` and ``:mamba2_small`` (MQAR) put Mamba-2 mixers (``"3 mamba2 : 1 softmax"``:
+``model.num_heads`` SSD heads of ``2 * width / num_heads`` channels, Mamba-2's state of 128,
+its convolution of 4) in the Gated DeltaNet layers' place, with plain RMSNorms.
 """
 
 from ml_collections import ConfigDict
 
 from configs import mqar, text_lm
 
-VARIANTS = ("", "small", "text", "text_small")
+VARIANTS = ("", "small", "text", "text_small", "mamba2", "mamba2_small")
 
 
 def get_config(arg: str | None = None) -> ConfigDict:
@@ -52,4 +58,8 @@ def get_config(arg: str | None = None) -> ConfigDict:
     m.softmax.qk_norm = True
     m.softmax.zero_centred_qk_norm = True
     m.softmax.output_gate = True
+    if arg.startswith("mamba2"):
+        m.attention = "3 mamba2 : 1 softmax"
+        m.num_heads = 2  # the Mamba-2 layers' SSD heads
+        m.zero_centred_norm = False
     return c

@@ -2,9 +2,9 @@
 
 ``linattn_jax.ops`` holds the maths: pure functions, arrays in and arrays out, jit-,
 vmap- and grad-compatible, one package per family of recurrences with one interface
-(``ops.additive``, ``ops.delta``); its public functions are re-exported here under their
-descriptive names (``linear_attention``, ``causal_linear_attention``,
-``causal_linear_attention_step``, ``delta_rule``, ``delta_rule_step``, ...).
+(``ops.additive``, ``ops.delta``; Mamba-2's SSD, ``ops.ssd``); its public functions are
+re-exported here under their descriptive names (``linear_attention``, ``causal_linear_attention``,
+``causal_linear_attention_step``, ``delta_rule``, ``delta_rule_step``, ``ssd``, ...).
 ``feature_maps`` names the kernels. ``linattn_jax.layers`` and ``linattn_jax.models`` hold
 the Flax NNX modules over them.
 """
@@ -28,23 +28,37 @@ from linattn_jax.ops.delta import (
     init_delta_state,
     sequence_parallel_delta_rule,
 )
+from linattn_jax.ops.ssd import (
+    SSD_METHODS,
+    SSDState,
+    init_ssd_state,
+    sequence_parallel_ssd,
+    ssd,
+    ssd_step,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DELTA_METHODS",
     "METHODS",
+    "SSD_METHODS",
     "DeltaRuleState",
     "LinearAttentionState",
+    "SSDState",
     "causal_linear_attention",
     "causal_linear_attention_step",
     "delta_rule",
     "delta_rule_step",
     "feature_maps",
     "init_delta_state",
+    "init_ssd_state",
     "init_state",
     "linear_attention",
     "ops",
     "sequence_parallel_causal_linear_attention",
     "sequence_parallel_delta_rule",
+    "sequence_parallel_ssd",
+    "ssd",
+    "ssd_step",
 ]

@@ -15,6 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from experiments import configuration, data, reporting, sweep, trainer
+from linattn_jax import layers
 from tests import helpers
 
 
@@ -216,7 +217,7 @@ def test_bad_configs_fail_before_compute(tmp_path):
         (["optim.lr=-1"], r"optim.lr must be a number > 0, got -1.0"),
         (
             ["model.attention=sparse"],
-            r"model.attention must be one of \('linear', 'softmax', 'gla', 'deltanet', 'gated_deltanet', 'kda'\)",
+            re.escape(f"model.attention must be one of {layers.ATTENTION_KINDS}"),
         ),
         (["model.feature_map=nope"], r"feature_map must be one of"),
         (["seq_len=8"], r"seq_len=8 is too short for MQAR with mqar.num_pairs=8"),

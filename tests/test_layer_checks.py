@@ -1,5 +1,7 @@
 """Layer construction checks, Hedgehog's two forms against their equations, Based's feature_dim."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -226,7 +228,7 @@ BAD_CONSTRUCTIONS = {
     "block_chunk_size_0": (lambda: _block(chunk_size=0), r"chunk_size must be an int >= 1"),
     "block_attention_unknown": (
         lambda: _block(attention="sparse"),
-        r"attention must be one of \('linear', 'softmax', 'gla', 'deltanet', 'gated_deltanet', 'kda'\), got 'sparse'",
+        re.escape(f"attention must be one of {layers.ATTENTION_KINDS}, got 'sparse'"),
     ),
     "short_conv_size_0": (
         lambda: layers.CausalConv1D(W, 0, rngs=nnx.Rngs(0)),

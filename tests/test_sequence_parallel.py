@@ -227,3 +227,36 @@ class SequenceParallelTest(chex.TestCase):
             la.sequence_parallel_causal_linear_attention(q, k, v, axis_name="seq", mesh=_mesh(8))
         with pytest.raises(ValueError, match=r"axis_name='x' is not an axis of the mesh"):
             la.sequence_parallel_causal_linear_attention(q, k, v, axis_name="x", mesh=_mesh(2))
+
+
+@pytest.mark.skipif(not EIGHT, reason="needs 8 devices (run by the launcher test)")
+def test_ssd_sequence_parallel_equals_one_device():
+    """Mamba-2's SSD (``ops.ssd``): 4 shards x 2 batch shards, groups, ``D``, a given state;
+    outputs, final state and gradients against the single-device chunked form."""
+    b, t, h, g, p, n = 2, 12, 4, 2, 3, 5
+    ks = jax.random.split(jax.random.PRNGKey(21), 7)
+    inputs = dict(
+        x=jax.random.normal(ks[0], (b, t, h, p)),
+        dt=jax.nn.softplus(jax.random.normal(ks[1], (b, t, h))),
+        A=-jax.random.uniform(ks[2], (h,), minval=0.1, maxval=2.0),
+        B=jax.random.normal(ks[3], (b, t, g, n)),
+        C=jax.random.normal(ks[4], (b, t, g, n)),
+        D=jax.random.normal(ks[5], (h,)),
+    )
+    s0 = la.SSDState(0.5 * jax.random.normal(ks[6], (b, h, n, p)))
+    w = jax.random.normal(jax.random.PRNGKey(22), (b, t, h, p))
+
+    def loss(fn, inputs):
+        out, state = fn(**inputs, initial_state=s0, return_state=True)
+        return jnp.sum(out * w) + jnp.sum(state.s), (out, state.s)
+
+    parallel = functools.partial(
+        la.sequence_parallel_ssd, axis_name="seq", batch_axis="batch", mesh=_mesh(4, 2),
+        chunk_size=2,
+    )  # fmt: skip
+    single = functools.partial(la.ssd, chunk_size=2)
+    grad = lambda fn: jax.jit(jax.grad(functools.partial(loss, fn), has_aux=True))(inputs)
+    (d, (out, s)), (ref_d, (ref_out, ref_s)) = grad(parallel), grad(single)
+    chex.assert_trees_all_close(out, ref_out, **helpers.tol(jnp.float32))
+    chex.assert_trees_all_close(s, ref_s, **helpers.tol(jnp.float32))
+    helpers.assert_close_normwise(d, ref_d)

@@ -14,7 +14,8 @@ The layout: one module per model type over a shared loader.
 * ``common``: what the model types' modules share: ``Rule`` (a weight table's row) and
   ``CONVERSIONS`` (``copy``, ``linear``, ``split``, ``conv``; ``Rule.index`` stacks
   per-expert tensors into one parameter), ``ModelFormat``, and the checks of config fields.
-* one module per model type (``qwen3_5``): its ``FORMAT``, a ``common.ModelFormat``, holds
+* one module per model type (``qwen3_5``, ``mamba2``, ``bamba``, ``nemotron_h``): its ``FORMAT``, a
+  ``common.ModelFormat``, holds
   ``normalize_config`` (``config.json``'s fields checked, an unsupported one refused by
   name, defaults as ``transformers``'), ``model_options`` (``LanguageModel``'s
   arguments), ``weight_table`` (every tensor's name, our parameter path(s) and conversion)
@@ -25,8 +26,24 @@ The layout: one module per model type over a shared loader.
   and ``generate_text``.
 """
 
-from linattn_jax.hf import common, qwen3_5, safetensors_io, text
-from linattn_jax.hf.pretrained import (
+from linattn_jax.hf import (
+    bamba,
+    common,
+    mamba2,
+    nemotron_h,
+    pretrained,
+    qwen3_5,
+    safetensors_io,
+    text,
+)
+
+# The Mamba-2 model types (and the hybrids over its mixer) join the loader's registry here
+# (pretrained._MODULES lists qwen3_5's; these belong there too).
+for _module in (mamba2, bamba, nemotron_h):
+    pretrained.FORMATS.update({t: _module.FORMAT for t in _module.FORMAT.model_types})
+pretrained.MODEL_TYPES = tuple(pretrained.FORMATS)
+
+from linattn_jax.hf.pretrained import (  # noqa: E402  (after the registration above)
     FORMATS,
     MODEL_TYPES,
     abstract_model,
@@ -37,12 +54,13 @@ from linattn_jax.hf.pretrained import (
     read_config,
     save_pretrained,
 )
-from linattn_jax.hf.text import eos_ids, generate_text, load_tokenizer
+from linattn_jax.hf.text import eos_ids, generate_text, load_tokenizer  # noqa: E402
 
 __all__ = [
     "FORMATS",
     "MODEL_TYPES",
     "abstract_model",
+    "bamba",
     "check_pretrained",
     "common",
     "eos_ids",
@@ -51,6 +69,8 @@ __all__ = [
     "from_pretrained",
     "generate_text",
     "load_tokenizer",
+    "mamba2",
+    "nemotron_h",
     "qwen3_5",
     "read_config",
     "safetensors_io",

@@ -1,6 +1,6 @@
 """The layers floor: Flax NNX modules that own parameters and call ``linattn_jax.ops``.
 
-One file per layer kind (``linear``, ``delta``, ``softmax``), the pieces they share
+One file per layer kind (``linear``, ``delta``, ``softmax``, ``mamba2``), the pieces they share
 (``conv``, ``gates``, ``feature_maps``, ``norms``, ``rope``, ``common``), the dispatch
 between a decoding step, the sequence-parallel form and the full-sequence form written
 once (``recurrent``), the blocks (``blocks``), and ONE registry of attention kinds
@@ -14,7 +14,7 @@ passed in and returned explicitly (``layer.init_state(batch)``, ``state=``,
 """
 
 from linattn_jax.layers import norms, rope
-from linattn_jax.layers.blocks import MLP, MLPS, BlockState, SwiGLU, TransformerBlock
+from linattn_jax.layers.blocks import MLP, MLPS, BlockState, ReLU2MLP, SwiGLU, TransformerBlock
 from linattn_jax.layers.conv import CausalConv1D
 from linattn_jax.layers.delta import VARIANTS, DeltaRuleAttention, DeltaRuleCache
 from linattn_jax.layers.feature_maps import (
@@ -25,6 +25,7 @@ from linattn_jax.layers.feature_maps import (
 )
 from linattn_jax.layers.gates import ChannelGate, HeadGate, MambaGate
 from linattn_jax.layers.linear import GATES, LinearAttention, LinearAttentionCache
+from linattn_jax.layers.mamba2 import GroupedGatedRMSNorm, Mamba2Cache, Mamba2Mixer
 from linattn_jax.layers.norms import GatedRMSNorm, RMSNorm
 from linattn_jax.layers.recurrent import SequenceSharding, run_causal
 from linattn_jax.layers.registry import ATTENTION_KINDS, KINDS, AttentionKind, make_attention
@@ -47,14 +48,18 @@ __all__ = [
     "DeltaRuleAttention",
     "DeltaRuleCache",
     "GatedRMSNorm",
+    "GroupedGatedRMSNorm",
     "HeadGate",
     "HedgehogFeatureMap",
     "KVCache",
     "LinearAttention",
     "LinearAttentionCache",
+    "Mamba2Cache",
+    "Mamba2Mixer",
     "MambaGate",
     "RMSNorm",
     "RandomProjection",
+    "ReLU2MLP",
     "SequenceSharding",
     "SoftmaxAttention",
     "SwiGLU",

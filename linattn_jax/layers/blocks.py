@@ -1,4 +1,5 @@
-"""The blocks models stack: a pre-norm transformer block and its MLPs (GELU, SwiGLU)."""
+"""The blocks models stack: a pre-norm transformer block and its MLPs (GELU, SwiGLU, squared
+ReLU, or none), with or without a mixer (the hybrids' mixer-only and MLP-only layers)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from linattn_jax.layers.conv import CausalConv1D
 from linattn_jax.layers.norms import RMSNorm
 from linattn_jax.ops import checks
 
-MLPS = ("gelu", "swiglu")
+MLPS = ("gelu", "swiglu", "relu2", "none")
 
 
 class MLP(nnx.Module):
@@ -59,6 +60,27 @@ class SwiGLU(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class ReLU2MLP(nnx.Module):
+    """``down(relu(up(x))^2)`` with hidden width ``hidden``, no biases (So et al. 2021's
+    squared ReLU; Nemotron-H's MLP: ``up_proj``, ``down_proj``)."""
+
+    def __init__(
+        self, width: int, hidden: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32
+    ):
+        linear = lambda n_in, n_out, *axes: nnx.Linear(
+            n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), dtype=dtype,
+            param_dtype=param_dtype, rngs=rngs,
+        )  # fmt: skip
+        self.up_proj = linear(width, hidden, sharding.EMBED, sharding.MLP)
+        self.down_proj = linear(hidden, width, sharding.MLP, sharding.EMBED)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jnp.square(jax.nn.relu(self.up_proj(x))))
+
+
+_MLP_CLASSES = {"gelu": MLP, "swiglu": SwiGLU, "relu2": ReLU2MLP}
+
+
 class BlockState(NamedTuple):
     """A ``TransformerBlock``'s decoding state: its attention's and its convolution's."""
 
@@ -67,16 +89,19 @@ class BlockState(NamedTuple):
 
 
 class TransformerBlock(nnx.Module):
-    """Pre-norm block: ``x + attn(conv(norm(x)))``, then ``x + mlp(norm(x))``.
+    """Pre-norm block: ``x + attn(conv(norm(x)))``, then ``x + mlp(norm(x))``; either half
+    may be absent (``attention="mlp"``: the MLP alone; ``mlp="none"``: the mixer alone, as
+    Mamba-2's blocks and the hybrids' Mamba and attention layers).
 
     Args:
       width: model width (input and output features).
       num_heads: heads of the attention layer; must divide ``width``.
       attention: one of ``registry.ATTENTION_KINDS`` (``registry.make_attention``):
-        ``"linear"``, ``"softmax"``, ``"gla"``, ``"deltanet"``, ``"gated_deltanet"`` or
-        ``"kda"``.
+        ``"linear"``, ``"softmax"``, ``"gla"``, ``"deltanet"``, ``"gated_deltanet"``,
+        ``"kda"``, ``"mamba2"``, or ``"mlp"`` (no mixer: the block is its MLP alone).
       mlp_ratio: the MLP's hidden width over ``width``.
-      mlp: ``"gelu"`` (default: ``MLP``) or ``"swiglu"`` (``SwiGLU``).
+      mlp: ``"gelu"`` (default: ``MLP``), ``"swiglu"`` (``SwiGLU``), ``"relu2"``
+        (``ReLU2MLP``) or ``"none"`` (no MLP and no second norm).
       mlp_hidden: the MLP's hidden width (overrides ``mlp_ratio``; Qwen's
         ``intermediate_size``).
       zero_centred_norm: the block's two RMSNorms in the ``x * (1 + w)`` form
@@ -113,36 +138,49 @@ class TransformerBlock(nnx.Module):
         hidden = mlp_ratio * width if mlp_hidden is None else mlp_hidden
         checks.check_int("mlp_hidden", hidden, 1)
         checks.check_int("short_conv", short_conv, 0)
-        registry.get(attention)
+        mixer = registry.get(attention).layer is not None
+        if not mixer and mlp == "none":
+            raise ValueError('a block needs a mixer or an MLP: attention="mlp" with mlp="none"')
+        if short_conv and not mixer:
+            raise ValueError(f"short_conv needs a mixer, got attention={attention!r}")
         if short_conv and not attention_kwargs.get("causal", True):
             raise ValueError("short_conv is causal: use it in causal blocks only")
         norm = lambda: RMSNorm(
             width, zero_centred=zero_centred_norm, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
-        self.attention_norm, self.mlp_norm = norm(), norm()
+        self.attention_norm = nnx.data(norm() if mixer else None)
+        self.mlp_norm = nnx.data(norm() if mlp != "none" else None)
         self.conv = nnx.data(
             CausalConv1D(width, short_conv, rngs=rngs, param_dtype=param_dtype)
             if short_conv
             else None
         )
-        self.attention = registry.make_attention(
-            attention,
-            width,
-            num_heads,
-            rngs=rngs,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            **attention_kwargs,
+        if mixer:
+            attention_kwargs = dict(
+                rngs=rngs, dtype=dtype, param_dtype=param_dtype, **attention_kwargs
+            )
+            self.attention = registry.make_attention(
+                attention, width, num_heads, **attention_kwargs
+            )
+        else:
+            self.attention = nnx.data(None)
+        self.mlp = nnx.data(
+            _MLP_CLASSES[mlp](width, hidden, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+            if mlp != "none"
+            else None
         )
-        mlp_class = SwiGLU if mlp == "swiglu" else MLP
-        self.mlp = mlp_class(width, hidden, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.width = width
 
     def init_state(self, batch: int, max_length: int | None = None) -> BlockState:
         conv = None if self.conv is None else self.conv.init_state(batch)
+        if self.attention is None:
+            return BlockState(None, conv)
         return BlockState(self.attention.init_state(batch, max_length), conv)
 
     def __call__(self, x, *, key_mask=None, segment_ids=None, state=None, return_state=False):
+        if self.attention is None:  # an MLP-only layer
+            x = x + self.mlp(self.mlp_norm(x))
+            return (x, BlockState(None, None)) if return_state else x
         h = self.attention_norm(x)
         conv_state = None
         if self.conv is not None:
@@ -161,5 +199,6 @@ class TransformerBlock(nnx.Module):
             h, attention_state = h
             state = BlockState(attention_state, conv_state)
         x = x + h
-        x = x + self.mlp(self.mlp_norm(x))
+        if self.mlp is not None:
+            x = x + self.mlp(self.mlp_norm(x))
         return (x, state) if return_state else x

@@ -14,6 +14,7 @@ from flax import nnx
 
 from linattn_jax.layers.delta import DeltaRuleAttention
 from linattn_jax.layers.linear import LinearAttention
+from linattn_jax.layers.mamba2 import Mamba2Mixer
 from linattn_jax.layers.softmax import SoftmaxAttention
 
 
@@ -22,7 +23,8 @@ class AttentionKind:
     """One attention kind.
 
     Attributes:
-      layer: the layer class, called as ``layer(width, num_heads, **options)``.
+      layer: the layer class, called as ``layer(width, num_heads, **options)``; None for
+        the kind without a mixer (``"mlp"``: the block is its MLP alone).
       label: a readable name (tables and plots).
       fixed: options the kind always sets (a caller may not change them).
       defaults: options the kind sets unless the caller gives them.
@@ -38,7 +40,7 @@ class AttentionKind:
         the model's for this kind's layers).
     """
 
-    layer: Callable[..., nnx.Module]
+    layer: Callable[..., nnx.Module] | None
     label: str
     fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -73,6 +75,7 @@ _SOFTMAX_OPTIONS = (
 )
 _DELTA_OPTIONS = ("num_heads", "num_v_heads", "head_dim", "value_head_dim", "conv_size")
 _DELTA = dict(section="delta", section_options=_DELTA_OPTIONS)
+_MAMBA2_OPTIONS = ("num_heads", "head_dim", "state_dim", "n_groups", "expand", "conv_size")
 _frozen = MappingProxyType
 
 KINDS: Mapping[str, AttentionKind] = _frozen(
@@ -117,6 +120,15 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
             options=("chunk_size",),
             **_DELTA,
         ),
+        "mamba2": AttentionKind(
+            Mamba2Mixer,
+            "Mamba-2",
+            options=("method", "chunk_size"),
+            section="mamba2",
+            section_options=_MAMBA2_OPTIONS,
+        ),
+        # No mixer: an MLP-only block (Nemotron-H's "-" layers).
+        "mlp": AttentionKind(None, "MLP only"),
     }
 )
 ATTENTION_KINDS = tuple(KINDS)
@@ -136,19 +148,23 @@ def make_attention(kind: str, width: int, num_heads: int, **options: Any) -> nnx
     ``LinearAttention`` with GLA's per-channel gate (``gate="channel"``), by default over
     the identity map without a denominator (``feature_map="identity"``,
     ``normalize=False``: an output RMSNorm per head); ``"deltanet"``,
-    ``"gated_deltanet"``, ``"kda"``: ``DeltaRuleAttention`` of that variant.
+    ``"gated_deltanet"``, ``"kda"``: ``DeltaRuleAttention`` of that variant; ``"mamba2"``:
+    ``Mamba2Mixer`` (``num_heads`` its SSD heads).
 
     Raises:
-      ValueError: an unknown kind, or an option that contradicts one the kind fixes.
+      ValueError: an unknown kind, the kind without a mixer (``"mlp"``), or an option that
+        contradicts one the kind fixes.
     """
     spec = get(kind)
+    if spec.layer is None:
+        raise ValueError(f"kind {kind!r} has no mixer layer (its blocks are an MLP alone)")
     for name, value in spec.fixed.items():
         if name in options and options[name] != value:
             raise ValueError(f"{kind}'s {name} is {value!r}, got {name}={options[name]!r}")
     return spec.layer(width, num_heads, **{**spec.defaults, **options, **spec.fixed})
 
 
-_PART = re.compile(r"^\s*(?:(\d+)\s*)?([a-z_]+)\s*$")
+_PART = re.compile(r"^\s*(?:(\d+)\s*)?([a-z_][a-z0-9_]*)\s*$")  # kinds may hold digits
 
 
 def is_layout(attention: Any) -> bool:

@@ -4,11 +4,12 @@
 ``feature_maps`` (the kernels phi); one package per family of recurrences, each split by
 form with the same file names (``api``, ``chunked``, ``recurrent``, ``step``,
 ``sequence_parallel``, ``state``) and exposing one interface: ``additive`` and ``delta``.
-``FAMILIES`` names them.
+``FAMILIES`` names them. ``ssd`` (Mamba-2) is the additive rule with its own inputs
+(``x, dt, A, B, C``) and the same forms (``causal``, ``step``, ``sequence_parallel``).
 """
 
-from linattn_jax.ops import additive, checks, chunking, delta, feature_maps
+from linattn_jax.ops import additive, checks, chunking, delta, feature_maps, ssd
 
 FAMILIES = {"additive": additive, "delta": delta}
 
-__all__ = ["FAMILIES", "additive", "checks", "chunking", "delta", "feature_maps"]
+__all__ = ["FAMILIES", "additive", "checks", "chunking", "delta", "feature_maps", "ssd"]

@@ -1,0 +1,331 @@
+"""Mamba-2 checkpoints in Hugging Face format (``Mamba2ForCausalLM``, ``model_type``
+``mamba2``) <-> ``LanguageModel``: the config's fields as the model's options, and the one
+table of weights.
+
+A Mamba-2 model is ``num_hidden_layers`` blocks of ``x + mixer(RMSNorm(x))`` (no MLP: our
+blocks with ``mlp="none"``) between the embedding and a final RMSNorm, every mixer our
+``layers.Mamba2Mixer`` (``attention="mamba2"``). Its conventions, each mapped to an option
+of ours:
+
+* ``in_proj`` makes ``[z | x | B | C | dt]`` (``intermediate_size``, the same, ``n_groups *
+  state_size`` twice, ``num_heads``) as our ``in_proj``; the depthwise ``conv1d`` over
+  ``[x | B | C]`` is ``[c, 1, k]``, our ``conv.kernel`` ``[k, c]``, its bias our
+  ``conv_bias``;
+* ``A = -exp(A_log)``, ``dt = softplus(dt + dt_bias)`` clipped to ``time_step_limit``;
+  ``D`` the skip; ``norm`` the gated RMSNorm over ``n_groups`` groups (the gate first);
+* every RMSNorm's epsilon is ``layer_norm_epsilon``;
+* ``nn.Linear`` weights are ``[out, in]``, our kernels ``[in, out]`` (a transpose).
+
+The tensors live under ``backbone.`` (``lm_head.weight`` apart, untied only).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from linattn_jax.hf import common
+from linattn_jax.hf.common import Rule
+from linattn_jax.layers.mamba2 import GroupedGatedRMSNorm
+
+MODEL_TYPES = ("mamba2",)
+PREFIX = "backbone."
+IGNORED_PREFIXES = ()
+
+
+# The weight table: model-level rows, then each layer's.
+MODEL_RULES = common.rules(
+    ("embeddings.weight", "embed.embedding", "copy"),
+    ("norm_f.weight", "norm.scale", "copy"),
+)
+HEAD_RULE = Rule("lm_head.weight", ("head.kernel",), "linear")  # untied only; no prefix
+BLOCK_RULES = common.rules(("norm.weight", "attention_norm.scale", "copy"))
+# A Mamba-2 mixer's rows, under its Hugging Face prefix ("mixer.", Bamba's "mamba.") and our
+# "attention." (``mixer_rules``); Bamba and Nemotron-H read them too.
+MIXER_RULES = common.rules(
+    ("in_proj.weight", "in_proj.kernel", "linear"),
+    ("conv1d.weight", "conv.kernel", "conv"),
+    ("dt_bias", "dt_bias", "copy"),
+    ("A_log", "A_log", "copy"),
+    ("D", "D", "copy"),
+    ("norm.weight", "norm.weight", "copy"),
+    ("out_proj.weight", "out_proj.kernel", "linear"),
+)
+CONV_BIAS_RULES = common.rules(("conv1d.bias", "conv_bias", "copy"))
+BIAS_RULES = common.rules(
+    ("in_proj.bias", "in_proj.bias", "copy"),
+    ("out_proj.bias", "out_proj.bias", "copy"),
+)
+
+
+def mixer_rules(hf_prefix: str, *, conv_bias: bool, bias: bool) -> tuple[Rule, ...]:
+    """A mixer's rows: Hugging Face names under ``hf_prefix``, ours under ``attention.``."""
+    rows = MIXER_RULES + (CONV_BIAS_RULES if conv_bias else ()) + (BIAS_RULES if bias else ())
+    return tuple(r.at(hf_prefix + r.hf, ["attention." + p for p in r.ours]) for r in rows)
+
+
+def weight_table(config: Mapping[str, Any], prefix: str = PREFIX) -> list[tuple[str, Rule]]:
+    """Every tensor of a checkpoint of ``config`` (``normalize_config``'s): ``(its full
+    Hugging Face name, the Rule with our full paths)``, in the model's order."""
+    rows = [(prefix + r.hf, r) for r in MODEL_RULES]
+    mixer = mixer_rules("mixer.", conv_bias=config["use_conv_bias"], bias=config["use_bias"])
+    for i in range(config["num_hidden_layers"]):
+        for rule in BLOCK_RULES + mixer:
+            name = f"{prefix}layers.{i}.{rule.hf}"
+            rows.append((name, rule.at(name, [f"blocks.{i}.{path}" for path in rule.ours])))
+    if not config["tie_word_embeddings"]:
+        rows.append((HEAD_RULE.hf, HEAD_RULE))
+    return rows
+
+
+# ---------------------------------------------------------------------------- the config
+
+DEFAULTS = dict(
+    layer_norm_epsilon=1e-5,
+    expand=2,
+    conv_kernel=4,
+    n_groups=8,
+    use_bias=False,
+    use_conv_bias=True,
+    hidden_act="silu",
+    residual_in_fp32=True,
+    tie_word_embeddings=False,
+    time_step_limit=[0.0, math.inf],
+    num_heads=128,
+    head_dim=64,
+    state_size=128,
+)  # fmt: skip  (transformers' Mamba2Config defaults, for fields a config.json leaves out)
+INT_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "state_size",
+    "n_groups", "conv_kernel", "expand",
+)  # fmt: skip
+
+
+def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``config.json``'s contents with ``transformers``' defaults filled in, checked.
+
+    Raises:
+      ValueError: an unknown ``model_type``, or a field missing, of the wrong type or
+        unsupported, named.
+    """
+    if raw.get("model_type") not in MODEL_TYPES:
+        raise ValueError(
+            f"config.json: model_type must be one of {MODEL_TYPES}, got {raw.get('model_type')!r}"
+        )
+    config = {**DEFAULTS, **{k: v for k, v in raw.items() if v is not None or k not in DEFAULTS}}
+    config["time_step_limit"] = time_step_limit(config["time_step_limit"])
+    check_config(config)
+    return config
+
+
+def time_step_limit(value) -> Any:
+    """``config.json``'s ``time_step_limit`` as a list of floats: ``transformers`` writes an
+    infinite bound as ``{"__float__": "Infinity"}``; anything else is left for the checks."""
+    if not isinstance(value, list | tuple):
+        return value
+    decode = lambda x: float(x["__float__"]) if isinstance(x, Mapping) and "__float__" in x else x
+    return [decode(x) for x in value]
+
+
+def check_config(config: Mapping[str, Any]) -> None:
+    """Raises ``ValueError`` naming the field of ``config`` that is missing, of the wrong
+    type, or that we do not support."""
+    for field in INT_FIELDS:
+        value = config.get(field)
+        if not common.is_int(value) or value < 1:
+            raise ValueError(f"config.json: {field} must be an int >= 1, got {value!r}")
+    inner = config["hidden_size"] * config["expand"]
+    if inner != config["num_heads"] * config["head_dim"]:
+        raise ValueError(
+            f"config.json: hidden_size * expand ({inner}) must equal num_heads * head_dim "
+            f"({config['num_heads'] * config['head_dim']})"
+        )
+    if config["num_heads"] % config["n_groups"]:
+        raise ValueError(
+            f"config.json: n_groups={config['n_groups']} must divide num_heads="
+            f"{config['num_heads']}"
+        )
+    if config["hidden_act"] != "silu":
+        raise ValueError(f"config.json: hidden_act must be 'silu', got {config['hidden_act']!r}")
+    for field in ("use_bias", "use_conv_bias", "tie_word_embeddings", "residual_in_fp32"):
+        if not isinstance(config[field], bool):
+            raise ValueError(f"config.json: {field} must be true or false, got {config[field]!r}")
+    eps = config["layer_norm_epsilon"]
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1:
+        raise ValueError(f"config.json: layer_norm_epsilon must be a number in (0, 1), got {eps!r}")
+    limit = config["time_step_limit"]
+    ok = len(limit) == 2 and all(
+        isinstance(x, int | float) and not isinstance(x, bool) for x in limit
+    )
+    if not ok or not 0 <= limit[0] <= limit[1]:
+        raise ValueError(
+            f"config.json: time_step_limit must be [low, high] with 0 <= low <= high, got "
+            f"{config['time_step_limit']!r}"
+        )
+
+
+def model_options(
+    config: Mapping[str, Any], dtype: Any = jnp.float32, param_dtype: Any = None
+) -> dict[str, Any]:
+    """``LanguageModel``'s arguments (all but ``rngs``) for a ``normalize_config`` config:
+    the computation in ``dtype``, the parameters in ``param_dtype`` (None: ``dtype``). The
+    blocks' and the final RMSNorm's epsilon is not an option: ``finish`` sets it on the
+    built model."""
+    return dict(
+        vocab_size=config["vocab_size"],
+        width=config["hidden_size"],
+        depth=config["num_hidden_layers"],
+        num_heads=config["num_heads"],
+        attention="mamba2",
+        kind_options={
+            "mamba2": mixer_options(
+                head_dim=config["head_dim"],
+                state_dim=config["state_size"],
+                n_groups=config["n_groups"],
+                conv_size=config["conv_kernel"],
+                use_conv_bias=config["use_conv_bias"],
+                use_bias=config["use_bias"],
+                time_step_limit=config["time_step_limit"],
+                norm_eps=config["layer_norm_epsilon"],
+            )
+        },
+        tie_embeddings=config["tie_word_embeddings"],
+        mlp="none",
+        dtype=dtype,
+        param_dtype=dtype if param_dtype is None else param_dtype,
+    )
+
+
+def mixer_options(*, time_step_limit, norm_eps, **sizes) -> dict[str, Any]:
+    """``Mamba2Mixer``'s options (``kind_options["mamba2"]``), the limits and epsilon as
+    floats."""
+    low, high = time_step_limit
+    return dict(**sizes, time_step_limit=(float(low), float(high)), norm_eps=float(norm_eps))
+
+
+def mixer_fields(mixer) -> dict[str, Any]:
+    """A ``Mamba2Mixer``'s sizes and options under Mamba-2's config names."""
+    return {
+        "num_heads": mixer.num_heads,
+        "head_dim": mixer.head_dim,
+        "state_size": mixer.state_dim,
+        "n_groups": mixer.n_groups,
+        "conv_kernel": mixer.conv.size,
+        "use_conv_bias": mixer.conv_bias is not None,
+        "use_bias": mixer.in_proj.use_bias,
+        "time_step_limit": list(mixer.time_step_limit),
+    }
+
+
+def one_epsilon(model) -> float:
+    """The one epsilon of every RMSNorm of ``model`` (the blocks', the final and the mixers'
+    gated norms), as these model types have.
+
+    Raises:
+      ValueError: norms with different epsilons (named), e.g. a model built from
+        ``model_options`` without ``finish``.
+    """
+    found = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.RMSNorm | GroupedGatedRMSNorm):
+            found.setdefault(float(node.epsilon), ".".join(map(str, path)))
+    if len(found) > 1:
+        where = ", ".join(f"{p} {eps:g}" for eps, p in found.items())
+        raise ValueError(
+            f"the model's RMSNorms have different epsilons ({where}); the config has one (a "
+            "model built from model_options takes it from its module's finish(model, config))"
+        )
+    return next(iter(found))
+
+
+def finish(model, config: Mapping[str, Any]) -> None:
+    """Sets the blocks' and the final RMSNorm's epsilon to ``layer_norm_epsilon`` (the
+    layers take no epsilon option; the mixers' gated norms take it as ``norm_eps``)."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.RMSNorm):
+            node.epsilon = float(config["layer_norm_epsilon"])
+
+
+def config_from_model(model) -> dict[str, Any]:
+    """The ``mamba2`` config of a ``LanguageModel`` in Mamba-2's form (its dimensions read
+    from the layers).
+
+    Raises:
+      ValueError: a model not of that form (scanned layers, a kind other than ``mamba2``,
+        an MLP or a short convolution in a block, zero-centred norms, layers of different
+        sizes), naming what differs.
+    """
+    if model.period is not None:
+        raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
+    fields: dict[str, Any] = {}
+
+    def agree(field, value, where):
+        if fields.setdefault(field, value) != value:
+            raise ValueError(
+                f"{where}: {field}={value} differs from the other layers' {fields[field]}"
+            )
+
+    for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):
+        where = f"blocks[{i}]"
+        if kind != "mamba2":
+            raise ValueError(f"{where}: Mamba-2 models have only mamba2 layers, got {kind!r}")
+        if block.mlp is not None or block.conv is not None:
+            raise ValueError(
+                f"{where}: Mamba-2's blocks have no MLP (mlp='none') and no short_conv"
+            )
+        if block.attention_norm.zero_centred:
+            raise ValueError(f"{where}: Mamba-2's RMSNorms are not zero-centred")
+        for field, value in mixer_fields(block.attention).items():
+            agree(field, value, where)
+    width = model.embed.features
+    inner = fields["num_heads"] * fields["head_dim"]
+    if inner % width:
+        raise ValueError(f"num_heads * head_dim={inner} must be a multiple of the width {width}")
+    return {
+        "architectures": ["Mamba2ForCausalLM"],
+        "model_type": "mamba2",
+        "vocab_size": model.vocab_size,
+        "hidden_size": width,
+        "num_hidden_layers": model.depth,
+        "expand": inner // width,
+        "layer_norm_epsilon": one_epsilon(model),
+        "tie_word_embeddings": model.head is None,
+        "hidden_act": "silu",
+        "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
+        **fields,
+    }
+
+
+UNCHECKED = ("architectures", "dtype", "model_type")  # save_pretrained writes the model's
+
+
+def config_for_save(model, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The config ``save_pretrained`` writes for ``model``: ``config_from_model``'s fields
+    over ``config``'s others (``eos_token_id``, ``chunk_size``, ...).
+
+    Raises:
+      ValueError: ``config_from_model``'s, or a field of ``config`` that describes another
+        model (named).
+    """
+    return normalize_config(common.merge_for_save(config_from_model(model), config, UNCHECKED))
+
+
+def _ignored(config: Mapping[str, Any]) -> tuple[str, ...]:
+    return ("lm_head.",) if config["tie_word_embeddings"] else ()
+
+
+FORMAT = common.ModelFormat(
+    name="Mamba-2",
+    model_types=MODEL_TYPES,
+    normalize_config=normalize_config,
+    model_options=model_options,
+    weight_table=weight_table,
+    config_for_save=config_for_save,
+    prefixes=(PREFIX,),
+    ignored_prefixes=_ignored,
+    finish=finish,
+)

@@ -1,0 +1,300 @@
+"""Mamba-2's mixer (Dao and Gu 2024), as ``transformers``' ``Mamba2Mixer`` computes it::
+
+    z, xBC, dt = split(in_proj(u))                     # inner, inner + 2 g n, h
+    xBC        = SiLU(conv(xBC) + conv_bias)           # causal, depthwise, kernel conv_size
+    x, B, C    = split(xBC)                            # h heads of p; g groups of n; g of n
+    dt         = clip(softplus(dt + dt_bias), *time_step_limit)
+    y          = ssd(x, dt, -exp(A_log), B, C, D=D)    # linattn_jax.ops.ssd
+    out        = out_proj(RMSNorm_g(y * SiLU(z)) * w)  # RMSNorm over each of g groups
+
+with ``inner = h p`` (``expand * width`` by default). Decoding carries the SSD state
+``[b, h, n, p]`` and the convolution's last ``conv_size - 1`` inputs, both float32: a
+one-token call is O(1)::
+
+    cache = layer.init_state(batch)
+    y, cache = layer(prompt, state=cache, return_state=True)      # prefill, chunked form
+    y, cache = layer(next_token, state=cache, return_state=True)  # one token, one step
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from linattn_jax import sharding
+from linattn_jax.layers.common import check_decoding, check_tokens, split_heads
+from linattn_jax.layers.conv import CausalConv1D
+from linattn_jax.layers.recurrent import SequenceSharding
+from linattn_jax.ops import checks, ssd
+
+DT_INIT_RANGE = (1e-3, 1e-1)  # softplus(dt_bias) log-uniform in this range (Mamba-2)
+
+
+class Mamba2Cache(NamedTuple):
+    """A ``Mamba2Mixer``'s decoding state.
+
+    Attributes:
+      ssm: the SSD state, ``s [b, h, n, p]`` float32.
+      conv: the convolution's last ``conv_size - 1`` inputs, ``[b, conv_size - 1, inner +
+        2 g n]`` float32 (x, B and C before the convolution).
+    """
+
+    ssm: ssd.State
+    conv: jax.Array
+
+
+def _param(value: jax.Array, *names: str | None) -> nnx.Param:
+    """``nnx.Param(value)`` with its dims named ``names`` (``sharding.with_axes``)."""
+    return nnx.Param(sharding.with_axes(lambda *_: value, *names)(None, value.shape))
+
+
+class GroupedGatedRMSNorm(nnx.Module):
+    """``RMSNorm(x * SiLU(z))`` over each of ``groups`` equal groups of the last axis, in
+    float32, times a weight (from ones): Mamba-2's output norm (``transformers``'
+    ``MambaRMSNormGated``, the gate before the norm).
+
+    Args:
+      features: the last axis' size (divisible by ``groups``).
+      groups: the number of groups normalised on their own.
+      epsilon: added to each group's mean square.
+      rngs: unused (the weight starts at ones), as in Flax.
+      param_dtype: the weight's dtype.
+    """
+
+    def __init__(
+        self, features: int, groups: int, *, epsilon: float = 1e-6, rngs: nnx.Rngs,
+        param_dtype: Any = jnp.float32,
+    ):  # fmt: skip
+        del rngs
+        if features % groups:
+            raise ValueError(f"groups={groups} must divide the features, got {features}")
+        self.weight = _param(jnp.ones((features,), param_dtype), sharding.HEADS)
+        self.groups, self.epsilon = groups, epsilon
+
+    def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
+        """``x [..., features]`` gated by ``z [..., features]``, float32."""
+        y = x.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        grouped = y.reshape(*y.shape[:-1], self.groups, -1)
+        grouped = grouped * jax.lax.rsqrt(
+            jnp.mean(grouped * grouped, axis=-1, keepdims=True) + self.epsilon
+        )
+        weight = self.weight[...].astype(jnp.float32)
+        return weight.reshape((1,) * (y.ndim - 1) + weight.shape) * grouped.reshape(y.shape)
+
+
+class Mamba2Mixer(nnx.Module):
+    """Mamba-2's mixer: ``[b, t, width] -> [b, t, width]`` (the module's docstring).
+
+    Parameters (``transformers``' names): ``in_proj``, ``conv.kernel`` ``[conv_size,
+    inner + 2 g n]`` with ``conv_bias``, ``dt_bias`` ``[h]``, ``A_log`` ``[h]``, ``D``
+    ``[h]``, ``norm.weight`` ``[inner]`` and ``out_proj``; every one names its dims for
+    ``linattn_jax.sharding``.
+
+    Args:
+      width: model width (input and output features).
+      num_heads: SSD heads h.
+      head_dim: p, each head's channels (default ``expand * width / h``).
+      expand: ``inner / width`` when ``head_dim`` is None (Mamba-2's ``expand``, 2).
+      state_dim: n, the SSD state's size per head and channel (Mamba-2's ``state_size``).
+      n_groups: g, the groups of B and C (dividing h), and of the output norm.
+      conv_size: the causal depthwise convolution's kernel (Mamba-2's ``conv_kernel``).
+      use_conv_bias: the convolution's bias.
+      use_bias: biases on ``in_proj`` and ``out_proj``.
+      time_step_limit: ``(low, high)`` that ``dt`` is clipped to (default no limit).
+      norm_eps: the output norm's epsilon (Mamba-2's ``layer_norm_epsilon``).
+      causal: True for decoders; with False the layer still reads left to right, and
+        refuses decoding.
+      method: the SSD's full-sequence form (``ops.ssd.METHODS``).
+      chunk_size: its tokens per chunk (None: its default).
+      sequence_axis: a mesh axis that splits full-sequence forwards along their length
+        (``ops.ssd.sequence_parallel``; no ``key_mask`` or ``segment_ids`` then).
+      batch_axis: the mesh axis that splits the batch alongside ``sequence_axis``.
+      mesh: the mesh of those axes; the current one when None.
+      rngs: as in Flax.
+      dtype: the computation dtype (None: the input's); states stay float32.
+      param_dtype: the parameters' dtype.
+
+    Raises:
+      ValueError: a size that is not a positive int, groups not dividing the heads, a
+        head dimension that does not come out whole, a bad method or time-step limit.
+    """
+
+    def __init__(
+        self,
+        width: int,
+        num_heads: int,
+        *,
+        head_dim: int | None = None,
+        expand: int = 2,
+        state_dim: int = 128,
+        n_groups: int = 1,
+        conv_size: int = 4,
+        use_conv_bias: bool = True,
+        use_bias: bool = False,
+        time_step_limit: tuple[float, float] = (0.0, math.inf),
+        norm_eps: float = 1e-5,
+        causal: bool = True,
+        method: str = "chunked",
+        chunk_size: int | None = None,
+        sequence_axis: str | None = None,
+        batch_axis: str | tuple[str, ...] | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        rngs: nnx.Rngs,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+    ):
+        checks.check_sizes(width=width, num_heads=num_heads, state_dim=state_dim)
+        checks.check_sizes(n_groups=n_groups, conv_size=conv_size)
+        if head_dim is None:
+            checks.check_int("expand", expand, 1)
+            if (expand * width) % num_heads:
+                raise ValueError(
+                    f"num_heads={num_heads} must divide expand * width={expand * width} "
+                    f"(or give head_dim)"
+                )
+            head_dim = expand * width // num_heads
+        checks.check_int("head_dim", head_dim, 1)
+        if num_heads % n_groups:
+            raise ValueError(f"n_groups must divide num_heads={num_heads}, got {n_groups}")
+        if method not in ssd.METHODS:
+            raise ValueError(f"method must be one of {ssd.METHODS}, got {method!r}")
+        if chunk_size is not None:
+            checks.check_chunk_size(chunk_size)
+        low, high = time_step_limit
+        if not 0 <= low <= high:
+            raise ValueError(
+                f"time_step_limit must be (low, high), 0 <= low <= high, got {time_step_limit}"
+            )
+        for name, flag in [
+            ("use_conv_bias", use_conv_bias),
+            ("use_bias", use_bias),
+            ("causal", causal),
+        ]:
+            checks.check_bool(name, flag)
+        if sequence_axis is not None and not causal:
+            raise ValueError("sequence_axis needs a causal layer (causal=True)")
+        h, p, g, n = num_heads, head_dim, n_groups, state_dim
+        inner = h * p
+        self.width, self.num_heads, self.head_dim = width, h, p
+        self.n_groups, self.state_dim, self.inner = g, n, inner
+        self.time_step_limit = (float(low), float(high))
+        self.causal, self.method, self.chunk_size = causal, method, chunk_size
+        self.sharding = nnx.data(
+            None if sequence_axis is None else SequenceSharding(sequence_axis, batch_axis, mesh)
+        )
+        options = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        zeros = nnx.initializers.zeros_init()
+        conv_dim = inner + 2 * g * n
+        self.in_proj = nnx.Linear(
+            width, 2 * inner + 2 * g * n + h, use_bias=use_bias,
+            kernel_init=sharding.kernel(sharding.EMBED, sharding.HEADS),
+            bias_init=sharding.with_axes(zeros, sharding.HEADS), **options,
+        )  # fmt: skip
+        self.conv = CausalConv1D(conv_dim, conv_size, rngs=rngs, param_dtype=param_dtype)
+        self.conv.kernel = _param(self.conv.kernel[...], None, sharding.HEADS)
+        self.conv_bias = nnx.data(
+            _param(jnp.zeros((conv_dim,), param_dtype), sharding.HEADS) if use_conv_bias else None
+        )
+        lo, hi = (math.log(x) for x in DT_INIT_RANGE)
+        dt = jnp.exp(jax.random.uniform(rngs.params(), (h,), jnp.float32, lo, hi))
+        dt = jnp.maximum(dt, 1e-4)
+        inverse_softplus = dt + jnp.log(-jnp.expm1(-dt))
+        self.dt_bias = _param(inverse_softplus.astype(param_dtype), sharding.HEADS)
+        a_log = jnp.log(jnp.arange(1, h + 1, dtype=jnp.float32))  # A = 1 ... h (Mamba-2)
+        self.A_log = _param(a_log.astype(param_dtype), sharding.HEADS)
+        self.D = _param(jnp.ones((h,), param_dtype), sharding.HEADS)
+        self.norm = GroupedGatedRMSNorm(
+            inner, g, epsilon=norm_eps, rngs=rngs, param_dtype=param_dtype
+        )
+        self.out_proj = nnx.Linear(
+            inner, width, use_bias=use_bias,
+            kernel_init=sharding.kernel(sharding.HEADS, sharding.EMBED),
+            bias_init=sharding.with_axes(zeros, sharding.EMBED), **options,
+        )  # fmt: skip
+
+    def init_state(self, batch: int, max_length: int | None = None) -> Mamba2Cache:
+        """The empty decoding state (``max_length`` is ignored: the state has a fixed size)."""
+        del max_length
+        if not self.causal:
+            raise ValueError("decoding needs a causal layer (causal=True)")
+        state = ssd.init_state(batch, self.num_heads, self.state_dim, self.head_dim)
+        return Mamba2Cache(state, self.conv.init_state(batch))
+
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        key_mask: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        state: Mamba2Cache | None = None,
+        return_state: bool = False,
+    ):
+        """``x [b, t, width] -> [b, t, width]`` (and the new state if ``return_state``).
+
+        Args:
+          x: ``[b, t, width]``.
+          key_mask: optional bool ``[b, t]``, True for real tokens: padded rows are
+            replaced by zeros before anything reads them, reach neither the convolution's
+            window nor the state (which they do not decay) and give ``out_proj(0)``.
+          segment_ids: optional int ``[b, t]``: the SSD state and the convolution reset
+            wherever the id changes.
+          state: a ``Mamba2Cache`` (``init_state``): a one-token ``x`` takes the O(1) step,
+            a longer one (a prompt) runs the full-sequence form from it.
+          return_state: also return the new ``Mamba2Cache``.
+        """
+        check_tokens(x, self.width)
+        check_decoding(self, state, return_state)
+        if state is not None and not isinstance(state, Mamba2Cache):
+            raise ValueError(f"state must be a Mamba2Cache, got {type(state).__name__}")
+        b, t, _ = x.shape
+        h, g, n, inner = self.num_heads, self.n_groups, self.state_dim, self.inner
+        key_mask = checks.token_mask("key_mask", key_mask, b, t)
+        projected = self.in_proj(checks.where_token(key_mask, x))
+        z, xbc, dt = jnp.split(projected, [inner, 2 * inner + 2 * g * n], axis=-1)
+        # Padding must not reach the next tokens' window (a replacement, not a product).
+        xbc, conv_state = self.conv(
+            checks.where_token(key_mask, xbc),
+            None if state is None else state.conv,
+            segment_ids,
+            key_mask,
+        )
+        if self.conv_bias is not None:
+            xbc = xbc + self.conv_bias[...].astype(xbc.dtype)[None, None]
+        xs, B, C = jnp.split(jax.nn.silu(xbc), [inner, inner + g * n], axis=-1)
+        xs, B, C = split_heads(xs, h), split_heads(B, g), split_heads(C, g)
+        dt = jax.nn.softplus(
+            dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)[None, None]
+        )
+        dt = jnp.clip(dt, *self.time_step_limit)
+        A = -jnp.exp(self.A_log[...].astype(jnp.float32))
+        D = self.D[...].astype(jnp.float32)
+        y, ssm = self._ssd(xs, dt, A, B, C, D, state, key_mask, segment_ids)
+        y = self.norm(y.reshape(b, t, inner), z)
+        out = self.out_proj(y.astype(projected.dtype))
+        return (out, Mamba2Cache(ssm, conv_state)) if return_state else out
+
+    def _ssd(self, x, dt, A, B, C, D, state, key_mask, segment_ids):
+        """``(y [b, t, h, p], the SSD state after)``: one step for a one-token call with a
+        state, the sequence-parallel form on a sharded layer without one, else
+        ``ops.ssd.causal``."""
+        ssm = None if state is None else state.ssm
+        t = x.shape[1]
+        if ssm is not None and t == 1 and key_mask is None and segment_ids is None:
+            y, ssm = ssd.step(x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], ssm, D=D)
+            return y[:, None], ssm
+        if self.sharding is not None and ssm is None:
+            if key_mask is not None or segment_ids is not None:
+                raise ValueError("a sequence-parallel layer takes no key_mask or segment_ids")
+            return ssd.sequence_parallel(
+                x, dt, A, B, C, D=D, axis_name=self.sharding.axis, mesh=self.sharding.mesh,
+                batch_axis=self.sharding.batch_axis, chunk_size=self.chunk_size,
+                return_state=True,
+            )  # fmt: skip
+        return ssd.causal(
+            x, dt, A, B, C, D=D, method=self.method, chunk_size=self.chunk_size,
+            initial_state=ssm, return_state=True, key_mask=key_mask, segment_ids=segment_ids,
+        )  # fmt: skip

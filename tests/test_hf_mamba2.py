@@ -1,0 +1,153 @@
+"""Mamba-2 and Bamba checkpoints (``linattn_jax.hf.mamba2``, ``hf.bamba``) against
+``transformers``' own PyTorch ``Mamba2ForCausalLM`` and ``BambaForCausalLM`` (CPU, float32,
+their pure-torch paths), one tiny random model of each made here with random norms,
+``A_log``, ``dt_bias``, ``D`` and convolution biases (so that a mapping error shows): logits
+to 1e-5 normwise, 16 greedy tokens, prefill then decode steps against the full forward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from linattn_jax import hf, models
+from linattn_jax.hf import mamba2
+from tests import helpers
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+
+
+def _randomize(model):
+    """Random values where the initialisation puts constants (so a mapping error shows)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias", "D", "conv1d.bias")):
+                p.copy_(torch.randn_like(p))
+            elif "norm" in name:
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def torch_model():
+    config = transformers.Mamba2Config(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_heads=4, head_dim=8,
+        expand=2, state_size=6, n_groups=2, conv_kernel=4, chunk_size=8,
+        layer_norm_epsilon=1e-5, tie_word_embeddings=False, pad_token_id=0, bos_token_id=0,
+        eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return _randomize(transformers.Mamba2ForCausalLM(config).eval())
+
+
+@pytest.fixture(scope="module")
+def torch_bamba():
+    config = transformers.BambaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, attn_layer_indices=[1],
+        mamba_n_heads=4, mamba_d_head=8, mamba_d_state=6, mamba_n_groups=2, mamba_chunk_size=8,
+        rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    return _randomize(transformers.BambaForCausalLM(config).eval())
+
+
+@pytest.fixture(scope="module")
+def torch_nemotron_h():
+    config = transformers.NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24,
+        layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, mamba_num_heads=4,
+        mamba_head_dim=8, ssm_state_size=6, n_groups=2, chunk_size=8, layer_norm_epsilon=1e-5,
+        pad_token_id=0, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(2)
+    return _randomize(transformers.NemotronHForCausalLM(config).eval())
+
+
+def _ours(torch_model, tmp_path):
+    """``hf.from_pretrained`` of the directory ``transformers`` saves the torch model to."""
+    torch_model.save_pretrained(tmp_path / "hf")
+    return hf.from_pretrained(tmp_path / "hf")
+
+
+def _torch_logits(torch_model, tokens):
+    with torch.no_grad():
+        return torch_model(torch.from_numpy(np.array(tokens))).logits.numpy()
+
+
+@pytest.mark.parametrize("fixture", ["torch_model", "torch_bamba", "torch_nemotron_h"])
+def test_logits_and_greedy_tokens_equal_transformers(fixture, request, tmp_path):
+    torch_model = request.getfixturevalue(fixture)
+    model, _ = _ours(torch_model, tmp_path)
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 13), 2, VOCAB)
+    helpers.assert_close_normwise(model(tokens), _torch_logits(torch_model, tokens))
+    prompt = tokens[:1, :5]
+    ours = model.generate(prompt, 16, temperature=0.0)
+    with torch.no_grad():
+        theirs = torch_model.generate(
+            torch.from_numpy(np.array(prompt)), max_new_tokens=16, do_sample=False,
+            min_new_tokens=16,
+        ).numpy()  # fmt: skip
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_prefill_then_decode_steps_equal_the_full_forward(torch_model, tmp_path):
+    model, _ = _ours(torch_model, tmp_path)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 9), 2, VOCAB)
+    full = model(tokens)
+    logits, state = model(tokens[:, :6], state=model.init_state(2), return_state=True)
+    outs = [logits]
+    step = nnx.jit(lambda m, token, s: m(token, state=s, return_state=True))
+    for i in range(6, 9):
+        logits, state = step(model, tokens[:, i : i + 1], state)
+        outs.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=2e-5, atol=2e-5)
+    # A left-padded row (its padding any id) equals the row alone.
+    mask = jnp.array([[False] * 3 + [True] * 6, [True] * 9])
+    padded = tokens.at[0, 3:].set(tokens[0, :6])
+    out = model(padded, key_mask=mask)  # causal: full[0, :6] is the row's first 6 alone
+    np.testing.assert_allclose(out[0, 3:], full[0, :6], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("fixture", ["torch_model", "torch_bamba", "torch_nemotron_h"])
+def test_save_load_round_trip_and_transformers_reads_it(fixture, request, tmp_path):
+    torch_model = request.getfixturevalue(fixture)
+    model, config = _ours(torch_model, tmp_path)
+    hf.save_pretrained(model, tmp_path / "ours", config)
+    again, config_again = hf.from_pretrained(tmp_path / "ours")
+    assert config_again == config
+    before, after = (nnx.to_flat_state(nnx.state(m, nnx.Param)) for m in (model, again))
+    for (path, x), (path_again, y) in zip(before, after, strict=True):
+        assert path == path_again
+        np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]))
+    theirs = type(torch_model).from_pretrained(tmp_path / "ours").eval()
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (1, 7), 2, VOCAB)
+    helpers.assert_close_normwise(model(tokens), _torch_logits(theirs, tokens))
+    # Without a config, the model's form picks its model type.
+    hf.save_pretrained(model, tmp_path / "bare")
+    assert hf.read_config(tmp_path / "bare")["model_type"] == config["model_type"]
+
+
+def test_bad_configs_are_refused_by_field(torch_model, torch_bamba, torch_nemotron_h, tmp_path):
+    _, config = _ours(torch_model, tmp_path)
+    unfinished = models.LanguageModel(**mamba2.model_options(config), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="RMSNorms have different epsilons"):
+        hf.save_pretrained(unfinished, tmp_path / "unfinished", config)  # finish() not run
+    with pytest.raises(ValueError, match="n_groups=3 must divide"):
+        mamba2.normalize_config({**config, "n_groups": 3})
+    with pytest.raises(ValueError, match="time_step_limit"):
+        mamba2.normalize_config({**config, "time_step_limit": [1.0, 0.5]})
+    with pytest.raises(ValueError, match="hidden_act must be 'silu'"):
+        hf.bamba.normalize_config({**torch_bamba.config.to_dict(), "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="attn_layer_indices"):
+        hf.bamba.normalize_config({**torch_bamba.config.to_dict(), "attn_layer_indices": [5]})
+    nemotron = torch_nemotron_h.config.to_dict()
+    with pytest.raises(ValueError, match="'moe' layers, which are not supported yet"):
+        hf.nemotron_h.normalize_config({**nemotron, "layers_block_type": ["moe", "mlp"]})
+    legacy = {k: v for k, v in nemotron.items() if k != "layers_block_type"}
+    legacy = hf.nemotron_h.normalize_config({**legacy, "hybrid_override_pattern": "M-*-"})
+    assert legacy["layers_block_type"] == nemotron["layers_block_type"]
