@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -11,10 +12,28 @@ from flax import nnx
 from linattn_jax import sharding
 from linattn_jax.layers import registry
 from linattn_jax.layers.conv import CausalConv1D
+from linattn_jax.layers.moe import MoE
 from linattn_jax.layers.norms import RMSNorm
 from linattn_jax.ops import checks
 
-MLPS = ("gelu", "swiglu")
+MLPS = ("gelu", "swiglu", "moe")
+
+
+def mlp_layout(mlp: str | Sequence[str], depth: int) -> tuple[str, ...]:
+    """The MLP kind of each of ``depth`` layers: ``mlp`` one of ``MLPS`` for every layer,
+    or a list of ``depth`` of them (DeepSeek's and Kimi's first dense layers:
+    ``["swiglu"] + ["moe"] * (depth - 1)``).
+
+    Raises:
+      ValueError: an unknown kind, or a list not of ``depth`` kinds.
+    """
+    kinds = (mlp,) * depth if isinstance(mlp, str) else tuple(mlp)
+    if len(kinds) != depth:
+        raise ValueError(f"mlp must list depth={depth} kinds, got {len(kinds)}: {kinds}")
+    for kind in kinds:
+        if kind not in MLPS:
+            raise ValueError(f"mlp must be one of {MLPS}, got {kind!r}")
+    return kinds
 
 
 class MLP(nnx.Module):
@@ -76,9 +95,12 @@ class TransformerBlock(nnx.Module):
         ``"linear"``, ``"softmax"``, ``"gla"``, ``"deltanet"``, ``"gated_deltanet"`` or
         ``"kda"``.
       mlp_ratio: the MLP's hidden width over ``width``.
-      mlp: ``"gelu"`` (default: ``MLP``) or ``"swiglu"`` (``SwiGLU``).
+      mlp: ``"gelu"`` (default: ``MLP``), ``"swiglu"`` (``SwiGLU``) or ``"moe"`` (a mixture
+        of SwiGLU experts, ``layers.moe.MoE``, of the ``moe`` options).
       mlp_hidden: the MLP's hidden width (overrides ``mlp_ratio``; Qwen's
-        ``intermediate_size``).
+        ``intermediate_size``); a MoE's experts' unless ``moe`` gives ``hidden``.
+      moe: ``MoE``'s options (``num_experts``, ``top_k``, ``hidden``, ``score``, ...) when
+        ``mlp="moe"``; unread otherwise.
       zero_centred_norm: the block's two RMSNorms in the ``x * (1 + w)`` form
         (``layers.norms.RMSNorm``; Qwen3-Next, Qwen3.5).
       short_conv: kernel size of a causal depthwise convolution before attention
@@ -99,6 +121,7 @@ class TransformerBlock(nnx.Module):
         mlp_ratio: int = 4,
         mlp: str = "gelu",
         mlp_hidden: int | None = None,
+        moe: Mapping[str, Any] | None = None,
         zero_centred_norm: bool = False,
         short_conv: int = 0,
         rngs: nnx.Rngs,
@@ -134,8 +157,13 @@ class TransformerBlock(nnx.Module):
             param_dtype=param_dtype,
             **attention_kwargs,
         )
-        mlp_class = SwiGLU if mlp == "swiglu" else MLP
-        self.mlp = mlp_class(width, hidden, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        options = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        if mlp == "moe":
+            if not isinstance(moe, Mapping):
+                raise ValueError(f"mlp='moe' needs moe= a dict of MoE's options, got {moe!r}")
+            self.mlp = MoE(width, **{"hidden": hidden, **moe}, **options)
+        else:
+            self.mlp = (SwiGLU if mlp == "swiglu" else MLP)(width, hidden, **options)
         self.width = width
 
     def init_state(self, batch: int, max_length: int | None = None) -> BlockState:
@@ -161,5 +189,11 @@ class TransformerBlock(nnx.Module):
             h, attention_state = h
             state = BlockState(attention_state, conv_state)
         x = x + h
-        x = x + self.mlp(self.mlp_norm(x))
+        h = self.mlp_norm(x)
+        if isinstance(self.mlp, MoE):
+            # Losses are recorded by full-sequence passes (training), not by decoding.
+            recording = state is None and not return_state
+            x = x + self.mlp(h, key_mask=key_mask, record=recording)
+        else:
+            x = x + self.mlp(h)
         return (x, state) if return_state else x
