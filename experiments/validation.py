@@ -359,7 +359,8 @@ def _moe_rule(config: ConfigDict) -> str | None:
 
 def _init_from_rule(config: ConfigDict) -> str | None:
     """A checkpoint to start from: a causal LM task whose tokens it knows, no sequence
-    parallelism, a dtype it loads in; its directory readable (``hf.qwen3_5.read_config``)."""
+    parallelism, a dtype it loads in; its directory readable (``hf.check_pretrained``: the
+    config, every file's header, every tensor's name and shape)."""
     path = config.get("init_from")
     if not path:
         return None
@@ -370,7 +371,7 @@ def _init_from_rule(config: ConfigDict) -> str | None:
     if config.model.dtype not in ("float32", "bfloat16"):
         return f"init_from loads float32 or bfloat16, got model.dtype={config.model.dtype!r}"
     try:
-        checkpoint = hf.qwen3_5.read_config(path)
+        checkpoint = hf.check_pretrained(path)
     except ValueError as e:
         return f"init_from={path!r}: {e}"
     vocab = TASKS[config.task].vocab_size(config)

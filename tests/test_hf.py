@@ -514,7 +514,15 @@ def test_mesh_places_each_parameter_with_its_sharding(saved):
     _, path, _, _ = saved("untied")
     # The layers' logical names (embed, heads, ...) are placed under sharding.RULES, not
     # read as mesh axes (a mesh without an "embed" axis would refuse them).
-    mesh = jax.make_mesh((1, 1), ("fsdp", "tensor"))
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    explicit = jax.make_mesh(
+        (1, 1), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+    )
+    with pytest.raises(
+        ValueError, match=r"^mesh: .* Auto mesh axes, got fsdp=Explicit, tensor=Explicit"
+    ):
+        hf.from_pretrained(path, mesh=explicit)  # it loaded, then every call raised
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tensor"), axis_types=auto)
     model, _ = hf.from_pretrained(path, mesh=mesh)
     params = nnx_params(model)
     expected = jax.tree.leaves(sharding.place(params, mesh))
@@ -583,3 +591,97 @@ def test_a_model_of_one_kind_saves_and_transformers_loads_it(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, nnx_params(loaded), nnx_params(model))
     with pytest.raises(ValueError, match=r"config\['vocab_size'\]=7, but the model has 101"):
         hf.save_pretrained(model, tmp_path / "bad", dict(config, vocab_size=7))
+
+
+def test_unreadable_files_are_named_in_one_line(broken, tmp_path_factory, capsys):
+    """A truncated or malformed file: a ValueError naming it, before anything is read, and
+    one line with exit status 2 from the command lines, the work directory untouched."""
+    from experiments import generate, trainer
+    from tests.test_experiments import tiny_config
+
+    sharded = tmp_path_factory.mktemp("sharded")
+    shutil.copy(broken / "config.json", sharded / "config.json")
+    index = sharded / "model.safetensors.index.json"
+    for text in ("[1, 2]", '{"weight_map": {"model.norm.weight": '):  # a list; truncated
+        index.write_text(text)
+        with pytest.raises(
+            ValueError,
+            match=r"model\.safetensors\.index\.json (has no weight_map|is not readable JSON)",
+        ):
+            hf.from_pretrained(sharded)
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors file"):
+        hf.check_pretrained(broken)
+    run = tmp_path_factory.mktemp("run") / "workdir"
+    with pytest.raises(ValueError, match=r"init_from=.*model\.safetensors is not a readable"):
+        trainer.train(tiny_config("configs/mqar.py:small", f"init_from={broken}"), run)
+    assert not run.exists()
+    (broken / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    assert generate.main(["--checkpoint", str(broken), "--prompt", "w1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tokenizer.json is not a readable tokenizer" in err[0]
+
+
+def test_save_compares_the_config_on_what_the_model_uses(saved, tmp_path):
+    """``save_pretrained(model, path, config)`` with ``from_pretrained``'s own config: a
+    ``partial_rotary_factor`` of 0.3 rotates 4 of 16 channels (the model's 0.25 does the
+    same); an all-linear model's ``rope_theta`` is nothing the model uses."""
+    from linattn_jax.models import LanguageModel
+
+    _, path, _, _ = saved("tied")
+    shutil.copytree(path, tmp_path / "in")
+    _edit_config(
+        tmp_path / "in",
+        rope_parameters=dict(rope_type="default", rope_theta=1e6, partial_rotary_factor=0.3),
+    )
+    model, config = hf.from_pretrained(tmp_path / "in")
+    assert model.blocks[0].attention.rotary_dim == 4
+    hf.save_pretrained(model, tmp_path / "out", config)
+    assert (
+        json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"][
+            "partial_rotary_factor"
+        ]
+        == 0.3
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"partial_rotary_factor'\]=0.5 rotates 8 of head_dim=16 channels, but the model rotates 4",
+    ):
+        hf.save_pretrained(
+            model,
+            tmp_path / "bad",
+            dict(
+                config, rope_parameters=dict(config["rope_parameters"], partial_rotary_factor=0.5)
+            ),
+        )
+    raw = dict(
+        SIZES,
+        model_type="qwen3_5_text",
+        hidden_size=32,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        rope_parameters=dict(rope_theta=1e7),
+    )
+    linear = hf.qwen3_5.normalize_config(raw)
+    model = LanguageModel(**hf.qwen3_5.model_options(linear), rngs=nnx.Rngs(0))
+    hf.save_pretrained(model, tmp_path / "linear", linear)
+    _, back = hf.from_pretrained(tmp_path / "linear")
+    assert back["rope_parameters"]["rope_theta"] == 1e7
+
+
+def test_a_save_leaves_no_earlier_shards(saved, tmp_path):
+    _, _, model, _ = saved("untied")
+    hf.save_pretrained(model, tmp_path, max_shard_size="20KB")
+    many = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    hf.save_pretrained(model, tmp_path, max_shard_size="60KB")
+    fewer = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    assert 1 < len(fewer) < len(many)
+    names = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(fewer) == set(names.values())  # only this save's shards are left
+    (tmp_path / "model-00099-of-00099.txt").write_text("not ours")  # kept: not a shard name
+    hf.save_pretrained(model, tmp_path, max_shard_size=None)
+    assert (
+        not list(tmp_path.glob("model-*.safetensors"))
+        and (tmp_path / "model-00099-of-00099.txt").exists()
+    )

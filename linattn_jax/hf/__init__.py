@@ -1,32 +1,58 @@
-"""Pretrained checkpoints in Hugging Face format: Qwen3.5's dense text models (Gated
-DeltaNet hybrids) into a ``LanguageModel`` and back, and text generation from a prompt.
+"""Pretrained checkpoints in Hugging Face format into a ``LanguageModel`` and back, and
+text generation from a prompt.
 
 ``from_pretrained(path, dtype=None) -> (model, config)`` reads a local directory
-(``config.json``, ``model.safetensors`` or a sharded index; nothing is downloaded),
-``save_pretrained(model, path)`` writes one that ``transformers`` loads. ``qwen3_5`` holds
-the config's mapping and the one weight table; ``safetensors_io`` the streaming reads and
-writes; ``text`` the tokenizer and ``generate_text``.
+(``config.json``, ``model.safetensors`` or a sharded index; nothing is downloaded) of any
+model type in ``MODEL_TYPES``; ``save_pretrained(model, path, config)`` writes one that
+``transformers`` loads.
+
+The layout: one module per model type over a shared loader.
+
+* ``pretrained``: the loader, the same for every model type (``read_config`` dispatching
+  on ``model_type``, ``check_pretrained``, ``from_pretrained``, ``save_pretrained``,
+  ``FORMATS``): reading, checking, converting, casting and placing one tensor at a time.
+* ``common``: what the model types' modules share: ``Rule`` (a weight table's row) and
+  ``CONVERSIONS`` (``copy``, ``linear``, ``split``, ``conv``; ``Rule.index`` stacks
+  per-expert tensors into one parameter), ``ModelFormat``, and the checks of config fields.
+* one module per model type (``qwen3_5``): its ``FORMAT``, a ``common.ModelFormat``, holds
+  ``normalize_config`` (``config.json``'s fields checked, an unsupported one refused by
+  name, defaults as ``transformers``'), ``model_options`` (``LanguageModel``'s
+  arguments), ``weight_table`` (every tensor's name, our parameter path(s) and conversion)
+  and ``config_for_save`` (the config of a model, compared with a given one on what the
+  model uses). Adding a model type is one such module and one entry in
+  ``pretrained._MODULES``.
+* ``safetensors_io``: the streaming reads and the sharded writes; ``text``: the tokenizer
+  and ``generate_text``.
 """
 
-from linattn_jax.hf import qwen3_5, safetensors_io, text
+from linattn_jax.hf import common, qwen3_5, safetensors_io, text
 from linattn_jax.hf.pretrained import (
+    FORMATS,
+    MODEL_TYPES,
     abstract_model,
+    check_pretrained,
     expected_tensors,
+    format_of,
     from_pretrained,
+    read_config,
     save_pretrained,
 )
-from linattn_jax.hf.qwen3_5 import MODEL_TYPES
 from linattn_jax.hf.text import eos_ids, generate_text, load_tokenizer
 
 __all__ = [
+    "FORMATS",
     "MODEL_TYPES",
     "abstract_model",
+    "check_pretrained",
+    "common",
     "eos_ids",
     "expected_tensors",
+    "format_of",
     "from_pretrained",
     "generate_text",
     "load_tokenizer",
     "qwen3_5",
+    "read_config",
     "safetensors_io",
     "save_pretrained",
     "text",

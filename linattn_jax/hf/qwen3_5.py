@@ -24,41 +24,19 @@ models. Its conventions, each mapped to an option of ours:
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
+from flax import nnx
+
+from linattn_jax.hf import common
+from linattn_jax.hf.common import Rule, rules
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 LAYER_KINDS = {"linear_attention": "gated_deltanet", "full_attention": "softmax"}
 IGNORED_PREFIXES = ("mtp.", "model.visual.")  # multi-token prediction, the vision tower
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """One row of the weight table.
-
-    Attributes:
-      hf: the Hugging Face name (under the model's or the layer's prefix).
-      ours: our parameter path(s) (under the model or block ``i``); several for a split.
-      how: ``"copy"`` (same array), ``"linear"`` (transpose ``[out, in] -> [in, out]``),
-        ``"split"`` (rows split in the order of ``ours``, each transposed) or ``"conv"``
-        (``[c, 1, k] -> [k, c]``).
-    """
-
-    hf: str
-    ours: tuple[str, ...]
-    how: str
-
-
-def _rules(*rows) -> tuple[Rule, ...]:
-    return tuple(
-        Rule(hf, (ours,) if isinstance(ours, str) else ours, how) for hf, ours, how in rows
-    )
+_rules = rules
 
 
 # The weight table: model-level rows, then each layer's, by its layer type.
@@ -107,72 +85,27 @@ def weight_table(config: Mapping[str, Any], prefix: str = "model.") -> list[tupl
     rows = [(prefix + r.hf, r) for r in MODEL_RULES]
     for i, layer_type in enumerate(config["layer_types"]):
         for rule in BLOCK_RULES + LAYER_RULES[layer_type]:
-            ours = tuple(f"blocks.{i}.{path}" for path in rule.ours)
-            rows.append((f"{prefix}layers.{i}.{rule.hf}", Rule(rule.hf, ours, rule.how)))
+            name = f"{prefix}layers.{i}.{rule.hf}"
+            rows.append((name, rule.at(name, [f"blocks.{i}.{path}" for path in rule.ours])))
     if not config["tie_word_embeddings"]:
         rows.append((HEAD_RULE.hf, HEAD_RULE))
     return rows
 
 
-def hf_shape(how: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
-    """The Hugging Face tensor's shape from our parameters' shapes."""
-    if how == "copy":
-        return shapes[0]
-    if how == "linear":
-        return shapes[0][::-1]
-    if how == "split":
-        return (sum(s[1] for s in shapes), shapes[0][0])
-    k, c = shapes[0]  # conv
-    return (c, 1, k)
-
-
-def to_ours(how: str, x: np.ndarray, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
-    """A Hugging Face tensor as our parameters (views; the caller casts and copies)."""
-    if how == "copy":
-        return [x]
-    if how == "linear":
-        return [x.T]
-    if how == "split":
-        cuts = np.cumsum([s[1] for s in shapes])[:-1]
-        return [part.T for part in np.split(x, cuts, axis=0)]
-    return [x[:, 0, :].T]  # conv
-
-
-def to_hf(how: str, xs: list[np.ndarray]) -> np.ndarray:
-    """Our parameters as the Hugging Face tensor (``to_ours``' inverse)."""
-    if how == "copy":
-        return xs[0]
-    if how == "linear":
-        return xs[0].T
-    if how == "split":
-        return np.concatenate([x.T for x in xs], axis=0)
-    return xs[0].T[:, None, :]  # conv
-
-
 # ---------------------------------------------------------------------------- the config
 
 
-def read_config(path: str | os.PathLike) -> dict[str, Any]:
-    """``config.json`` of a Qwen3.5 directory as the text model's config, checked: a
-    ``qwen3_5_text`` config, or a ``qwen3_5`` one's ``text_config`` (with the top-level
+def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``config.json``'s contents as the text model's config, checked: a ``qwen3_5_text``
+    config, or a ``qwen3_5`` one's ``text_config`` (with the top-level
     ``tie_word_embeddings``, which ``transformers`` ties by, and the top-level
-    ``eos_token_id`` and ``dtype`` where the text part has none);
-    ``layer_types`` filled in (every 4th layer full attention) when absent.
+    ``eos_token_id`` and ``dtype`` where the text part has none); ``layer_types`` filled in
+    (every 4th layer full attention) when absent.
 
     Raises:
-      ValueError: no ``config.json``, an unknown ``model_type``, or a field missing, of the
-        wrong type or unsupported (``check_config``).
+      ValueError: an unknown ``model_type``, or a field missing, of the wrong type or
+        unsupported (``check_config``), named.
     """
-    file = os.path.join(os.fspath(path), "config.json")
-    if not os.path.exists(file):
-        raise ValueError(f"{os.fspath(path)} has no config.json")
-    with open(file) as f:
-        raw = json.load(f)
-    return normalize_config(raw)
-
-
-def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """A ``config.json``'s contents as ``read_config`` returns them (see there)."""
     model_type = raw.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ValueError(
@@ -196,9 +129,9 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     config.setdefault("linear_conv_kernel_dim", 4)
     # transformers' default when absent, not hidden_size / num_attention_heads.
     config.setdefault("head_dim", 256)
-    if config.get("layer_types") is None and _is_int(config.get("num_hidden_layers")):
+    if config.get("layer_types") is None and common.is_int(config.get("num_hidden_layers")):
         interval = config.get("full_attention_interval", 4)
-        if not _is_int(interval) or interval < 1:
+        if not common.is_int(interval) or interval < 1:
             raise ValueError(
                 f"config.json: full_attention_interval must be an int >= 1, got {interval!r}"
             )
@@ -235,17 +168,10 @@ INT_FIELDS = (
 )  # fmt: skip
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def check_config(config: Mapping[str, Any]) -> None:
     """Raises ``ValueError`` naming the field of ``config`` (``read_config``'s form) that is
     missing, of the wrong type, or that we do not support."""
-    for field in INT_FIELDS:
-        value = config.get(field)
-        if not _is_int(value) or value < 1:
-            raise ValueError(f"config.json: {field} must be an int >= 1, got {value!r}")
+    common.check_ints(config, INT_FIELDS)
     layer_types = config["layer_types"]
     if not isinstance(layer_types, list) or len(layer_types) != config["num_hidden_layers"]:
         raise ValueError(
@@ -369,10 +295,7 @@ def config_from_model(model) -> dict[str, Any]:
     fields: dict[str, Any] = {}
 
     def agree(field, value, where):
-        if fields.setdefault(field, value) != value:
-            raise ValueError(
-                f"{where}: {field}={value} differs from the other layers' {fields[field]}"
-            )
+        common.agree(fields, field, value, where)
 
     for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):
         where = f"blocks[{i}]"
@@ -432,11 +355,82 @@ def config_from_model(model) -> dict[str, Any]:
         "hidden_act": "silu",
         "attention_bias": False,
         "dtype": dtype,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": fields.pop("rope_theta", 10000.0),
-            "partial_rotary_factor": 0.25 if factor is None else factor,
-        },
         **fields,
     }
+    if rotary is not None:  # attention layers: their RoPE (else nothing the model uses)
+        theta = config.pop("rope_theta")
+        config["rope_parameters"] = dict(
+            rope_type="default", rope_theta=theta, partial_rotary_factor=factor
+        )
     return config
+
+
+UNCHECKED = ("architectures", "dtype", "model_type")  # save_pretrained writes the model's
+
+
+def config_for_save(model, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The config ``save_pretrained`` writes for ``model``: ``config_from_model``'s fields
+    over ``config``'s others (``eos_token_id``, ``max_position_embeddings``, a layout's
+    absent kind's sizes, ...), compared on what the model uses: RoPE's ``rope_theta`` and
+    ``partial_rotary_factor`` only where the model has attention layers, the factor by the
+    channels it rotates (``int(head_dim * factor)``: 0.3 of 16 is the model's 4).
+
+    Raises:
+      ValueError: ``config_from_model``'s, or a field of ``config`` that describes another
+        model (named).
+    """
+    derived = config_from_model(model)
+    rope = derived.pop("rope_parameters", None)
+    merged = {**ABSENT_KIND_SIZES, **common.merge_for_save(derived, config, UNCHECKED)}
+    given = merged.get("rope_parameters") or {}
+    if not isinstance(given, Mapping):
+        raise ValueError(f"config['rope_parameters'] must be a dict, got {given!r}")
+    given = dict(given)
+    if rope is not None:
+        theta = given.get("rope_theta", merged.get("rope_theta"))
+        if theta is not None and float(theta) != float(rope["rope_theta"]):
+            raise ValueError(
+                f"config['rope_parameters']['rope_theta']={theta}, but the model has "
+                f"{rope['rope_theta']}"
+            )
+        head_dim, rotary = (
+            merged["head_dim"],
+            round(rope["partial_rotary_factor"] * merged["head_dim"]),
+        )
+        factor = given.get("partial_rotary_factor", merged.get("partial_rotary_factor"))
+        if factor is None or not common.is_number(factor):
+            factor = rope["partial_rotary_factor"]
+        elif int(head_dim * factor) != rotary:
+            raise ValueError(
+                f"config['rope_parameters']['partial_rotary_factor']={factor} rotates "
+                f"{int(head_dim * factor)} of head_dim={head_dim} channels, but the model "
+                f"rotates {rotary}"
+            )
+        given.update(rope_theta=rope["rope_theta"], partial_rotary_factor=factor)
+        given.setdefault("rope_type", "default")
+    if given:
+        merged["rope_parameters"] = given  # mrope_section and the like kept
+    return normalize_config(merged)
+
+
+def _finish(model, config: Mapping[str, Any]) -> None:
+    for _, node in nnx.iter_graph(model):
+        # The blocks', the final, q/k and gated norms: the layers take no epsilon option
+        # (their default is Qwen3.5's 1e-6), so it is set on the built modules.
+        if isinstance(node, nnx.RMSNorm):
+            node.epsilon = float(config["rms_norm_eps"])
+
+
+FORMAT = common.ModelFormat(
+    name="Qwen3.5",
+    model_types=MODEL_TYPES,
+    normalize_config=normalize_config,
+    model_options=model_options,
+    weight_table=weight_table,
+    config_for_save=config_for_save,
+    prefixes=("model.", "model.language_model."),  # qwen3_5_text, qwen3_5 (multimodal)
+    ignored_prefixes=lambda config: (
+        IGNORED_PREFIXES + (("lm_head.",) if config["tie_word_embeddings"] else ())
+    ),
+    finish=_finish,
+)

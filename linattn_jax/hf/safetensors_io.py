@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -18,6 +19,7 @@ from safetensors.numpy import save_file
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 class Checkpoint(contextlib.AbstractContextManager):
@@ -29,8 +31,10 @@ class Checkpoint(contextlib.AbstractContextManager):
         as ``transformers`` reads it.
 
     Raises:
-      ValueError: neither file, an index without a ``weight_map``, or a file it names that
-        is missing.
+      ValueError: neither file, an index that is not JSON or has no ``weight_map`` (tensor
+        name -> file name), a file it names that is missing, or a safetensors file whose
+        header is unreadable or that is shorter than its header says (truncated): each
+        naming the file. Every file's header is read here, no tensor's data.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -39,10 +43,16 @@ class Checkpoint(contextlib.AbstractContextManager):
         if os.path.exists(single):
             self.files = None
         elif os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"{index} has no weight_map (tensor name -> file)")
+            try:
+                with open(index) as f:
+                    contents = json.load(f)
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{index} is not readable JSON: {e}") from None
+            weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+            ):
+                raise ValueError(f"{index} has no weight_map (tensor name -> file name)")
             self.files = {name: os.path.join(path, file) for name, file in weight_map.items()}
         else:
             raise ValueError(f"{path} holds neither {SINGLE} nor {INDEX}")
@@ -54,10 +64,11 @@ class Checkpoint(contextlib.AbstractContextManager):
         for file in sorted(set(self.files.values())):
             if not os.path.exists(file):
                 raise ValueError(f"{INDEX} names {os.path.basename(file)}, missing from {path}")
+            self._handle(file)  # its header checked now, before any tensor is read
 
     def _handle(self, file: str):
         if file not in self._open:
-            self._open[file] = self._stack.enter_context(safe_open(file, framework="numpy"))
+            self._open[file] = self._stack.enter_context(_open(file))
         return self._open[file]
 
     def names(self) -> list[str]:
@@ -76,13 +87,28 @@ class Checkpoint(contextlib.AbstractContextManager):
         open count in the process's resident memory, so reading every tensor through one
         long-lived mapping would end holding the whole file twice (mapped and copied).
         """
-        with safe_open(self.files[name], framework="numpy") as f:
-            return f.get_tensor(name)
+        with _open(self.files[name]) as f:
+            try:
+                return f.get_tensor(name)
+            except Exception as e:  # safetensors' own error names no file
+                raise ValueError(f"{self.files[name]}: tensor {name!r} unreadable: {e}") from None
 
     def __exit__(self, *exc):
         self._stack.close()
         self._open.clear()
         return None
+
+
+@contextlib.contextmanager
+def _open(file: str):
+    """``safe_open`` with its errors (a truncated file, a bad header) as a ``ValueError``
+    naming the file."""
+    try:
+        handle = safe_open(file, framework="numpy")
+    except Exception as e:  # SafetensorError, OSError: neither names the file
+        raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
+    with handle as f:
+        yield f
 
 
 def parse_size(size: int | str) -> int:
@@ -112,7 +138,9 @@ def write(
 
     One ``model.safetensors`` when everything fits in ``max_shard_size`` (or it is None),
     else ``model-0000i-of-0000n.safetensors`` files and ``model.safetensors.index.json``
-    (``transformers``' names); a tensor larger than a shard gets a shard of its own.
+    (``transformers``' names); a tensor larger than a shard gets a shard of its own. Files
+    of an earlier save in ``path`` that this one does not write (shards of another count, a
+    single file or an index) are removed.
     """
     os.makedirs(path, exist_ok=True)
     limit = None if max_shard_size is None else parse_size(max_shard_size)
@@ -136,6 +164,9 @@ def write(
         save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
         del tensors
     index_file, single = os.path.join(path, INDEX), os.path.join(path, SINGLE)
+    for old in os.listdir(path):  # an earlier save's shards would be a second copy
+        if SHARD.fullmatch(old) and old not in files:
+            os.remove(os.path.join(path, old))
     if len(files) > 1:
         pairs = zip(files, shards, strict=True)
         weight_map = {name: file for file, names in pairs for name in names}

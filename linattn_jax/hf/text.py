@@ -17,12 +17,16 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """The ``tokenizers.Tokenizer`` of a directory's ``tokenizer.json``.
 
     Raises:
-      ValueError: the directory has no ``tokenizer.json``.
+      ValueError: the directory has no ``tokenizer.json``, or one ``tokenizers`` cannot
+        read (named).
     """
     file = os.path.join(os.fspath(path), "tokenizer.json")
     if not os.path.exists(file):
         raise ValueError(f"{os.fspath(path)} has no tokenizer.json (text needs one)")
-    return Tokenizer.from_file(file)
+    try:
+        return Tokenizer.from_file(file)
+    except Exception as e:  # tokenizers raises its own Exception, naming no file
+        raise ValueError(f"{file} is not a readable tokenizer: {e}") from None
 
 
 def eos_ids(config: Mapping[str, Any]) -> tuple[int, ...]:

@@ -1,0 +1,222 @@
+"""What every model type's module shares: a weight table's row (``Rule``) and its
+conversions, the ``ModelFormat`` a module describes its model type with, and the checks of
+a ``config.json``'s fields.
+
+A model type's module (``qwen3_5.py`` is the model for one) defines ``FORMAT``, a
+``ModelFormat``: how its ``config.json`` is read and checked, which ``LanguageModel`` it
+builds, its weight table, and its config from a model. The loader (``pretrained.py``)
+does the rest for every model type alike: reading, converting, casting and placing one
+tensor at a time, refusing unknown tensors and fields by name, writing shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+Shapes = list[tuple[int, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversion:
+    """One way a Hugging Face tensor maps onto our parameter(s).
+
+    Attributes:
+      hf_shape: the Hugging Face tensor's shape from our parameters' shapes.
+      to_ours: the tensor as our parameters (views; the loader casts and copies).
+      to_hf: our parameters as the tensor (``to_ours``' inverse).
+    """
+
+    hf_shape: Callable[[Shapes], tuple[int, ...]]
+    to_ours: Callable[[np.ndarray, Shapes], list[np.ndarray]]
+    to_hf: Callable[[list[np.ndarray]], np.ndarray]
+
+
+def _split_cuts(shapes: Shapes) -> np.ndarray:
+    return np.cumsum([s[1] for s in shapes])[:-1]
+
+
+# ``Rule.how``: a model type's module may add its own (``CONVERSIONS["name"] = ...``).
+CONVERSIONS: dict[str, Conversion] = {
+    # the same array
+    "copy": Conversion(lambda s: s[0], lambda x, s: [x], lambda xs: xs[0]),
+    # nn.Linear's [out, in] is our kernel's [in, out]
+    "linear": Conversion(lambda s: s[0][::-1], lambda x, s: [x.T], lambda xs: xs[0].T),
+    # one fused nn.Linear: its rows split in the order of ``ours``, each transposed
+    "split": Conversion(
+        lambda s: (sum(x[1] for x in s), s[0][0]),
+        lambda x, s: [part.T for part in np.split(x, _split_cuts(s), axis=0)],
+        lambda xs: np.concatenate([x.T for x in xs], axis=0),
+    ),
+    # a depthwise nn.Conv1d's [c, 1, k] is our [k, c]
+    "conv": Conversion(
+        lambda s: (s[0][1], 1, s[0][0]), lambda x, s: [x[:, 0, :].T], lambda xs: xs[0].T[:, None, :]
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One row of a weight table.
+
+    Attributes:
+      hf: the Hugging Face name (under the model's or the layer's prefix).
+      ours: our parameter path(s) (under the model or block ``i``); several for a split.
+      how: a key of ``CONVERSIONS``: ``"copy"``, ``"linear"`` (transpose), ``"split"``
+        (rows split in the order of ``ours``, each transposed), ``"conv"``, or one a model
+        type's module adds.
+      index: None, or the tensor is the slice ``index`` of our one parameter along its
+        first axis (per-expert tensors stacked into one parameter); the conversion then
+        sees that slice's shape.
+    """
+
+    hf: str
+    ours: tuple[str, ...]
+    how: str
+    index: int | None = None
+
+    @property
+    def conversion(self) -> Conversion:
+        return CONVERSIONS[self.how]
+
+    def at(self, hf: str, ours: Sequence[str], index: int | None = None) -> Rule:
+        """The same conversion for full names (and a slice index)."""
+        return Rule(hf, tuple(ours), self.how, self.index if index is None else index)
+
+
+def rules(*rows) -> tuple[Rule, ...]:
+    """Rules from ``(hf, ours or (ours, ...), how)`` rows."""
+    return tuple(
+        Rule(hf, (ours,) if isinstance(ours, str) else tuple(ours), how) for hf, ours, how in rows
+    )
+
+
+def prefixed(
+    rows: Sequence[Rule], hf_prefix: str, ours_prefix: str, index: int | None = None
+) -> list[tuple[str, Rule]]:
+    """``(full hf name, rule with full paths)`` for rows under a layer's prefixes."""
+    return [
+        (hf_prefix + r.hf, r.at(hf_prefix + r.hf, [ours_prefix + p for p in r.ours], index))
+        for r in rows
+    ]
+
+
+def slice_shapes(rule: Rule, shapes: Shapes) -> Shapes:
+    """Our parameters' shapes as the rule's conversion sees them (one slice if indexed)."""
+    return shapes if rule.index is None else [s[1:] for s in shapes]
+
+
+def hf_shape(rule: Rule, shapes: Shapes) -> tuple[int, ...]:
+    """The Hugging Face tensor's shape of ``rule`` given our parameters' shapes."""
+    return tuple(rule.conversion.hf_shape(slice_shapes(rule, shapes)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFormat:
+    """A Hugging Face model type as the loader reads and writes it.
+
+    Attributes:
+      name: a readable name ("Qwen3.5").
+      model_types: the ``config.json`` ``model_type`` values it reads.
+      normalize_config: a ``config.json``'s contents (a dict) -> the checked config the
+        other functions take (defaults filled in as ``transformers`` fills them; a
+        ``ValueError`` naming an unsupported or bad field).
+      model_options: ``(config, dtype, param_dtype)`` -> ``LanguageModel``'s arguments
+        (all but ``rngs``).
+      weight_table: ``(config, prefix)`` -> every tensor of a checkpoint as ``(full name,
+        Rule with our full paths)``, in the model's order.
+      config_for_save: ``(model, config or None)`` -> the config ``save_pretrained``
+        writes: the model's dimensions over ``config``'s other fields; a ``ValueError``
+        where ``config`` describes another model (compared on what the model uses) or the
+        model has no such form.
+      prefixes: where the text model's tensors live in a file: the first is written, the
+        one whose table names most of a file's tensors is read.
+      ignored_prefixes: ``config`` -> names not read (multi-token prediction heads, a
+        vision tower, a tied head's copy).
+      finish: ``(abstract model, config)`` -> None: sets what the layers take no option for
+        (e.g. norms' epsilon) on the built model; or None.
+      architecture: ``config.json``'s ``architectures`` entry written on save.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    normalize_config: Callable[[Mapping[str, Any]], dict[str, Any]]
+    model_options: Callable[..., dict[str, Any]]
+    weight_table: Callable[[Mapping[str, Any], str], list[tuple[str, Rule]]]
+    config_for_save: Callable[[Any, Mapping[str, Any] | None], dict[str, Any]]
+    prefixes: tuple[str, ...] = ("model.",)
+    ignored_prefixes: Callable[[Mapping[str, Any]], tuple[str, ...]] = lambda config: ()
+    finish: Callable[[Any, Mapping[str, Any]], None] | None = None
+
+
+# ---------------------------------------------------------------- checks of config fields
+
+
+def is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def check_ints(config: Mapping[str, Any], fields: Sequence[str], minimum: int = 1) -> None:
+    """Raises ``ValueError`` naming the first of ``fields`` that is not an int >= minimum."""
+    for field in fields:
+        value = config.get(field)
+        if not is_int(value) or value < minimum:
+            raise ValueError(f"config.json: {field} must be an int >= {minimum}, got {value!r}")
+
+
+def check_choice(config: Mapping[str, Any], field: str, allowed: Sequence[Any]) -> None:
+    """Raises ``ValueError`` unless ``config[field]`` is one of ``allowed`` (compared with
+    ``==`` and the same type, so ``True`` is not ``1``)."""
+    value = config.get(field)
+    if not any(value == a and type(value) is type(a) for a in allowed):
+        shown = allowed[0] if len(allowed) == 1 else f"one of {list(allowed)}"
+        raise ValueError(f"config.json: {field} must be {shown!r}, got {value!r}")
+
+
+def check_divides(config: Mapping[str, Any], small: str, large: str) -> None:
+    """Raises ``ValueError`` unless ``config[small]`` divides ``config[large]``."""
+    if config[large] % config[small]:
+        raise ValueError(
+            f"config.json: {small}={config[small]} must divide {large}={config[large]}"
+        )
+
+
+def check_unsupported(config: Mapping[str, Any], supported: Mapping[str, Any]) -> None:
+    """Raises ``ValueError`` naming a field set to a value we do not implement:
+    ``supported`` maps a field to the one value (or a tuple of values) we take; an absent
+    field is taken as its first supported value."""
+    for field, allowed in supported.items():
+        allowed = allowed if isinstance(allowed, tuple) else (allowed,)
+        if field in config and config[field] is not None:
+            check_choice(config, field, allowed)
+
+
+def agree(fields: dict[str, Any], field: str, value: Any, where: str) -> None:
+    """Records ``fields[field] = value``, raising ``ValueError`` if an earlier layer set
+    another value (every layer of a kind must have the same sizes to make one config)."""
+    if fields.setdefault(field, value) != value:
+        raise ValueError(f"{where}: {field}={value} differs from the other layers' {fields[field]}")
+
+
+def merge_for_save(
+    derived: Mapping[str, Any], config: Mapping[str, Any] | None, unchecked: Sequence[str] = ()
+) -> dict[str, Any]:
+    """``config`` with ``derived`` (what the model determines) written over it, raising
+    ``ValueError`` naming a field where ``config`` gives another value (``unchecked``
+    fields are overwritten without a check: ``architectures``, ``dtype``, ...)."""
+    merged = dict(config or {})
+    for field, value in derived.items():
+        if config is not None and field in config and field not in unchecked:
+            if config[field] != value:
+                raise ValueError(
+                    f"config[{field!r}]={config[field]!r}, but the model has {value!r}"
+                )
+        merged[field] = value
+    return merged
