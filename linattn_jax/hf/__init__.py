@@ -25,7 +25,8 @@ The layout: one module per model type over a shared loader.
   and ``generate_text``.
 """
 
-from linattn_jax.hf import common, qwen3_5, safetensors_io, text
+# qwen3_5_moe registers its format with the loader (FORMATS) on import.
+from linattn_jax.hf import common, qwen3_5, qwen3_5_moe, safetensors_io, text
 from linattn_jax.hf.pretrained import (
     FORMATS,
     MODEL_TYPES,
@@ -52,6 +53,7 @@ __all__ = [
     "generate_text",
     "load_tokenizer",
     "qwen3_5",
+    "qwen3_5_moe",
     "read_config",
     "safetensors_io",
     "save_pretrained",
