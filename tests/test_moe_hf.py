@@ -13,7 +13,12 @@ import pytest
 import safetensors.torch
 import torch
 from flax import nnx
-from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+from transformers import (
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
 
 from linattn_jax import hf
 from linattn_jax.layers import MoE
@@ -39,12 +44,9 @@ CONFIG = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """``(torch model, its directory, our model, our config)``."""
-    torch.manual_seed(0)
-    ref = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**CONFIG)).eval()
-    with torch.no_grad():  # random norms, and routers far from uniform
+def randomized(ref):
+    """``ref`` with random norms, and routers far from uniform."""
+    with torch.no_grad():
         for key, p in ref.named_parameters():
             if "norm" in key:
                 p.normal_(0.0, 0.3)
@@ -52,6 +54,14 @@ def pair(tmp_path_factory):
                 p.normal_(0.0, 0.5)
             elif key.endswith("experts.down_proj"):
                 p.normal_(0.0, 0.1)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """``(torch model, its directory, our model, our config)``."""
+    torch.manual_seed(0)
+    ref = randomized(Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**CONFIG)).eval())
     path = str(tmp_path_factory.mktemp("qwen3_5_moe"))
     ref.save_pretrained(path)
     return (ref, path, *hf.from_pretrained(path))
@@ -123,3 +133,32 @@ def test_a_dense_model_is_refused_and_bad_fields_are_named(pair):
     dense = hf.qwen3_5.FORMAT
     with pytest.raises(ValueError, match="SwiGLU"):
         dense.config_for_save(model, None)
+
+
+def test_qwen3_next_matches_transformers_and_round_trips(tmp_path):
+    """Qwen3-Next: grouped DeltaNet projections, a dense first layer (mlp_only_layers), top-k
+    weights not renormalised, tied embeddings."""
+    config = dict(
+        CONFIG, intermediate_size=48, mlp_only_layers=[0], norm_topk_prob=False,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    ref = randomized(Qwen3NextForCausalLM(Qwen3NextConfig(**config)).eval())
+    ref.save_pretrained(tmp_path / "ref")
+    model, ours = hf.from_pretrained(tmp_path / "ref")
+    assert ours["model_type"] == "qwen3_next" and not isinstance(model.blocks[0].mlp, MoE)
+    assert isinstance(model.blocks[1].mlp, MoE) and not model.blocks[1].mlp.normalize
+    tokens = np.random.default_rng(3).integers(0, CONFIG["vocab_size"], (2, 13))
+    logits = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens, jnp.int32))
+    assert_close_normwise(logits, torch_logits(ref, tokens), LOGITS_RTOL)
+    out = np.asarray(model.generate(jnp.asarray(tokens[:1, :5], jnp.int32), 16, temperature=0.0))
+    with torch.no_grad():
+        expected = ref.generate(
+            torch.tensor(tokens[:1, :5]), max_new_tokens=16, do_sample=False, min_new_tokens=16
+        ).numpy()
+    np.testing.assert_array_equal(out[0, 5:], expected[0, 5:])
+    hf.save_pretrained(model, tmp_path / "ours", ours)
+    back = Qwen3NextForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    for key, value in ref.state_dict().items():
+        np.testing.assert_array_equal(back.state_dict()[key].numpy(), value.numpy(), err_msg=key)
+    assert hf.read_config(tmp_path / "ours") == ours

@@ -25,8 +25,8 @@ The layout: one module per model type over a shared loader.
   and ``generate_text``.
 """
 
-# qwen3_5_moe registers its format with the loader (FORMATS) on import.
-from linattn_jax.hf import common, qwen3_5, qwen3_5_moe, safetensors_io, text
+# qwen3_5_moe and qwen3_next register their formats with the loader (FORMATS) on import.
+from linattn_jax.hf import common, qwen3_5, qwen3_5_moe, qwen3_next, safetensors_io, text
 from linattn_jax.hf.pretrained import (
     FORMATS,
     MODEL_TYPES,
@@ -54,6 +54,7 @@ __all__ = [
     "load_tokenizer",
     "qwen3_5",
     "qwen3_5_moe",
+    "qwen3_next",
     "read_config",
     "safetensors_io",
     "save_pretrained",
