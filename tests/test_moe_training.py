@@ -39,6 +39,7 @@ def _standard_promotion():
         yield
 
 
+@pytest.mark.slow
 def test_the_trainer_logs_the_router_losses_each_step(tmp_path):
     config = tiny_config("configs/mqar.py:small", *MOE, "steps=2", "log_every=1")
     model = trainer.build_model(config)
@@ -66,6 +67,7 @@ def test_bad_moe_configs_are_refused_by_name(overrides, message):
         trainer.validate(tiny_config("configs/mqar.py:small", *overrides))
 
 
+@pytest.mark.slow
 def test_the_step_adds_the_weighted_losses_and_accumulates_their_mean():
     config = tiny_config("configs/mqar.py:small", *MOE)
     task = trainer.build_task(config)
@@ -91,8 +93,9 @@ def test_the_step_adds_the_weighted_losses_and_accumulates_their_mean():
         ce = jnp.sum(jnp.where(valid, nll, 0)) / jnp.sum(valid)
         return ce + weights[0] * losses[0] + weights[1] * losses[1], (ce, losses)
 
-    (_, (ce, losses)), grads = nnx.value_and_grad(objective, has_aux=True)(model, inputs, labels)
-    halves = [objective(model, inputs[i::2], labels[i::2])[1] for i in range(2)]
+    grad = nnx.jit(nnx.value_and_grad(objective, has_aux=True))
+    (_, (ce, losses)), grads = grad(model, inputs, labels)
+    halves = [grad(model, inputs[i::2], labels[i::2])[0][1] for i in range(2)]
     for accumulate in (1, 2):
         model, optimizer = fresh()
         metrics = trainer.train_step(
