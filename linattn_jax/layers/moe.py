@@ -158,7 +158,8 @@ def grouped_swiglu(
     Args:
       x: ``[m, width]`` rows sorted by expert (``group_sizes[e]`` rows of expert ``e`` in
         turn; rows past their sum give zeros).
-      gate, up: ``[e, width, hidden]``.
+      gate: ``[e, width, hidden]``.
+      up: ``[e, width, hidden]``.
       down: ``[e, hidden, width]``.
       group_sizes: int32 ``[e]``.
 
@@ -274,12 +275,16 @@ class MoE(nnx.Module):
       normalize: the top-k weights over their sum (``norm_topk_prob``).
       scaling: the routed output's factor (``routed_scaling_factor``).
       score_bias: a ``RouterBias [e]`` (zeros) for the choice only.
-      num_groups, top_k_groups: grouped top-k (``n_group``, ``topk_group``).
+      num_groups: groups of experts for grouped top-k (``n_group``; 1: none).
+      top_k_groups: the groups chosen from (``topk_group``).
       shared_hidden: hidden width of one shared SwiGLU every token goes through (0: none;
         DeepSeek's ``n_shared_experts * moe_intermediate_size``).
       shared_gate: the shared output times ``sigmoid(x w)``, ``w [width, 1]`` (Qwen3-Next's
         ``shared_expert_gate``).
-      rngs, dtype, param_dtype: as in Flax (the router runs in float32 whatever ``dtype``).
+      rngs: as in Flax.
+      dtype: the computation dtype (None: the input's); the router runs in float32 whatever
+        it is.
+      param_dtype: the parameters' dtype, as in Flax.
 
     Parameters: ``router`` ``[width, e]``; ``gate``, ``up`` ``[e, width, hidden]`` and
     ``down`` ``[e, hidden, width]``, named ``("expert", "embed", "mlp")`` and
