@@ -27,6 +27,7 @@ def base() -> ConfigDict:
     c.mesh.fsdp = 1  # parameters and optimizer state split (and batches, with data)
     c.mesh.tensor = 1  # heads and MLP hidden units split (tensor parallelism)
     c.mesh.sequence = 1  # devices along the sequence (sequence-parallel linear attention)
+    c.mesh.expert = 1  # a mixture's experts split (expert parallelism; batches split too)
 
     # Several processes, one per host (experiments.distributed): every process runs the same
     # command but for its process_id; 0 and "" are left to JAX's detection of the cluster.
@@ -53,7 +54,7 @@ def base() -> ConfigDict:
     c.model.mlp_ratio = 4
     c.model.short_conv = 0  # causal depthwise convolution before attention (language models)
     c.model.dtype = "float32"
-    c.model.mlp = "gelu"  # or "swiglu"
+    c.model.mlp = "gelu"  # or "swiglu", or "moe" (a mixture of experts: model.moe)
     c.model.mlp_hidden = 0  # the MLP's hidden width (0: mlp_ratio * width)
     c.model.zero_centred_norm = False  # RMSNorms as x * (1 + w) (Qwen3-Next, Qwen3.5)
     c.model.scan_layers = False  # scan over the layout's period (compile time flat in depth)
@@ -77,6 +78,20 @@ def base() -> ConfigDict:
     c.model.delta.head_dim = 0  # dk (0: width / num_heads)
     c.model.delta.value_head_dim = 0  # dv (0: dk)
     c.model.delta.conv_size = 4
+    # The mixture of experts (model.mlp "moe"; linattn_jax.layers.moe.MoE).
+    c.model.moe = ConfigDict()
+    c.model.moe.num_experts = 8  # routed experts
+    c.model.moe.top_k = 2  # experts per token
+    c.model.moe.hidden = 0  # each expert's hidden width (0: model.mlp_hidden's)
+    c.model.moe.score = "softmax"  # or "sigmoid"
+    c.model.moe.normalize = False  # the top-k weights over their sum (norm_topk_prob)
+    c.model.moe.scaling = 1.0  # routed_scaling_factor
+    c.model.moe.score_bias = False  # a selection-only bias (e_score_correction_bias)
+    c.model.moe.num_groups = 1  # grouped top-k (n_group; 1: none)
+    c.model.moe.top_k_groups = 1  # groups chosen from (topk_group)
+    c.model.moe.shared_hidden = 0  # a shared SwiGLU expert's hidden width (0: none)
+    c.model.moe.shared_gate = False  # its sigmoid gate (Qwen3-Next)
+    c.model.moe.first_dense = 0  # the first layers keep a SwiGLU MLP (first_k_dense_replace)
 
     c.optim = ConfigDict()
     c.optim.lr = 1e-3
@@ -86,4 +101,7 @@ def base() -> ConfigDict:
     c.optim.b1 = 0.9
     c.optim.b2 = 0.98
     c.optim.accumulate = 1  # micro-batches per step (gradients summed; batch_size is the step's)
+    # Added to the loss, times the mean over MoE layers (model.mlp "moe"); 0: off.
+    c.optim.load_balancing_loss = 0.0  # Switch's auxiliary loss (e.g. 0.01)
+    c.optim.router_z_loss = 0.0  # ST-MoE's router z-loss (e.g. 1e-3)
     return c

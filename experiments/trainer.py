@@ -35,7 +35,7 @@ from experiments.checkpoints import (
 from experiments.tasks import TASKS, Task, build_task
 from experiments.validation import validate
 from linattn_jax import hf, models, sharding
-from linattn_jax.layers import registry
+from linattn_jax.layers import moe, registry
 
 # ----------------------------------------------------------------------------
 # Model and optimiser.
@@ -82,6 +82,8 @@ def build_model(config: ConfigDict, mesh: Mesh | None = None) -> nnx.Module:
     kwargs.update(
         {k: v for k in _MODEL_FIELDS if (v := _OPTION.get(k, _same)(m.get(k))) is not None}
     )
+    if m.get("mlp") == "moe":
+        kwargs.update(_moe_options(config))
     if config.mesh.sequence > 1:
         kwargs.update(sequence_axis="sequence", batch_axis=Sharder.BATCH, mesh=mesh)
     if spec.kind == "lm":
@@ -109,6 +111,24 @@ _ZERO_IS_DEFAULT = (
     "sliding_window",
 )
 _ROPE_ONLY = ("rope_theta", "partial_rotary_factor")
+
+
+# MoE's options from model.moe (0: the default, for the widths).
+_MOE_FIELDS = (
+    "num_experts", "top_k", "hidden", "score", "normalize", "scaling", "score_bias",
+    "num_groups", "top_k_groups", "shared_hidden", "shared_gate",
+)  # fmt: skip
+
+
+def _moe_options(config: ConfigDict) -> dict:
+    """``mlp`` (each layer's kind: the first ``model.moe.first_dense`` a SwiGLU) and ``moe``
+    (``layers.moe.MoE``'s options) of a ``model.mlp="moe"`` config."""
+    m = config.model
+    options = {k: m.moe[k] for k in _MOE_FIELDS if k in m.moe}
+    if not options.get("hidden"):
+        options.pop("hidden", None)  # the block's mlp_hidden (or mlp_ratio * width)
+    dense = m.moe.get("first_dense", 0)
+    return {"mlp": ["swiglu"] * dense + ["moe"] * (m.depth - dense), "moe": options}
 
 
 def _kind_options(kind: str, config: ConfigDict) -> dict:
@@ -163,7 +183,7 @@ def _optimizer(steps, lr, warmup_steps, grad_clip, b1, b2, weight_decay):
 def loss_and_metrics(model, inputs, labels, key_mask, kind: str):
     """Mean cross-entropy over the positions (or sequences) that have labels."""
     count = label_count(labels, kind)
-    loss, correct = _weighted_loss(model, inputs, labels, key_mask, kind, count)
+    _, (loss, correct, _) = _weighted_loss(model, inputs, labels, key_mask, kind, count)
     return loss, {"loss": loss, "accuracy": correct}
 
 
@@ -173,9 +193,13 @@ def label_count(labels, kind: str) -> jax.Array:
     return jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
 
 
-def _weighted_loss(model, inputs, labels, key_mask, kind: str, count):
-    """The summed cross-entropy and correct predictions of the batch, each over ``count``:
-    a micro-batch's share of its whole batch's mean when ``count`` is the whole batch's."""
+def _weighted_loss(model, inputs, labels, key_mask, kind: str, count, router=(0.0, 0.0), share=1.0):
+    """``(objective, (loss, correct, router_losses))``: the summed cross-entropy and correct
+    predictions of the batch, each over ``count`` (a micro-batch's share of its whole
+    batch's mean when ``count`` is the whole batch's); the MoE layers' mean losses
+    (``layers.moe.collect_losses``: load balancing, router z) times ``share`` (a
+    micro-batch's, ``1 / accumulate``); the objective, the loss plus ``router``'s weights
+    times those."""
     if kind == "lm":
         logits = model(inputs)
         valid = labels != data.IGNORE
@@ -186,20 +210,28 @@ def _weighted_loss(model, inputs, labels, key_mask, kind: str, count):
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
     loss = jnp.sum(jnp.where(valid, nll, 0.0)) / count
     correct = jnp.where(valid, jnp.argmax(logits, -1) == safe, False)
-    return loss, jnp.sum(correct).astype(jnp.float32) / count
+    router_losses = moe.collect_losses(model) * share  # read in the trace that recorded them
+    objective = loss + router[0] * router_losses[0] + router[1] * router_losses[1]
+    return objective, (loss, jnp.sum(correct).astype(jnp.float32) / count, router_losses)
 
 
-@nnx.jit(static_argnames=("kind", "accumulate"))
-def train_step(model, optimizer, inputs, labels, key_mask, kind, accumulate: int = 1):
-    """One AdamW step on the batch; returns its loss, accuracy and gradient norm.
+@nnx.jit(static_argnames=("kind", "accumulate", "router"))
+def train_step(
+    model, optimizer, inputs, labels, key_mask, kind, accumulate: int = 1, router=(0.0, 0.0)
+):
+    """One AdamW step on the batch; returns its loss, accuracy and gradient norm (and with
+    MoE layers their mean ``load_balancing_loss`` and ``router_z_loss``).
 
     ``accumulate``: the gradient is summed over that many micro-batches in turn (a
     ``lax.scan``: one micro-batch's activations in memory), each weighted by its share
-    of the batch's targets, so that the step is the one of the whole batch.
+    of the batch's targets, so that the step is the one of the whole batch (the MoE
+    losses: their mean over the micro-batches). ``router``: the weights of the MoE losses
+    in the objective (``optim.load_balancing_loss``, ``optim.router_z_loss``).
     """
     count = label_count(labels, kind)
+    losses = functools.partial(_grads, kind=kind, count=count, router=router, share=1 / accumulate)
     if accumulate == 1:
-        (loss, correct), grads = _grads(model, inputs, labels, key_mask, kind, count)
+        (loss, correct, router_losses), grads = losses(model, inputs, labels, key_mask)
     else:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -208,23 +240,31 @@ def train_step(model, optimizer, inputs, labels, key_mask, kind, accumulate: int
         def micro_step(carry, micro_batch):
             sums, params, rest = carry
             micro_model = nnx.merge(graphdef, params, rest)
-            (loss, correct), grads = _grads(micro_model, *micro_batch, kind, count)
+            values, grads = losses(micro_model, *micro_batch)
             rest = nnx.split(micro_model, nnx.Param, ...)[2]  # e.g. a dropout's RNG, moved on
-            return (jax.tree.map(jnp.add, sums, (loss, correct, grads)), params, rest), None
+            return (jax.tree.map(jnp.add, sums, (*values, grads)), params, rest), None
 
-        zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+        zeros = (jnp.zeros(()), jnp.zeros(()), jnp.zeros(2), jax.tree.map(jnp.zeros_like, params))
         micro_batches = [_micro_batches(x, accumulate) for x in (inputs, labels, key_mask)]
         carry, _ = jax.lax.scan(micro_step, (zeros, params, rest), micro_batches)
-        (loss, correct, grads), _, rest = carry
+        (loss, correct, router_losses, grads), _, rest = carry
         nnx.update(model, rest)
     optimizer.update(model, grads)
-    return {"loss": loss, "accuracy": correct, "grad_norm": _global_norm(grads)}
+    metrics = {"loss": loss, "accuracy": correct, "grad_norm": _global_norm(grads)}
+    if jax.tree.leaves(nnx.state(model, moe.RouterLosses)):  # a model with MoE layers
+        metrics |= dict(zip(_ROUTER_METRICS, router_losses, strict=True))
+    return metrics
 
 
-def _grads(model, inputs, labels, key_mask, kind: str, count):
-    """``_weighted_loss``'s values, and its gradient with respect to the parameters."""
+_ROUTER_METRICS = tuple(f"{name}_loss" for name in moe.LOSSES)
+
+
+def _grads(model, inputs, labels, key_mask, *, kind: str, count, router, share):
+    """``_weighted_loss``'s values (the loss, accuracy and MoE losses), and the gradient of
+    its objective with respect to the parameters."""
     grad_fn = nnx.value_and_grad(_weighted_loss, has_aux=True)
-    return grad_fn(model, inputs, labels, key_mask, kind, count)
+    (_, values), grads = grad_fn(model, inputs, labels, key_mask, kind, count, router, share)
+    return values, grads
 
 
 def _micro_batches(x: jax.Array, k: int) -> jax.Array:
@@ -246,17 +286,18 @@ def eval_step(model, inputs, labels, key_mask, kind):
 
 
 class Sharder:
-    """A ``data x fsdp x sequence x tensor`` mesh over every device, the data axis taking
-    what the others leave: batches split over ``data`` and ``fsdp`` (their length over
-    ``sequence``); parameters and optimizer state placed by their layers' logical axes
-    (``linattn_jax.sharding.RULES``: split over ``fsdp`` and ``tensor``, replicated over
-    ``data`` and ``sequence``)."""
+    """A ``data x fsdp x expert x sequence x tensor`` mesh over every device, the data axis
+    taking what the others leave: batches split over ``data``, ``fsdp`` and ``expert``
+    (their length over ``sequence``); parameters and optimizer state placed by their
+    layers' logical axes (``linattn_jax.sharding.RULES``: split over ``fsdp`` and
+    ``tensor``, a mixture's experts over ``expert``, replicated over ``data`` and
+    ``sequence``)."""
 
-    AXES = ("data", "fsdp", "sequence", "tensor")
-    BATCH = ("data", "fsdp")  # the axes that split a batch
+    AXES = ("data", "fsdp", sharding.EXPERT_AXIS, "sequence", "tensor")
+    BATCH = ("data", "fsdp", sharding.EXPERT_AXIS)  # the axes that split a batch
 
-    def __init__(self, sequence: int = 1, *, fsdp: int = 1, tensor: int = 1):
-        devices = np.array(jax.devices()).reshape(-1, fsdp, sequence, tensor)
+    def __init__(self, sequence: int = 1, *, fsdp: int = 1, tensor: int = 1, expert: int = 1):
+        devices = np.array(jax.devices()).reshape(-1, fsdp, expert, sequence, tensor)
         self.mesh = Mesh(devices, self.AXES)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
 
@@ -264,7 +305,9 @@ class Sharder:
     def of(cls, config: ConfigDict) -> Sharder:
         """The mesh of ``config.mesh`` (fields missing from an older config: 1)."""
         m = config.mesh
-        return cls(m.sequence, fsdp=m.get("fsdp", 1), tensor=m.get("tensor", 1))
+        return cls(
+            m.sequence, fsdp=m.get("fsdp", 1), tensor=m.get("tensor", 1), expert=m.get("expert", 1)
+        )
 
     def put_batch(self, batch: data.Batch):
         """The global batch (every process makes the same one) as sharded arrays."""
@@ -518,9 +561,11 @@ def _loop(run: Run, checkpoints: Checkpointer, lines: bool = True) -> None:
     progress = reporting.Progress(run.start, run.end, desc, config.progress, lines)
     if run.start:
         progress.note(f"resuming from step {run.start} of {run.workdir}")
+    router = (config.optim.get("load_balancing_loss", 0.0), config.optim.get("router_z_loss", 0.0))
     step_fn = functools.partial(
-        train_step, run.model, run.optimizer, kind=task.kind, accumulate=config.optim.accumulate
-    )
+        train_step, run.model, run.optimizer, kind=task.kind,
+        accumulate=config.optim.accumulate, router=tuple(map(float, router)),
+    )  # fmt: skip
     try:
         with reporting.MetricsLog(run.workdir, run.start) as log:
             tokens, last = 0, time.perf_counter()  # tokens since the last log line
@@ -580,7 +625,7 @@ def _train_row(done: int, metrics: dict, lr: float, rate: float) -> dict:
         "learning_rate": lr,
         "grad_norm": float(metrics["grad_norm"]),
         "tokens_per_s": rate,
-    }
+    } | {name: float(metrics[name]) for name in _ROUTER_METRICS if name in metrics}
 
 
 def _save(checkpoints: Checkpointer, step: int | None, run: Run, progress) -> None:

@@ -19,7 +19,7 @@ import linattn_jax as la
 from experiments.configuration import flatten
 from experiments.tasks import TASKS, mqar_shapes, parse_mix
 from linattn_jax import feature_maps, hf, layers
-from linattn_jax.layers import registry
+from linattn_jax.layers import moe, registry
 
 # ============================================================================
 # Per attention kind: read from the library's one registry (linattn_jax.layers.registry).
@@ -129,6 +129,7 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "mesh.tensor": _integer(1),
     "init_from": ((lambda v: isinstance(v, str)), "a directory (a string; '': none)"),
     "mesh.sequence": _integer(1),
+    "mesh.expert": _integer(1),
     "distributed.num_processes": (_integer(0)[0], "an integer >= 0 (0: detected by JAX)"),
     "distributed.process_id": (_integer(-1)[0], "an integer >= -1 (-1: detected by JAX)"),
     "distributed.coordinator_address": (
@@ -180,6 +181,21 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "optim.b1": _number(0, 1),
     "optim.b2": _number(0, 1),
     "optim.accumulate": _integer(1),
+    "optim.load_balancing_loss": _number(0),
+    "optim.router_z_loss": _number(0),
+    **{
+        f"model.moe.{n}": _integer(1)
+        for n in ("num_experts", "top_k", "num_groups", "top_k_groups")
+    },
+    **{
+        f"model.moe.{n}": (_integer(0)[0], "an integer >= 0 (0: the default or none)")
+        for n in ("hidden", "shared_hidden", "first_dense")
+    },
+    "model.moe.score": _one_of(moe.SCORES),
+    "model.moe.normalize": _BOOL,
+    "model.moe.scaling": _number(0, lo_open=True),
+    "model.moe.score_bias": _BOOL,
+    "model.moe.shared_gate": _BOOL,
     "mqar.num_pairs": _integer(1),
     "mqar.vocab_size": _integer(4),
     "mqar.spread": _BOOL,
@@ -201,17 +217,19 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 def _mesh_rule(config: ConfigDict) -> str | None:
     seq_devices, fsdp, tensor = config.mesh.sequence, config.mesh.fsdp, config.mesh.tensor
-    model_devices = seq_devices * fsdp * tensor
+    expert = config.mesh.get("expert", 1)
+    model_devices = seq_devices * fsdp * tensor * expert
     if jax.device_count() % model_devices:
-        sizes = {"fsdp": fsdp, "tensor": tensor, "sequence": seq_devices}
+        sizes = {"fsdp": fsdp, "expert": expert, "tensor": tensor, "sequence": seq_devices}
         named = " x ".join(f"mesh.{k}={v}" for k, v in sizes.items() if v > 1)
-        product = f" = {model_devices}" if "x" in named else ""
+        product = f" = {model_devices}" if " x " in named else ""
         return (
             f"{named}{product} must divide the {jax.device_count()} devices (the data axis "
             f"takes the rest)"
         )
-    batch_devices = jax.device_count() // (seq_devices * tensor)  # data x fsdp
-    axes = "data and fsdp axes" if fsdp > 1 else "data axis"
+    batch_devices = jax.device_count() // (seq_devices * tensor)  # data x fsdp x expert
+    named = [name for name, n in (("fsdp", fsdp), ("expert", expert)) if n > 1]
+    axes = " and ".join(["data", *named]) + (" axes" if named else " axis")
     if config.batch_size % batch_devices:
         return (
             f"batch_size={config.batch_size} must be divisible by the {batch_devices} devices "
@@ -312,6 +330,33 @@ def _heads_rule(config: ConfigDict) -> str | None:
     return None
 
 
+def _moe_rule(config: ConfigDict) -> str | None:
+    """A mixture's sizes agree (``layers.moe.MoE``'s checks, before any compute), and an
+    ``expert`` mesh axis has a mixture whose experts it divides."""
+    m, experts = config.model, config.mesh.get("expert", 1)
+    if m.mlp != "moe":
+        if experts > 1:
+            return f"mesh.expert={experts} splits a mixture's experts: set model.mlp='moe'"
+        return None
+    e = m.moe
+    if e.top_k > e.num_experts:
+        return f"model.moe.top_k={e.top_k} must be <= model.moe.num_experts={e.num_experts}"
+    if e.num_experts % e.num_groups or e.top_k_groups > e.num_groups:
+        return (
+            f"model.moe.num_groups={e.num_groups} must divide model.moe.num_experts="
+            f"{e.num_experts} and be >= model.moe.top_k_groups={e.top_k_groups}"
+        )
+    if e.top_k > e.top_k_groups * (e.num_experts // e.num_groups):
+        return f"model.moe.top_k={e.top_k} exceeds the experts of model.moe.top_k_groups"
+    if e.shared_gate and not e.shared_hidden:
+        return "model.moe.shared_gate gates the shared expert: set model.moe.shared_hidden > 0"
+    if e.first_dense >= m.depth:
+        return f"model.moe.first_dense={e.first_dense} must be below model.depth={m.depth}"
+    if e.num_experts % experts:
+        return f"mesh.expert={experts} must divide model.moe.num_experts={e.num_experts}"
+    return None
+
+
 def _init_from_rule(config: ConfigDict) -> str | None:
     """A checkpoint to start from: a causal LM task whose tokens it knows, no sequence
     parallelism, a dtype it loads in; its directory readable (``hf.check_pretrained``: the
@@ -350,6 +395,7 @@ RULES: list[Callable[[ConfigDict], str | None]] = [
         else None
     ),
     _distributed_rule,
+    _moe_rule,
     _mesh_rule,
     lambda c: _mqar_rule(c) if c.task == "mqar" else None,
     lambda c: (
@@ -420,7 +466,14 @@ RESUMABLE = (
 
 
 # Fields newer than some stored configs: absent there, they held this value.
-ABSENT_IS = {"init_from": ""}
+ABSENT_IS = {"init_from": ""} | {
+    f"model.moe.{name}": value
+    for name, value in dict(
+        num_experts=8, top_k=2, hidden=0, score="softmax", normalize=False, scaling=1.0,
+        score_bias=False, num_groups=1, top_k_groups=1, shared_hidden=0, shared_gate=False,
+        first_dense=0,
+    ).items()
+}  # fmt: skip
 
 
 def config_changes(stored: dict, config: ConfigDict) -> list[str]:

@@ -6,7 +6,8 @@ The layers name each dimension of their large parameters when they create them (
 ``nnx.with_partitioning``: the names sit in the ``Param``'s sharding metadata, so a model
 composed of these layers carries them too); nothing is placed until ``place`` maps the
 names onto a mesh. The default ``RULES`` give FSDP over ``fsdp`` (every ``embed`` dim)
-and tensor parallelism over ``tensor`` (heads and the MLP's hidden units)::
+tensor parallelism over ``tensor`` (heads and the MLP's hidden units) and expert
+parallelism over ``expert`` (a mixture's experts; the batch is split over it too)::
 
     mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"))
     state = nnx.state(model)
@@ -33,12 +34,16 @@ HEADS = "heads"  # query (and output) heads times their dimension
 KV_HEADS = "kv_heads"  # key and value heads times their dimension (fewer with GQA)
 MLP = "mlp"  # an MLP's hidden units
 LAYERS = "layers"  # the stacked depth of scanned blocks (``scan_layers``)
+EXPERT = "expert"  # a mixture of experts' routed experts (``layers.moe``)
 # The logical axes of activations (``constrain``).
 BATCH = "batch"
 LENGTH = "length"
+# The mesh axis of expert parallelism: ``layers.moe.MoE`` splits its experts over it.
+EXPERT_AXIS = "expert"
 
 # Logical axis -> mesh axis (or axes, or None: replicated). MaxText's split: FSDP on the
-# width, tensor parallelism on heads, the MLP's hidden units and the vocabulary.
+# width, tensor parallelism on heads, the MLP's hidden units and the vocabulary; expert
+# parallelism on a mixture's experts, the batch split over its devices too.
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     (EMBED, "fsdp"),
     (VOCAB, "tensor"),
@@ -46,7 +51,8 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     (KV_HEADS, "tensor"),
     (MLP, "tensor"),
     (LAYERS, None),
-    (BATCH, ("data", "fsdp")),
+    (EXPERT, EXPERT_AXIS),
+    (BATCH, ("data", "fsdp", EXPERT_AXIS)),
     (LENGTH, "sequence"),
 )
 

@@ -14,8 +14,8 @@ The layout: one module per model type over a shared loader.
 * ``common``: what the model types' modules share: ``Rule`` (a weight table's row) and
   ``CONVERSIONS`` (``copy``, ``linear``, ``split``, ``conv``; ``Rule.index`` stacks
   per-expert tensors into one parameter), ``ModelFormat``, and the checks of config fields.
-* one module per model type (``qwen3_5``, ``mamba2``, ``bamba``, ``nemotron_h``): its ``FORMAT``, a
-  ``common.ModelFormat``, holds
+* one module per model type (``qwen3_5``, ``qwen3_5_moe``, ``qwen3_next``, ``mamba2``,
+  ``bamba``, ``nemotron_h``): its ``FORMAT``, a ``common.ModelFormat``, holds
   ``normalize_config`` (``config.json``'s fields checked, an unsupported one refused by
   name, defaults as ``transformers``'), ``model_options`` (``LanguageModel``'s
   arguments), ``weight_table`` (every tensor's name, our parameter path(s) and conversion)
@@ -31,19 +31,13 @@ from linattn_jax.hf import (
     common,
     mamba2,
     nemotron_h,
-    pretrained,
     qwen3_5,
+    qwen3_5_moe,
+    qwen3_next,
     safetensors_io,
     text,
 )
-
-# The Mamba-2 model types (and the hybrids over its mixer) join the loader's registry here
-# (pretrained._MODULES lists qwen3_5's; these belong there too).
-for _module in (mamba2, bamba, nemotron_h):
-    pretrained.FORMATS.update({t: _module.FORMAT for t in _module.FORMAT.model_types})
-pretrained.MODEL_TYPES = tuple(pretrained.FORMATS)
-
-from linattn_jax.hf.pretrained import (  # noqa: E402  (after the registration above)
+from linattn_jax.hf.pretrained import (
     FORMATS,
     MODEL_TYPES,
     abstract_model,
@@ -72,6 +66,8 @@ __all__ = [
     "mamba2",
     "nemotron_h",
     "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_next",
     "read_config",
     "safetensors_io",
     "save_pretrained",

@@ -19,13 +19,22 @@ import numpy as np
 from flax import nnx
 
 from linattn_jax import sharding
-from linattn_jax.hf import common, qwen3_5, safetensors_io
+from linattn_jax.hf import (
+    bamba,
+    common,
+    mamba2,
+    nemotron_h,
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_next,
+    safetensors_io,
+)
 from linattn_jax.models import LanguageModel
 
 DTYPES = ("float32", "bfloat16")
 
 # One entry per model type's module; adding a model type is its module plus a line here.
-_MODULES = (qwen3_5,)
+_MODULES = (qwen3_5, qwen3_5_moe, qwen3_next, mamba2, bamba, nemotron_h)
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: module.FORMAT for module in _MODULES for model_type in module.FORMAT.model_types
 }

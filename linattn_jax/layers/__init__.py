@@ -1,7 +1,8 @@
 """The layers floor: Flax NNX modules that own parameters and call ``linattn_jax.ops``.
 
 One file per layer kind (``linear``, ``delta``, ``softmax``, ``mamba2``), the pieces they share
-(``conv``, ``gates``, ``feature_maps``, ``norms``, ``rope``, ``common``), the dispatch
+(``conv``, ``gates``, ``feature_maps``, ``norms``, ``rope``, ``common``), the mixture of
+experts (``moe``), the dispatch
 between a decoding step, the sequence-parallel form and the full-sequence form written
 once (``recurrent``), the blocks (``blocks``), and ONE registry of attention kinds
 (``registry``).
@@ -13,8 +14,16 @@ passed in and returned explicitly (``layer.init_state(batch)``, ``state=``,
 ``return_state=True``).
 """
 
-from linattn_jax.layers import norms, rope
-from linattn_jax.layers.blocks import MLP, MLPS, BlockState, ReLU2MLP, SwiGLU, TransformerBlock
+from linattn_jax.layers import moe, norms, rope
+from linattn_jax.layers.blocks import (
+    MLP,
+    MLPS,
+    BlockState,
+    ReLU2MLP,
+    SwiGLU,
+    TransformerBlock,
+    mlp_layout,
+)
 from linattn_jax.layers.conv import CausalConv1D
 from linattn_jax.layers.delta import VARIANTS, DeltaRuleAttention, DeltaRuleCache
 from linattn_jax.layers.feature_maps import (
@@ -26,6 +35,7 @@ from linattn_jax.layers.feature_maps import (
 from linattn_jax.layers.gates import ChannelGate, HeadGate, MambaGate
 from linattn_jax.layers.linear import GATES, LinearAttention, LinearAttentionCache
 from linattn_jax.layers.mamba2 import GroupedGatedRMSNorm, Mamba2Cache, Mamba2Mixer
+from linattn_jax.layers.moe import MoE
 from linattn_jax.layers.norms import GatedRMSNorm, RMSNorm
 from linattn_jax.layers.recurrent import SequenceSharding, run_causal
 from linattn_jax.layers.registry import ATTENTION_KINDS, KINDS, AttentionKind, make_attention
@@ -57,6 +67,7 @@ __all__ = [
     "Mamba2Cache",
     "Mamba2Mixer",
     "MambaGate",
+    "MoE",
     "RMSNorm",
     "RandomProjection",
     "ReLU2MLP",
@@ -65,6 +76,8 @@ __all__ = [
     "SwiGLU",
     "TransformerBlock",
     "make_attention",
+    "mlp_layout",
+    "moe",
     "norms",
     "rope",
     "run_causal",

@@ -3,6 +3,7 @@ ReLU, or none), with or without a mixer (the hybrids' mixer-only and MLP-only la
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -12,10 +13,28 @@ from flax import nnx
 from linattn_jax import sharding
 from linattn_jax.layers import registry
 from linattn_jax.layers.conv import CausalConv1D
+from linattn_jax.layers.moe import MoE
 from linattn_jax.layers.norms import RMSNorm
 from linattn_jax.ops import checks
 
-MLPS = ("gelu", "swiglu", "relu2", "none")
+MLPS = ("gelu", "swiglu", "relu2", "moe", "none")
+
+
+def mlp_layout(mlp: str | Sequence[str], depth: int) -> tuple[str, ...]:
+    """The MLP kind of each of ``depth`` layers: ``mlp`` one of ``MLPS`` for every layer,
+    or a list of ``depth`` of them (DeepSeek's and Kimi's first dense layers:
+    ``["swiglu"] + ["moe"] * (depth - 1)``).
+
+    Raises:
+      ValueError: an unknown kind, or a list not of ``depth`` kinds.
+    """
+    kinds = (mlp,) * depth if isinstance(mlp, str) else tuple(mlp)
+    if len(kinds) != depth:
+        raise ValueError(f"mlp must list depth={depth} kinds, got {len(kinds)}: {kinds}")
+    for kind in kinds:
+        if kind not in MLPS:
+            raise ValueError(f"mlp must be one of {MLPS}, got {kind!r}")
+    return kinds
 
 
 class MLP(nnx.Module):
@@ -101,9 +120,12 @@ class TransformerBlock(nnx.Module):
         ``"kda"``, ``"mamba2"``, or ``"mlp"`` (no mixer: the block is its MLP alone).
       mlp_ratio: the MLP's hidden width over ``width``.
       mlp: ``"gelu"`` (default: ``MLP``), ``"swiglu"`` (``SwiGLU``), ``"relu2"``
-        (``ReLU2MLP``) or ``"none"`` (no MLP and no second norm).
+        (``ReLU2MLP``), ``"moe"`` (a mixture of SwiGLU experts, ``layers.moe.MoE``, of the
+        ``moe`` options) or ``"none"`` (no MLP and no second norm).
       mlp_hidden: the MLP's hidden width (overrides ``mlp_ratio``; Qwen's
-        ``intermediate_size``).
+        ``intermediate_size``); a MoE's experts' unless ``moe`` gives ``hidden``.
+      moe: ``MoE``'s options (``num_experts``, ``top_k``, ``hidden``, ``score``, ...) when
+        ``mlp="moe"``; unread otherwise.
       zero_centred_norm: the block's two RMSNorms in the ``x * (1 + w)`` form
         (``layers.norms.RMSNorm``; Qwen3-Next, Qwen3.5).
       short_conv: kernel size of a causal depthwise convolution before attention
@@ -124,6 +146,7 @@ class TransformerBlock(nnx.Module):
         mlp_ratio: int = 4,
         mlp: str = "gelu",
         mlp_hidden: int | None = None,
+        moe: Mapping[str, Any] | None = None,
         zero_centred_norm: bool = False,
         short_conv: int = 0,
         rngs: nnx.Rngs,
@@ -164,11 +187,15 @@ class TransformerBlock(nnx.Module):
             )
         else:
             self.attention = nnx.data(None)
-        self.mlp = nnx.data(
-            _MLP_CLASSES[mlp](width, hidden, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-            if mlp != "none"
-            else None
-        )
+        options = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        if mlp == "moe":
+            if not isinstance(moe, Mapping):
+                raise ValueError(f"mlp='moe' needs moe= a dict of MoE's options, got {moe!r}")
+            self.mlp = MoE(width, **{"hidden": hidden, **moe}, **options)
+        else:
+            self.mlp = nnx.data(
+                _MLP_CLASSES[mlp](width, hidden, **options) if mlp != "none" else None
+            )
         self.width = width
 
     def init_state(self, batch: int, max_length: int | None = None) -> BlockState:
@@ -179,7 +206,7 @@ class TransformerBlock(nnx.Module):
 
     def __call__(self, x, *, key_mask=None, segment_ids=None, state=None, return_state=False):
         if self.attention is None:  # an MLP-only layer
-            x = x + self.mlp(self.mlp_norm(x))
+            x = x + self._mlp(self.mlp_norm(x), key_mask, state is None and not return_state)
             return (x, BlockState(None, None)) if return_state else x
         h = self.attention_norm(x)
         conv_state = None
@@ -200,5 +227,11 @@ class TransformerBlock(nnx.Module):
             state = BlockState(attention_state, conv_state)
         x = x + h
         if self.mlp is not None:
-            x = x + self.mlp(self.mlp_norm(x))
+            x = x + self._mlp(self.mlp_norm(x), key_mask, state is None and not return_state)
         return (x, state) if return_state else x
+
+    def _mlp(self, h, key_mask, recording: bool):
+        if isinstance(self.mlp, MoE):
+            # Losses are recorded by full-sequence passes (training), not by decoding.
+            return self.mlp(h, key_mask=key_mask, record=recording)
+        return self.mlp(h)

@@ -41,7 +41,9 @@ class LanguageModel(nnx.Module):
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
       param_dtype: the parameters' dtype, as in Flax.
-      **block_kwargs: passed to every ``TransformerBlock`` (``feature_map``, ``mlp``, ...).
+      **block_kwargs: passed to every ``TransformerBlock`` (``feature_map``, ``mlp``, ...);
+        ``mlp`` may list each layer's kind (``"moe"`` layers read ``moe=``, a dict of
+        ``layers.MoE``'s options; ``docs/guide/moe.md``).
     """
 
     def __init__(

@@ -23,6 +23,7 @@ from flax import nnx
 
 from linattn_jax import sharding
 from linattn_jax.layers import TransformerBlock, registry
+from linattn_jax.layers.blocks import mlp_layout
 from linattn_jax.ops import checks
 
 REMAT = ("none", "full", "dots_saveable")
@@ -62,7 +63,9 @@ def make_blocks(
     """``(blocks, the kind of each layer, the scan's period or None unrolled)``.
 
     ``kwargs`` go to every block; ``kind_options[kind]`` to that kind's blocks over them (a
-    ``num_heads`` there overrides the model's for that kind).
+    ``num_heads`` there overrides the model's for that kind). ``kwargs["mlp"]`` may list
+    each layer's MLP kind (``layers.blocks.mlp_layout``); a scan's period then repeats
+    both layouts.
 
     Raises:
       ValueError: a bad depth, layout (``registry.parse_layout``), ``kind_options`` or
@@ -71,19 +74,21 @@ def make_blocks(
     checks.check_int("depth", depth, 1)
     kinds = registry.parse_layout(attention, depth)
     options = check_options(kind_options, remat, scan_layers)
+    mlps = mlp_layout(kwargs.pop("mlp", "gelu"), depth)
 
-    def block(kind: str, rngs: nnx.Rngs) -> TransformerBlock:
+    def block(kind: str, mlp: str, rngs: nnx.Rngs) -> TransformerBlock:
         own = {**kwargs, **options.get(kind, {})}
         heads = own.pop("num_heads", num_heads)
-        return TransformerBlock(width, heads, attention=kind, rngs=rngs, **own)
+        return TransformerBlock(width, heads, attention=kind, mlp=mlp, rngs=rngs, **own)
 
     if not scan_layers:
-        return nnx.List([block(kind, rngs) for kind in kinds]), kinds, None
-    period = registry.layout_period(kinds)
+        layers = [block(kind, mlp, rngs) for kind, mlp in zip(kinds, mlps, strict=True)]
+        return nnx.List(layers), kinds, None
+    period = registry.layout_period(list(zip(kinds, mlps, strict=True)))
     stacked = []
-    for kind in kinds[:period]:
+    for kind, mlp in zip(kinds[:period], mlps[:period], strict=True):
         make = nnx.vmap(
-            functools.partial(block, kind),
+            functools.partial(block, kind, mlp),
             in_axes=(0,),
             out_axes=0,
             transform_metadata={nnx.PARTITION_NAME: sharding.LAYERS},  # the names gain "layers"

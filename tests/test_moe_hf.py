@@ -1,0 +1,161 @@
+"""Qwen3.5-MoE checkpoints (linattn_jax.hf.qwen3_5_moe) against transformers' own torch
+model, from a tiny random config made here."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from flax import nnx
+from transformers import (
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
+
+from linattn_jax import hf
+from linattn_jax.layers import MoE
+from tests.helpers import assert_close_normwise
+
+LOGITS_RTOL = 1e-5
+CONFIG = dict(
+    vocab_size=101,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    rms_norm_eps=1e-5,
+    num_experts=8,
+    num_experts_per_tok=3,
+    moe_intermediate_size=24,
+    shared_expert_intermediate_size=40,
+)
+
+
+def randomized(ref):
+    """``ref`` with random norms, and routers far from uniform."""
+    with torch.no_grad():
+        for key, p in ref.named_parameters():
+            if "norm" in key:
+                p.normal_(0.0, 0.3)
+            elif key.endswith("mlp.gate.weight") or key.endswith("experts.gate_up_proj"):
+                p.normal_(0.0, 0.5)
+            elif key.endswith("experts.down_proj"):
+                p.normal_(0.0, 0.1)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """``(torch model, its directory, our model, our config)``."""
+    torch.manual_seed(0)
+    ref = randomized(Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**CONFIG)).eval())
+    path = str(tmp_path_factory.mktemp("qwen3_5_moe"))
+    ref.save_pretrained(path)
+    return (ref, path, *hf.from_pretrained(path))
+
+
+# Compiled once per model structure and shape.
+forward = nnx.jit(lambda model, tokens, mask: model(tokens, key_mask=mask))
+
+
+def torch_logits(ref, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return ref(torch.tensor(tokens)).logits.numpy()
+
+
+def test_logits_and_greedy_tokens_match_transformers(pair):
+    ref, _, model, config = pair
+    assert config["model_type"] == "qwen3_5_moe_text"
+    assert all(isinstance(block.mlp, MoE) for block in model.blocks)
+    tokens = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (3, 17))
+    ours = forward(model, jnp.asarray(tokens, jnp.int32), jnp.ones(tokens.shape, bool))
+    assert_close_normwise(ours, torch_logits(ref, tokens), LOGITS_RTOL)
+    prompt = tokens[:1, :6]
+    out = np.asarray(model.generate(jnp.asarray(prompt, jnp.int32), 16, temperature=0.0))
+    with torch.no_grad():
+        expected = ref.generate(
+            torch.tensor(prompt), max_new_tokens=16, do_sample=False, min_new_tokens=16
+        ).numpy()
+    np.testing.assert_array_equal(out[0, 6:], expected[0, 6:])
+
+
+def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
+    ref, _, model, config = pair
+    hf.save_pretrained(model, tmp_path, config)
+    back = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path).eval()
+    for key, value in ref.state_dict().items():  # every tensor, bit for bit
+        np.testing.assert_array_equal(back.state_dict()[key].numpy(), value.numpy(), err_msg=key)
+    again, again_config = hf.from_pretrained(tmp_path)
+    assert again_config == config
+    params = lambda m: nnx.state(m, nnx.Param)
+    jax.tree.map(np.testing.assert_array_equal, params(again), params(model))
+    # Without a config: the model's own, which transformers reads alike.
+    hf.save_pretrained(model, tmp_path / "bare", model_type="qwen3_5_moe_text")
+    bare = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "bare").eval()
+    tokens = np.random.default_rng(1).integers(0, CONFIG["vocab_size"], (2, 9))
+    np.testing.assert_array_equal(torch_logits(bare, tokens), torch_logits(ref, tokens))
+
+
+def test_the_fused_layout_loads_the_same_and_left_padding_is_each_row_alone(pair, tmp_path):
+    ref, path, model, _ = pair
+    state = {k: v.contiguous() for k, v in ref.state_dict().items() if k != "lm_head.weight"}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state  # transformers' own layout
+    state["lm_head.weight"] = ref.state_dict()["lm_head.weight"].clone()
+    safetensors.torch.save_file(state, str(tmp_path / "model.safetensors"))
+    shutil.copy(os.path.join(path, "config.json"), tmp_path / "config.json")
+    fused, _ = hf.from_pretrained(tmp_path)
+    params = lambda m: nnx.state(m, nnx.Param)
+    jax.tree.map(np.testing.assert_array_equal, params(fused), params(model))
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, CONFIG["vocab_size"], (3, 17))  # the logits test's shape
+    mask = np.ones((3, 17), bool)
+    mask[0, :4] = False
+    ours = np.asarray(forward(model, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask)))
+    alone = torch_logits(ref, tokens[:1, 4:])[0]
+    assert_close_normwise(ours[0, 4:], alone, LOGITS_RTOL)
+    assert_close_normwise(ours[1:], torch_logits(ref, tokens[1:]), LOGITS_RTOL)
+
+
+def test_a_dense_model_is_refused_and_bad_fields_are_named(pair):
+    _, _, model, config = pair
+    with pytest.raises(ValueError, match="num_experts_per_tok=9 must be <= num_experts=8"):
+        hf.qwen3_5_moe.normalize_config(dict(config, num_experts_per_tok=9))
+    dense = hf.qwen3_5.FORMAT
+    with pytest.raises(ValueError, match="SwiGLU"):
+        dense.config_for_save(model, None)
+
+
+def test_qwen3_next_matches_transformers_and_round_trips(tmp_path):
+    """Qwen3-Next: grouped DeltaNet projections, a dense first layer (mlp_only_layers), top-k
+    weights not renormalised, tied embeddings (greedy decoding: the Qwen3.5-MoE test's)."""
+    config = dict(
+        CONFIG, intermediate_size=48, mlp_only_layers=[0], norm_topk_prob=False,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    ref = randomized(Qwen3NextForCausalLM(Qwen3NextConfig(**config)).eval())
+    ref.save_pretrained(tmp_path / "ref")
+    model, ours = hf.from_pretrained(tmp_path / "ref")
+    assert ours["model_type"] == "qwen3_next" and not isinstance(model.blocks[0].mlp, MoE)
+    assert isinstance(model.blocks[1].mlp, MoE) and not model.blocks[1].mlp.normalize
+    tokens = np.random.default_rng(3).integers(0, CONFIG["vocab_size"], (3, 17))
+    logits = forward(model, jnp.asarray(tokens, jnp.int32), jnp.ones(tokens.shape, bool))
+    assert_close_normwise(logits, torch_logits(ref, tokens), LOGITS_RTOL)
+    hf.save_pretrained(model, tmp_path / "ours", ours)
+    back = Qwen3NextForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    for key, value in ref.state_dict().items():
+        np.testing.assert_array_equal(back.state_dict()[key].numpy(), value.numpy(), err_msg=key)
+    assert hf.read_config(tmp_path / "ours") == ours
