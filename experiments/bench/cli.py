@@ -61,6 +61,12 @@ FLAGS = {
         default=None,
         help="peers: an external JAX function to time against ours (default: Performer-style)",
     ),
+    "--feature-map": dict(
+        default="elu",
+        choices=("elu", "relu"),
+        help="peers: both sides' features against the Performer-style baseline",
+    ),
+    "--heads": dict(type=int, default=8, help="peers: heads of the Performer case"),
     "--limit-s": dict(type=float, default=300.0, help="seconds each triangular case may run"),
     "--out": dict(default="bench_out", help="the folder the results are written to"),
 }
@@ -100,15 +106,8 @@ SUITES = {
             "--repeats",
             "--families",
             "--impl",
-            (
-                "--feature-map",
-                dict(
-                    default="elu",
-                    choices=("elu", "relu"),
-                    help="peers: both sides' features against the Performer-style baseline",
-                ),
-            ),
-            ("--heads", dict(type=int, default=8, help="peers: heads of the Performer case")),
+            "--feature-map",
+            "--heads",
         ),
     ),
     "triangular": (

@@ -65,7 +65,7 @@ def make_blocks(
     ``kwargs`` go to every block; ``kind_options[kind]`` to that kind's blocks over them (a
     ``num_heads`` there overrides the model's for that kind). ``kwargs["mlp"]`` may list
     each layer's MLP kind (``layers.blocks.mlp_layout``); a scan's period then repeats
-    both layouts.
+    both layouts; an ``mlp`` in ``kind_options[kind]`` overrides it for that kind.
 
     Raises:
       ValueError: a bad depth, layout (``registry.parse_layout``), ``kind_options`` or
@@ -79,6 +79,7 @@ def make_blocks(
     def block(kind: str, mlp: str, rngs: nnx.Rngs) -> TransformerBlock:
         own = {**kwargs, **options.get(kind, {})}
         heads = own.pop("num_heads", num_heads)
+        mlp = own.pop("mlp", mlp)  # a kind's own (kind_options: Nemotron-H's mixer-only)
         return TransformerBlock(width, heads, attention=kind, mlp=mlp, rngs=rngs, **own)
 
     if not scan_layers:
