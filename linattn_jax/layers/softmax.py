@@ -323,9 +323,10 @@ def check_cache_room(position: jax.Array, t: int, n: int) -> jax.Array:
     """
     if t > n:
         raise ValueError(f"the KV cache holds {n} tokens, got {t} at once (x's length)")
-    if not isinstance(position, jax.core.Tracer) and int(jnp.max(position)) + t > n:
+    span = checks.concrete_range(position)  # eager even under a jit closing over the cache
+    if span is not None and span[1] + t > n:
         raise ValueError(
-            f"the KV cache holds {n} tokens: {int(jnp.max(position))} written, "
+            f"the KV cache holds {n} tokens: {span[1]} written, "
             f"{t} more do not fit (make the cache longer: init_state(batch, max_length))"
         )
     return position + t > n

@@ -101,8 +101,28 @@ def default_chunk_size(chunk_size: int | None, g: Array | None) -> int:
 
 
 def is_concrete(x) -> bool:
-    """True when ``x`` holds values now (not a tracer): only then can its range be checked."""
+    """True when ``x`` holds values now (not a tracer): only then can its range be checked.
+
+    An array closed over by a jitted function (``nnx.jit(lambda m: m(tokens))(model)``) is
+    concrete, but what JAX computes from it while tracing is not: ``int(jnp.min(x))`` there
+    raises ``ConcretizationTypeError``. Read a concrete array's values with ``np.asarray``
+    or ``concrete_range``, never with ``jnp`` under a possible trace.
+    """
     return not isinstance(x, jax.core.Tracer)
+
+
+def concrete_range(x) -> tuple | None:
+    """``(min, max)`` of a concrete, non-empty array as Python scalars, else None (a tracer,
+    whose values only exist when the program runs, or an empty array).
+
+    The reductions run eagerly even while a function that closes over ``x`` is being
+    traced (``jax.ensure_compile_time_eval``), on the devices that hold ``x``: only two
+    scalars reach the host, whatever its sharding.
+    """
+    if not is_concrete(x) or x.size == 0:
+        return None
+    with jax.ensure_compile_time_eval():
+        return jnp.min(x).item(), jnp.max(x).item()
 
 
 def token_mask(name: str, mask, b: int, t: int) -> Array | None:
