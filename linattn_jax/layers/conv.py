@@ -48,7 +48,8 @@ class CausalConv1D(nnx.Module):
             layers replace padding before projecting it).
           state: the inputs before ``x`` (zeros when None); they count as part of the
             first token's segment.
-          segment_ids: optional int ``[b, t]``: no tap reaches across a change of id.
+          segment_ids: optional int ``[b, t]``: no tap reaches across a change of id
+            (nor into an earlier run of the same id: ``checks.segment_runs``).
           key_mask: optional bool ``[b, t]``: the returned state holds the last
             ``size - 1`` real inputs of each row (right padding included), not its last
             rows.
@@ -62,12 +63,13 @@ class CausalConv1D(nnx.Module):
         padded = jnp.concatenate([past.astype(x.dtype), x], axis=1)  # [b, n + t, c]
         kernel = self.kernel[...].astype(x.dtype)
         if segment_ids is not None:
-            seg = jnp.concatenate([jnp.repeat(segment_ids[:, :1], n, axis=1), segment_ids], 1)
+            runs = checks.segment_runs(segment_ids)  # a repeated id later is a new segment
+            seg = jnp.concatenate([jnp.zeros((b, n), jnp.int32), runs], 1)
         y = jnp.zeros_like(x)
         for i in range(self.size):  # tap i looks back n - i tokens
             tap = kernel[i][None, None] * padded[:, i : i + t]
             if segment_ids is not None and i < n:
-                same = seg[:, i : i + t] == segment_ids
+                same = seg[:, i : i + t] == runs
                 tap = jnp.where(same[..., None], tap, jnp.zeros((), x.dtype))
             y = y + tap
         if key_mask is not None:  # real inputs last, in order: a stable sort by the mask

@@ -184,6 +184,11 @@ class SoftmaxAttention(nnx.Module):
         window are ``dot_product_attention``'s own, a ``key_mask`` broadcasts from
         ``[b, 1, 1, s]``); with one, the mask is ``[b, 1, t, max_length]``.
 
+        ``segment_ids [b, t]`` (int, self-attention without a cache) packs several
+        sequences in a row: a token attends within its run of equal ids only, and a
+        segment starts wherever the id changes (ids ``[0, 0, 1, 0]`` are three segments,
+        the library's one rule: ``checks.segment_runs``).
+
         Raises:
           ValueError: the tokens would not fit in the cache (``t`` longer than it,
             or, when ``state.position`` is concrete, ``position + t`` past its end).
@@ -240,7 +245,8 @@ def attend_full(layer, q, k, v, key_mask, segment_ids, cross: bool):
         k = _rope(layer, k, rope_lib.token_positions(b, s, key_mask=key_mask))
     mask = None if key_mask is None else key_mask[:, None, None, :]
     if segment_ids is not None:
-        same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+        run = checks.segment_runs(segment_ids)  # runs, not ids: a repeated id is a new segment
+        same = run[:, None, :, None] == run[:, None, None, :]
         mask = same if mask is None else mask & same
     window = None
     if layer.sliding_window is not None:
@@ -323,9 +329,10 @@ def check_cache_room(position: jax.Array, t: int, n: int) -> jax.Array:
     """
     if t > n:
         raise ValueError(f"the KV cache holds {n} tokens, got {t} at once (x's length)")
-    if not isinstance(position, jax.core.Tracer) and int(jnp.max(position)) + t > n:
+    span = checks.concrete_range(position)  # eager even under a jit closing over the cache
+    if span is not None and span[1] + t > n:
         raise ValueError(
-            f"the KV cache holds {n} tokens: {int(jnp.max(position))} written, "
+            f"the KV cache holds {n} tokens: {span[1]} written, "
             f"{t} more do not fit (make the cache longer: init_state(batch, max_length))"
         )
     return position + t > n

@@ -10,9 +10,10 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from linattn_jax.ops.checks import describe
+from linattn_jax.ops.checks import concrete_range, describe, is_concrete
 
 GREEDY_BELOW = 1e-6  # temperatures below it sample greedily: logits / T would overflow
 INT32 = (-(2**31), 2**31 - 1)  # the range of the token ids generate writes (int32)
@@ -133,9 +134,10 @@ def _pad(pad_id: int | None, eos_id: int | None) -> int:
 
 def check_ids(tokens: jax.Array, vocab_size: int, name: str) -> None:
     """Token ids outside ``[0, vocab_size)`` raise, where ``tokens`` is concrete."""
-    if isinstance(tokens, jax.core.Tracer) or tokens.size == 0:
+    span = concrete_range(tokens)  # eager even while a jit traces a closure over tokens
+    if span is None:
         return
-    lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
+    lo, hi = span
     if lo < 0 or hi >= vocab_size:
         raise ValueError(
             f"{name}: token ids must lie in [0, {vocab_size}), got values from {lo} to {hi}"
@@ -147,14 +149,15 @@ def _check_prompt_mask(mask: jax.Array, shape: tuple[int, int]) -> None:
         raise ValueError(
             f"prompt_mask must be bool [batch, length]={shape} like prompt, got {_describe(mask)}"
         )
-    if isinstance(mask, jax.core.Tracer):
+    if not is_concrete(mask):
         return
+    mask = np.asarray(mask)  # numpy: jnp would be staged under a jit that closes over it
     # Left padding: each row False... then True... (a hole would shift the later tokens).
-    rows = jnp.any(mask[:, 1:] < mask[:, :-1], axis=1) | ~mask[:, -1]
-    if bool(jnp.any(rows)):
+    rows = np.any(mask[:, 1:] < mask[:, :-1], axis=1) | ~mask[:, -1]
+    if np.any(rows):
         raise ValueError(
             "prompt_mask must mark left padding only (each row: padding, then real tokens "
-            f"to its end), got a mask that does not in rows {jnp.nonzero(rows)[0].tolist()}"
+            f"to its end), got a mask that does not in rows {np.nonzero(rows)[0].tolist()}"
         )
 
 

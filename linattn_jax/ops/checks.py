@@ -8,7 +8,9 @@ that ``linattn_jax.ops.chunking`` runs over:
 * log-decays ``[b, h, t, g]`` with ``g`` 1 (one gate per head) or the feature
   width (one gate per channel: GLA, KDA), <= 0; ``-inf`` zeroes the state (the
   chunked forms turn it into a reset, ``chunking.decays``);
-* segment resets ``[b, 1, t, 1]``, 1.0 where a new segment starts.
+* segment resets ``[b, 1, t, 1]``, 1.0 where a new segment starts: wherever the id
+  changes (a segment is a run of equal ids, ``segment_runs``; a repeated id later in
+  the row starts a new segment).
 """
 
 from __future__ import annotations
@@ -101,8 +103,28 @@ def default_chunk_size(chunk_size: int | None, g: Array | None) -> int:
 
 
 def is_concrete(x) -> bool:
-    """True when ``x`` holds values now (not a tracer): only then can its range be checked."""
+    """True when ``x`` holds values now (not a tracer): only then can its range be checked.
+
+    An array closed over by a jitted function (``nnx.jit(lambda m: m(tokens))(model)``) is
+    concrete, but what JAX computes from it while tracing is not: ``int(jnp.min(x))`` there
+    raises ``ConcretizationTypeError``. Read a concrete array's values with ``np.asarray``
+    or ``concrete_range``, never with ``jnp`` under a possible trace.
+    """
     return not isinstance(x, jax.core.Tracer)
+
+
+def concrete_range(x) -> tuple | None:
+    """``(min, max)`` of a concrete, non-empty array as Python scalars, else None (a tracer,
+    whose values only exist when the program runs, or an empty array).
+
+    The reductions run eagerly even while a function that closes over ``x`` is being
+    traced (``jax.ensure_compile_time_eval``), on the devices that hold ``x``: only two
+    scalars reach the host, whatever its sharding.
+    """
+    if not is_concrete(x) or x.size == 0:
+        return None
+    with jax.ensure_compile_time_eval():
+        return jnp.min(x).item(), jnp.max(x).item()
 
 
 def token_mask(name: str, mask, b: int, t: int) -> Array | None:
@@ -219,6 +241,16 @@ def segment_resets(segment_ids, b: int, t: int, dtype) -> Array:
     change = segment_ids[:, 1:] != segment_ids[:, :-1]
     change = jnp.concatenate([jnp.zeros((b, 1), bool), change], axis=1)
     return change.astype(dtype)[:, None, :, None]
+
+
+def segment_runs(segment_ids: Array) -> Array:
+    """Each token's segment ``[b, t]`` int32: 0 for a row's first run of ids, one more at
+    every change of id. The library's one rule for packed rows: a segment is a run, so
+    ids ``[0, 0, 1, 1, 0]`` are three segments (the second run of 0 attends to nothing
+    before it), as the recurrences' resets (``segment_resets``) and RoPE's positions."""
+    change = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
+    first = jnp.zeros((segment_ids.shape[0], 1), jnp.int32)
+    return jnp.concatenate([first, jnp.cumsum(change, axis=1, dtype=jnp.int32)], axis=1)
 
 
 def check_mesh(mesh, axis_name: str, batch_axis: str | tuple[str, ...] | None, t: int):

@@ -43,7 +43,10 @@ def features(
             span = max(q.shape[1], k.shape[1]) - 1
             positions = [jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2]) for x in (q, k)]
         elif all(checks.is_concrete(p) and p.size for p in positions):
-            span = int(max(np.max(p) for p in positions) - min(np.min(p) for p in positions))
+            # np.asarray first: np.max would call the array's own max, staged under a jit
+            # that closes over concrete positions.
+            values = [np.asarray(p) for p in positions]
+            span = int(max(np.max(p) for p in values) - min(np.min(p) for p in values))
         else:
             span = None
         max_length = getattr(phi, "max_length", None)
