@@ -14,7 +14,10 @@ compilation cache on disk that lives for one pytest run: the two xdist workers, 
 subprocesses (which inherit the environment) and test files after
 ``jax.clear_caches()`` then load a program compiled before instead of compiling it
 again, which took about a quarter off the suite's CPU time; a cache the caller set
-(``JAX_COMPILATION_CACHE_DIR``) is used instead.
+(``JAX_COMPILATION_CACHE_DIR``) is used instead. JAX writes an entry in place (without a
+size limit, so without its file lock): the other worker, compiling the same program at the
+same moment, can read it half written, warn and compile it itself (pyproject.toml's
+filterwarnings shows that warning rather than failing on it).
 """
 
 import importlib.metadata
@@ -26,7 +29,8 @@ import pytest
 
 COMPILE_FLAGS = {"xla_backend_optimization_level": "0"}
 # XLA aborts at start on a flag it does not know, and XLA:CPU's emitter flags come and go:
-# these two only on the jaxlib they were measured with (0.10).
+# these two only on the jaxlib they were measured with (0.10; jaxlib 0.11 and 0.12 no longer
+# have xla_cpu_use_fusion_emitters, their CPU code generator is the fusion emitters').
 if importlib.metadata.version("jaxlib").startswith("0.10."):
     COMPILE_FLAGS |= {
         "xla_cpu_use_fusion_emitters": "false",
@@ -44,36 +48,6 @@ if _OWN_CACHE:
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 import jax  # noqa: E402  (after XLA_FLAGS: the backend reads them when it starts)
-
-
-def _atomic_cache_writes():
-    """JAX's on-disk cache (without a size limit, so without its file lock) writes an entry
-    in place: the other worker, compiling the same program at the same moment (the test
-    files' module-level setup runs in both at collection), can read it half written and
-    warns ("Error reading persistent compilation cache entry"), an error under
-    filterwarnings. Each entry is written to a file of its own, then renamed into place."""
-    from jax._src import lru_cache
-
-    cache = getattr(lru_cache, "LRUCache", None)
-    if cache is None or not hasattr(lru_cache, "_CACHE_SUFFIX"):
-        return
-    put = cache.put
-
-    def atomic_put(self, key, value):
-        if getattr(self, "eviction_enabled", True) or not key:
-            return put(self, key, value)
-        path = os.path.join(os.fspath(self.path), f"{key}{lru_cache._CACHE_SUFFIX}")
-        if os.path.exists(path):
-            return
-        partial = f"{path}.{os.getpid()}.partial"
-        with open(partial, "wb") as f:
-            f.write(value)
-        os.replace(partial, path)
-
-    cache.put = atomic_put
-
-
-_atomic_cache_writes()
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")

@@ -1,23 +1,29 @@
-"""The chunked forms lower into GPU and TPU programs (``jax.export``, no device needed) with
-no per-token loop and no buffer that grows as t^2: every loop runs at most one step per
-chunk, and the largest buffer grows linearly with the length; and they are chunk-parallel
-there: the loops over chunks carry only the state, every product with a chunk's tokens
-(scores, the triangular system, W and U, the outputs) runs batched outside them."""
+"""The chunked forms lower into GPU and TPU programs (lowered for those platforms as
+``jax.export`` does, no device needed) with no per-token loop and no buffer that grows as
+t^2: every loop runs at most one step per chunk, and the largest buffer grows linearly with
+the length; and they are chunk-parallel there: the loops over chunks carry only the state,
+every product with a chunk's tokens (scores, the triangular system, W and U, the outputs)
+runs batched outside them.
 
-import re
+The programs are read as MLIR (``jax.extend.mlir``'s bindings: operations, their regions,
+operands' defining operations and types), not as text, whose layout changes between
+releases. A ``stablehlo.composite`` is one operation of the program: its decomposition
+(jax 0.12 lowers ``cumsum`` on GPU to a ``chlo.scan`` composite, for the GPU compiler's own
+scan, whose reference decomposition is a serial loop) is not walked."""
+
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo
 
 import linattn_jax as la
 
 C, D = 64, 8  # no width equals a chunk's tokens (16 per channel, 64)
 PLATFORMS = ("cuda", "tpu")
-_CONSTANT = re.compile(r"(%[\w#]+) = stablehlo\.constant dense<(\d+)> : tensor<i32>")
-_BOUND = re.compile(r"stablehlo\.compare\s+LT, %iterArg\w*, (%[\w#]+)")
-_TENSOR = re.compile(r"tensor<((?:\d+x)+)[a-z]+\d*>")
 
 
 def _case(family: str, t: int):
@@ -33,55 +39,105 @@ def _case(family: str, t: int):
     return fn, (q, k / jnp.linalg.norm(k, axis=-1, keepdims=True), v, beta, gate)
 
 
-def _program(family: str, t: int, gradient: bool) -> str:
+def _lower(fn, *args) -> ir.Module:
+    """``fn``'s StableHLO module for GPU and TPU."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=PLATFORMS).compiler_ir("stablehlo")
+
+
+def _program(family: str, t: int, gradient: bool) -> ir.Module:
     fn, args = _case(family, t)
     if gradient:
         loss = lambda *a, fn=fn: jnp.sum(jnp.sin(fn(*a)))
         fn = jax.grad(loss, argnums=tuple(range(len(args))))
-    return jax.export.export(jax.jit(fn), platforms=PLATFORMS)(*args).mlir_module()
+    return _lower(fn, *args)
 
 
-def loop_bounds(text: str) -> list[int]:
-    """The trip count bound of every ``stablehlo.while`` (``lax.scan``, ``fori_loop``)."""
-    bounds = []
-    for function in text.split("func.func")[1:]:
-        constants = dict(_CONSTANT.findall(function))
-        for loop in function.split("stablehlo.while(")[1:]:
-            condition = loop.split("} do {")[0]
-            bounds += [int(constants[name]) for name in _BOUND.findall(condition)]
-    return bounds
+def _functions(module: ir.Module) -> dict[str, ir.Operation]:
+    return {
+        ir.StringAttr(op.attributes["sym_name"]).value: op.operation
+        for op in module.body.operations
+        if op.operation.name == "func.func"
+    }
 
 
-def loop_bodies(text: str) -> list[tuple[int, str]]:
-    """``(trip count bound, body text)`` of every ``stablehlo.while`` (nested loops' text
-    included in their parent's)."""
-    loops = []
-    for function in text.split("func.func")[1:]:
-        constants = dict(_CONSTANT.findall(function))
-        for start in (m.end() for m in re.finditer(r"stablehlo\.while\(", function)):
-            split = function.index("} do {", start)
-            (bound,) = _BOUND.findall(function[start:split])
-            depth, end = 1, split + len("} do {")
-            while depth:
-                depth += {"{": 1, "}": -1}.get(function[end], 0)
-                end += 1
-            loops.append((int(constants[bound]), function[split:end]))
-    return loops
+def _walk(regions, functions: dict[str, ir.Operation]) -> Iterator[ir.Operation]:
+    """Every operation that runs inside ``regions`` (nested regions, and the functions
+    that ``func.call`` enters, each time it enters them), in program order."""
+    for region in regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                inner = inner.operation
+                yield inner
+                if inner.name == "func.call":
+                    callee = ir.FlatSymbolRefAttr(inner.attributes["callee"]).value
+                    yield from _walk(functions[callee].regions, functions)
+                yield from _walk(inner.regions, functions)
 
 
-def products_with_tokens(body: str, c: int) -> list[str]:
-    """The ``dot_general`` lines of ``body`` with an operand or result dimension of ``c``
-    (a chunk's tokens: the widths here are never ``c``)."""
-    dots = [line for line in body.splitlines() if "stablehlo.dot_general" in line]
-    return [line for line in dots if any(
-        str(c) in shape.rstrip("x").split("x") for shape in _TENSOR.findall(line)
-    )]  # fmt: skip
+def _program_ops(module: ir.Module) -> Iterator[ir.Operation]:
+    functions = _functions(module)
+    main = functions["main"]
+    yield main
+    yield from _walk(main.regions, functions)
 
 
-def largest_buffer(text: str) -> int:
-    """The element count of the largest tensor type in the program."""
-    shapes = _TENSOR.findall(text)
-    return max(int(np.prod([int(n) for n in s.rstrip("x").split("x")])) for s in shapes)
+def _trip_bound(loop: ir.Operation) -> int:
+    """The constant ``n`` of a ``stablehlo.while`` whose condition is ``i < n`` (how
+    ``lax.scan`` and ``fori_loop`` lower); an error for any other condition."""
+    (condition,) = loop.regions[0].blocks
+    for op in condition.operations:
+        op = op.operation
+        if op.name != "stablehlo.compare":
+            continue
+        direction = stablehlo.ComparisonDirectionAttr(op.attributes["comparison_direction"])
+        counter, bound = op.operands
+        if direction.value == "LT" and isinstance(counter.owner, ir.Block):
+            constant = bound.owner
+            assert constant.name == "stablehlo.constant", f"not a constant bound: {constant}"
+            return int(
+                ir.DenseIntElementsAttr(constant.attributes["value"]).get_splat_value().value
+            )
+    raise AssertionError(f"no `counter < bound` in the loop's condition: {condition}")
+
+
+def loop_bounds(module: ir.Module) -> list[int]:
+    """The trip count bound of every ``stablehlo.while`` (``lax.scan``, ``fori_loop``)
+    that runs, in program order."""
+    return [_trip_bound(op) for op in _program_ops(module) if op.name == "stablehlo.while"]
+
+
+def loop_bodies(module: ir.Module) -> list[tuple[int, list[ir.Operation]]]:
+    """``(trip count bound, body's operations)`` of every ``stablehlo.while`` that runs
+    (nested loops' and called functions' operations included in their parent's). The
+    operations are valid while ``module`` is alive."""
+    functions = _functions(module)
+    return [
+        (_trip_bound(op), list(_walk([op.regions[1]], functions)))
+        for op in _program_ops(module)
+        if op.name == "stablehlo.while"
+    ]
+
+
+def _shapes(op: ir.Operation) -> list[tuple[int, ...]]:
+    """The shapes of ``op``'s tensor operands and results."""
+    values = [*op.operands, *op.results]
+    return [tuple(v.type.shape) for v in values if isinstance(v.type, ir.RankedTensorType)]
+
+
+def products_with_tokens(body: list[ir.Operation], c: int) -> list[ir.Operation]:
+    """The ``dot_general`` operations of ``body`` with an operand or result dimension of
+    ``c`` (a chunk's tokens: the widths here are never ``c``)."""
+    dots = [op for op in body if op.name == "stablehlo.dot_general"]
+    return [op for op in dots if any(c in shape for shape in _shapes(op))]
+
+
+def largest_buffer(module: ir.Module) -> int:
+    """The element count of the largest tensor in the program (arguments, every
+    operation's operands and results)."""
+    main = _functions(module)["main"]
+    arguments = [tuple(a.type.shape) for a in main.regions[0].blocks[0].arguments]
+    shapes = arguments + [s for op in _program_ops(module) for s in _shapes(op)]
+    return max(int(np.prod(s)) for s in shapes)
 
 
 @pytest.mark.parametrize("family", ["additive_decay", "gla", "gated_deltanet", "kda"])
@@ -89,13 +145,13 @@ def test_chunked_forms_export_without_token_loops_or_quadratic_buffers(family):
     """The gradient's program (which holds the forward too) at two lengths."""
     sizes = {}
     for t in (256, 512):
-        text = _program(family, t, gradient=True)
-        bounds = loop_bounds(text)
+        module = _program(family, t, gradient=True)
+        bounds = loop_bounds(module)
         # One scan step per chunk at most (the additive forms' default chunk is 64, or
         # 16 per channel: more steps there, still one per chunk); no loop over rows.
         chunks = t // (16 if family == "gla" else C)
         assert max(bounds, default=0) <= chunks, (t, sorted(bounds))
-        sizes[t] = largest_buffer(text)
+        sizes[t] = largest_buffer(module)
     assert sizes[512] <= 2 * sizes[256], sizes  # linear in t, not quadratic
     assert sizes[512] < 512**2, sizes
 
@@ -109,17 +165,25 @@ def test_the_loops_over_chunks_carry_only_the_state(family):
     ``[dk, dk] x [dk, dv]`` transition."""
     t = 512
     c = 16 if family == "gla" else C
-    loops = [body for bound, body in loop_bodies(_program(family, t, True)) if bound == t // c]
+    module = _program(family, t, True)  # alive while its operations are read
+    loops = [body for bound, body in loop_bodies(module) if bound == t // c]
     assert len(loops) == 3, len(loops)
     for body in loops:
         assert not products_with_tokens(body, c), products_with_tokens(body, c)[:2]
         if family in ("additive_decay", "gla"):
-            assert "stablehlo.dot_general" not in body
+            assert not [op for op in body if op.name == "stablehlo.dot_general"]
 
 
 def test_the_loop_parser_reads_a_per_token_scan():
-    """The check above would see a loop over tokens: a plain scan of t steps."""
+    """The checks above would see a loop over tokens (a plain scan of t steps), and a
+    product with a chunk's tokens in a loop's body, there inside a function it calls."""
     xs = jnp.ones((300, 4))
     fn = lambda xs: jax.lax.scan(lambda c, x: (c + x, c), jnp.zeros(4), xs)[1]
-    text = jax.export.export(jax.jit(fn), platforms=PLATFORMS)(xs).mlir_module()
-    assert loop_bounds(text) == [300]
+    assert loop_bounds(_lower(fn, xs)) == [300]
+
+    step = jax.jit(lambda s, x: (s + x.T @ x, None))  # lowers as a func.call
+    fn = lambda xs: jax.lax.scan(step, jnp.zeros((D, D)), xs)[0]
+    module = _lower(fn, jnp.ones((3, C, D)))
+    ((bound, body),) = loop_bodies(module)
+    assert bound == 3
+    assert products_with_tokens(body, C)

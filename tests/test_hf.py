@@ -16,13 +16,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 from safetensors.numpy import load_file, save_file
-from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from linattn_jax import hf, sharding
 from tests.helpers import assert_close_normwise
+
+# The reference needs torch (the dev extra's CPU wheel, for the Python it is pinned on): on a
+# Python or machine without it, the module skips and the rest of the suite runs.
+_NO_TORCH = "torch and transformers (the dev extra) are the reference for the Hugging Face tests"
+torch = pytest.importorskip("torch", reason=f"torch is not installed: {_NO_TORCH}")
+transformers = pytest.importorskip(
+    "transformers", reason=f"transformers is not installed: {_NO_TORCH}"
+)
+Qwen3_5Config = transformers.Qwen3_5Config
+Qwen3_5ForCausalLM = transformers.Qwen3_5ForCausalLM
+Qwen3_5TextConfig = transformers.Qwen3_5TextConfig
 
 LOGITS_RTOL = 1e-5  # float32 against float32: the sums' order differs (chunks vs scans)
 # bfloat16 weights and activations against float32 ones: each of the ~25 matmuls rounds to
