@@ -7,6 +7,7 @@ illustrates) is marked by a comment on the line before its fence, with the reaso
 """
 
 import re
+from importlib.util import find_spec
 from pathlib import Path
 
 import jax
@@ -78,6 +79,9 @@ def test_the_parser_sees_markers_and_fences():
 def test_block_runs_on_its_own(name, line, code, reason):
     if reason is not None:
         pytest.skip(f"marked not-run: {reason}")
+    for module in ("torch", "transformers"):  # the dev extra's, not the test extra's
+        if re.search(rf"^(import|from) {module}\b", code, flags=re.M) and not find_spec(module):
+            pytest.skip(f"{module} is not installed (the dev extra): the block imports it")
     # The docs' reader has JAX's default promotion rules, not the tests' strict ones.
     with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
         exec(compile("\n" * line + code, str(ROOT / name), "exec"), {"__name__": "__docs__"})
