@@ -142,10 +142,7 @@ def layer_types(config: Mapping[str, Any]) -> list[str]:
 def check_config(config: Mapping[str, Any]) -> None:
     """Raises ``ValueError`` naming the field of ``config`` that is missing, of the wrong
     type, or that we do not support."""
-    for field in INT_FIELDS:
-        value = config.get(field)
-        if not common.is_int(value) or value < 1:
-            raise ValueError(f"config.json: {field} must be an int >= 1, got {value!r}")
+    common.check_ints(config, INT_FIELDS)
     inner = config["hidden_size"] * config["mamba_expand"]
     if inner != config["mamba_n_heads"] * config["mamba_d_head"]:
         raise ValueError(

@@ -134,10 +134,7 @@ def time_step_limit(value) -> Any:
 def check_config(config: Mapping[str, Any]) -> None:
     """Raises ``ValueError`` naming the field of ``config`` that is missing, of the wrong
     type, or that we do not support."""
-    for field in INT_FIELDS:
-        value = config.get(field)
-        if not common.is_int(value) or value < 1:
-            raise ValueError(f"config.json: {field} must be an int >= 1, got {value!r}")
+    common.check_ints(config, INT_FIELDS)
     inner = config["hidden_size"] * config["expand"]
     if inner != config["num_heads"] * config["head_dim"]:
         raise ValueError(
