@@ -337,38 +337,6 @@ def where_finite(ok: Array, x: Array | None) -> Array | None:
     return jnp.where(mask, x, jnp.zeros((), x.dtype))
 
 
-def finite_values(ok: Array, v: Array) -> tuple[Array, Array, Array]:
-    """A chunk's values ``v [b, h, c, dv]`` for tokens ``ok [b, h, c]``: ``(v with zeros at
-    non-finite entries and at tokens not ok, the outputs to poison [b, h, c, dv], the
-    state's value columns to poison [b, h, 1, dv])``.
-
-    A chunk computes with non-finite inputs replaced by zeros and sets to NaN what the
-    per-token recurrence would make non-finite: every output from a bad token on (a bad
-    key, beta or gate), or one value channel from a non-finite value on (the value
-    channels never mix). Else a masked matmul would spread ``0 * NaN`` to the earlier
-    tokens: causal means an output never depends on a later input.
-    """
-    finite = jnp.isfinite(v)
-    token = ~ok[..., None]
-    outputs = jnp.cumsum(token | ~finite, axis=2) > 0
-    columns = jnp.any(token, axis=2, keepdims=True) | jnp.any(~finite, axis=2, keepdims=True)
-    return where_finite(finite & ~token, v), outputs, columns
-
-
-def poisoned(ok: Array) -> Array:
-    """``[b, h|1, c]`` bool: the tokens at or after the chunk's first one that ``ok`` marks
-    False (see ``finite_values``)."""
-    return jnp.cumsum(~ok, axis=2) > 0
-
-
-def nan_where(mask: Array, x: Array | None) -> Array | None:
-    """``x`` with NaN where ``mask`` (broadcast from the left) is True."""
-    if x is None:
-        return None
-    mask = mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
-    return jnp.where(mask, jnp.full((), jnp.nan, x.dtype), x)
-
-
 def first_index(bad: Array, axis: int) -> Array:
     """The index along ``axis`` of ``bad``'s first True (kept as a size-1 axis), or the
     axis' length where there is none: from there on, what a non-finite input reaches is
