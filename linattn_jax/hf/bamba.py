@@ -66,9 +66,7 @@ def weight_table(config: Mapping[str, Any], prefix: str = PREFIX) -> list[tuple[
     )
     for i, layer_type in enumerate(layer_types(config)):
         own = mixer if layer_type == "linear_attention" else ATTENTION_RULES
-        for rule in BLOCK_RULES + own:
-            name = f"{prefix}layers.{i}.{rule.hf}"
-            rows.append((name, rule.at(name, [f"blocks.{i}.{path}" for path in rule.ours])))
+        rows += common.prefixed(BLOCK_RULES + own, f"{prefix}layers.{i}.", f"blocks.{i}.")
     if not config["tie_word_embeddings"]:
         rows.append((HEAD_RULE.hf, HEAD_RULE))
     return rows

@@ -74,9 +74,7 @@ def weight_table(config: Mapping[str, Any], prefix: str = PREFIX) -> list[tuple[
     rows = [(prefix + r.hf, r) for r in MODEL_RULES]
     mixer = mixer_rules("mixer.", conv_bias=config["use_conv_bias"], bias=config["use_bias"])
     for i in range(config["num_hidden_layers"]):
-        for rule in BLOCK_RULES + mixer:
-            name = f"{prefix}layers.{i}.{rule.hf}"
-            rows.append((name, rule.at(name, [f"blocks.{i}.{path}" for path in rule.ours])))
+        rows += common.prefixed(BLOCK_RULES + mixer, f"{prefix}layers.{i}.", f"blocks.{i}.")
     if not config["tie_word_embeddings"]:
         rows.append((HEAD_RULE.hf, HEAD_RULE))
     return rows

@@ -63,9 +63,7 @@ def weight_table(config: Mapping[str, Any], prefix: str = PREFIX) -> list[tuple[
     )
     own = {"linear_attention": mamba, "full_attention": ATTENTION_RULES, "mlp": MLP_RULES}
     for i, layer_type in enumerate(config["layers_block_type"]):
-        for rule in own[layer_type]:
-            name = f"{prefix}layers.{i}.{rule.hf}"
-            rows.append((name, rule.at(name, [f"blocks.{i}.{path}" for path in rule.ours])))
+        rows += common.prefixed(own[layer_type], f"{prefix}layers.{i}.", f"blocks.{i}.")
     if not config["tie_word_embeddings"]:
         rows.append((HEAD_RULE.hf, HEAD_RULE))
     return rows

@@ -84,9 +84,9 @@ def weight_table(config: Mapping[str, Any], prefix: str = "model.") -> list[tupl
     Face name, the Rule with our full paths)``, in the model's order."""
     rows = [(prefix + r.hf, r) for r in MODEL_RULES]
     for i, layer_type in enumerate(config["layer_types"]):
-        for rule in BLOCK_RULES + LAYER_RULES[layer_type]:
-            name = f"{prefix}layers.{i}.{rule.hf}"
-            rows.append((name, rule.at(name, [f"blocks.{i}.{path}" for path in rule.ours])))
+        rows += common.prefixed(
+            BLOCK_RULES + LAYER_RULES[layer_type], f"{prefix}layers.{i}.", f"blocks.{i}."
+        )
     if not config["tie_word_embeddings"]:
         rows.append((HEAD_RULE.hf, HEAD_RULE))
     return rows
