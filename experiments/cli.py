@@ -7,10 +7,12 @@ that failed).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Sequence
 
+import jax
 from ml_collections import ConfigDict
 
 from experiments.configuration import flatten, load_config, override
@@ -57,7 +59,44 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
         help="on an error, print its traceback above the one-line message, and let "
         "orbax's own logs of a failed save or restore through (held back otherwise)",
     )
+    add_compilation_cache(parser)
     return parser
+
+
+def default_compilation_cache() -> str:
+    """``$XDG_CACHE_HOME/linattn_jax/jax`` (``~/.cache/linattn_jax/jax`` without it)."""
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(home, "linattn_jax", "jax")
+
+
+def add_compilation_cache(parser: argparse.ArgumentParser) -> None:
+    """The ``--compilation_cache DIR`` flag (``use_compilation_cache``'s argument)."""
+    parser.add_argument(
+        "--compilation_cache",
+        metavar="DIR",
+        default=None,
+        help="JAX's persistent compilation cache: programs compiled by an earlier run are "
+        f"read back instead of compiled again (default: {default_compilation_cache()}, or "
+        "JAX_COMPILATION_CACHE_DIR where set; '' turns it off)",
+    )
+
+
+def use_compilation_cache(directory: str | None = None) -> str | None:
+    """Turns on JAX's persistent compilation cache in ``directory`` and returns it.
+
+    None: ``JAX_COMPILATION_CACHE_DIR`` (or JAX's ``jax_compilation_cache_dir``) where the
+    caller set one, else ``default_compilation_cache()``; ``""``: off (returns None). Call
+    it before the first compile: JAX opens its cache once per process. Which programs are
+    cached is JAX's choice (those that took over
+    ``jax_persistent_cache_min_compile_time_secs``, 1 s by default, to compile).
+    """
+    if directory is None:
+        directory = jax.config.jax_compilation_cache_dir or default_compilation_cache()
+    if not directory:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
+    return directory
 
 
 def wants_verbose(argv: Sequence[str] | None) -> bool:

@@ -1,4 +1,4 @@
-"""Writes text with a pretrained Qwen3.5 checkpoint in Hugging Face format.
+"""Writes text with a pretrained checkpoint in Hugging Face format (any of ``hf.MODEL_TYPES``).
 
     python -m experiments.generate --checkpoint DIR --prompt "The capital of France is"
     python -m experiments.generate --checkpoint DIR --prompt "a" --prompt "b" \
@@ -42,12 +42,14 @@ def parser() -> argparse.ArgumentParser:
         "--dtype", choices=hf.pretrained.DTYPES, default=None, help="default: the config's"
     )
     p.add_argument("--verbose", action="store_true", help="print an error's traceback")
+    cli.add_compilation_cache(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Prints each prompt and its continuation; returns the exit status."""
     args = parser().parse_args(argv)
+    cli.use_compilation_cache(args.compilation_cache)
     try:
         tokenizer = hf.load_tokenizer(args.checkpoint)
         model, config = hf.from_pretrained(args.checkpoint, args.dtype)

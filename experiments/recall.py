@@ -218,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = cli.make_parser("python -m experiments.recall", __doc__.split("\n")[0])
     try:
         args, config = cli.parse(parser, argv)
+        cli.use_compilation_cache(args.compilation_cache)
         if config.task != "mqar" or "recall" not in config:
             raise ValueError(f"{args.config} is not a recall config (task mqar with recall.*)")
         runs = grid(config)

@@ -104,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         args, base = cli.parse(parser, argv)
+        cli.use_compilation_cache(args.compilation_cache)
         plans = [sum(c, []) for c in itertools.product(*map(expand, args.sweep))] or [[]]
         configs = []
         for overrides in plans:  # build and validate every run before training any

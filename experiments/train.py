@@ -38,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         args, config = cli.parse(parser, argv)
+        cli.use_compilation_cache(args.compilation_cache)
         if args.print_config:
             print(cli.format_config(config))
             return 0

@@ -1,8 +1,12 @@
 """The trainer's command lines, plots, TensorBoard events and ``experiments.load``."""
 
 import math
+import os
 import re
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import chex
 import jax
@@ -12,9 +16,9 @@ import pytest
 from flax import nnx
 
 import experiments
-from experiments import reporting, sweep, train, trainer
+from experiments import cli, reporting, sweep, train, trainer
 from experiments.configuration import flatten, load_config
-from tests.test_experiments import tiny_config
+from tests.test_experiments import TINY, tiny_config
 
 MQAR = "configs/mqar.py:small"
 
@@ -42,8 +46,16 @@ def test_one_override_syntax_and_print_config(main, capsys):
 @pytest.mark.parametrize(
     "main,flags",
     [
-        (train.main, ["--config", "--workdir", "--print_config", "--verbose", "--multihost"]),
-        (sweep.main, ["--config", "--workdir", "--print_config", "--verbose", "--sweep"]),
+        (
+            train.main,
+            ["--config", "--workdir", "--print_config", "--verbose", "--multihost"]
+            + ["--compilation_cache"],
+        ),
+        (
+            sweep.main,
+            ["--config", "--workdir", "--print_config", "--verbose", "--sweep"]
+            + ["--compilation_cache"],
+        ),
     ],
     ids=["train", "sweep"],
 )
@@ -55,6 +67,25 @@ def test_help_describes_every_flag(main, flags, capsys):
     for flag in flags:  # each flag is followed by its description
         assert re.search(rf"^  {flag}\b.*\n?.*\w{{4}}", out, flags=re.M), flag
     assert "--config.<field>=<value>" in out
+
+
+def test_a_run_writes_the_compilation_cache_by_default(tmp_path):
+    """A run without JAX_COMPILATION_CACHE_DIR and without the flag fills the default
+    cache (under XDG_CACHE_HOME); ``--compilation_cache ''`` turns it off."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env |= {"XDG_CACHE_HOME": str(tmp_path / "xdg"), "JAX_PLATFORMS": "cpu"}
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # every program, however quick
+    flags = [f"--config.{field}" for field in TINY + ["steps=1", "eval_every=1"]]
+    argv = [sys.executable, "-m", "experiments.train", "--config", MQAR, *flags]
+    root = Path(__file__).parents[1]
+    subprocess.run([*argv, "--workdir", str(tmp_path / "a")], env=env, cwd=root, check=True)
+    cache = tmp_path / "xdg" / "linattn_jax" / "jax"
+    assert len(list(cache.iterdir())) >= 2  # the train and eval steps at least
+    try:
+        assert cli.use_compilation_cache("") is None
+        assert not jax.config.jax_enable_compilation_cache
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
 
 
 @pytest.mark.parametrize(
