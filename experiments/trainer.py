@@ -67,7 +67,9 @@ def build_model(config: ConfigDict, mesh: Mesh | None = None) -> nnx.Module:
     m, spec = config.model, TASKS[config.task]
     if config.get("init_from"):  # the checkpoint's model; a resumed run overwrites it
         # float32 parameters whatever model.dtype, as a random initialisation's.
-        return hf.from_pretrained(config.init_from, m.dtype, param_dtype="float32")[0]
+        return hf.from_pretrained(
+            config.init_from, m.dtype, param_dtype="float32", scan_layers=m.scan_layers
+        )[0]
     kind_options = {
         kind: _kind_options(kind, config) for kind in registry.parse_layout(m.attention, m.depth)
     }

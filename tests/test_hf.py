@@ -499,6 +499,12 @@ def test_trainer_builds_its_model_from_a_checkpoint(saved, tmp_path):
     half = trainer.build_model(half)
     assert {x.dtype for x in jax.tree.leaves(nnx_params(half))} == {jnp.dtype(jnp.float32)}
     assert half.blocks[0].attention.q_proj.dtype == jnp.bfloat16
+    scanned = tiny_config("configs/mqar.py:small", f"init_from={path}", "model.scan_layers=true")
+    scanned = trainer.build_model(scanned)  # "untied": one period of 4 layers, stacked 1 deep
+    assert scanned.period == 4
+    np.testing.assert_array_equal(
+        scanned.blocks[3].attention.q_proj.kernel[0], model.blocks[3].attention.q_proj.kernel
+    )
     bad = tiny_config("configs/mqar.py:small", f"init_from={tmp_path}")
     with pytest.raises(ValueError, match=r"init_from=.* has no config.json"):
         trainer.train(bad, tmp_path / "bad")
@@ -694,3 +700,37 @@ def test_a_save_leaves_no_earlier_shards(saved, tmp_path):
         not list(tmp_path.glob("model-*.safetensors"))
         and (tmp_path / "model-00099-of-00099.txt").exists()
     )
+
+
+def test_scanned_layers_load_match_and_save_the_same_files(tmp_path):
+    """``scan_layers=True``: layer ``l`` read into slice ``l // 2`` of block ``l % 2``
+    (attention, Gated DeltaNet, twice: stacked 2 deep); the logits and greedy tokens of the
+    unrolled model, and a save that writes the unrolled model's files byte for byte."""
+    torch.manual_seed(1)
+    layers = ["full_attention", "linear_attention"] * 2
+    config = Qwen3_5TextConfig(**dict(CONFIGS["untied"], layer_types=layers))
+    ref = Qwen3_5ForCausalLM(config).eval()
+    with torch.no_grad():
+        for key, p in ref.named_parameters():
+            if "norm" in key:
+                p.normal_(0.0, 0.3)
+    ref.save_pretrained(tmp_path / "ref")
+    unrolled, ours = hf.from_pretrained(tmp_path / "ref")
+    scanned, _ = hf.from_pretrained(tmp_path / "ref", scan_layers=True)
+    assert (scanned.period, len(scanned.blocks)) == (2, 2)
+    assert scanned.blocks[1].attention.q_proj.kernel.shape[0] == 2  # layers 1 and 3
+    tokens = np.random.default_rng(0).integers(0, SIZES["vocab_size"], (2, 13))
+    mask = jnp.ones(tokens.shape, bool)
+    logits = forward(scanned, jnp.asarray(tokens, jnp.int32), mask)
+    assert_close_normwise(logits, torch_logits(ref, tokens), LOGITS_RTOL)
+    assert_close_normwise(logits, forward(unrolled, jnp.asarray(tokens, jnp.int32), mask), 1e-6)
+    prompt = jnp.asarray(tokens[:1, :5], jnp.int32)
+    np.testing.assert_array_equal(
+        scanned.generate(prompt, 8, temperature=0.0), unrolled.generate(prompt, 8, temperature=0.0)
+    )
+    hf.save_pretrained(scanned, tmp_path / "scanned", ours)
+    hf.save_pretrained(unrolled, tmp_path / "unrolled", ours)
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "scanned" / name).read_bytes() == (
+            tmp_path / "unrolled" / name
+        ).read_bytes(), name

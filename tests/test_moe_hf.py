@@ -159,3 +159,28 @@ def test_qwen3_next_matches_transformers_and_round_trips(tmp_path):
     for key, value in ref.state_dict().items():
         np.testing.assert_array_equal(back.state_dict()[key].numpy(), value.numpy(), err_msg=key)
     assert hf.read_config(tmp_path / "ours") == ours
+
+
+def test_scanned_experts_load_into_their_layer_and_expert_slices(tmp_path):
+    """``scan_layers=True`` with per-expert tensors: expert ``e`` of layer ``l`` is slice
+    ``(l // 2, e)`` of block ``l % 2``'s stacked experts; the unrolled model's logits, and
+    its files on save."""
+    torch.manual_seed(2)
+    layers = ["linear_attention", "full_attention"] * 2
+    ref = randomized(
+        Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**CONFIG, layer_types=layers)).eval()
+    )
+    ref.save_pretrained(tmp_path / "ref")
+    unrolled, config = hf.from_pretrained(tmp_path / "ref")
+    scanned, _ = hf.from_pretrained(tmp_path / "ref", scan_layers=True)
+    assert scanned.blocks[0].mlp.gate.shape[:2] == (2, CONFIG["num_experts"])
+    tokens = np.random.default_rng(3).integers(0, CONFIG["vocab_size"], (2, 11))
+    args = jnp.asarray(tokens, jnp.int32), jnp.ones(tokens.shape, bool)
+    logits = forward(scanned, *args)
+    assert_close_normwise(logits, torch_logits(ref, tokens), LOGITS_RTOL)
+    assert_close_normwise(logits, forward(unrolled, *args), 1e-6)
+    hf.save_pretrained(scanned, tmp_path / "scanned", config)
+    hf.save_pretrained(unrolled, tmp_path / "unrolled", config)
+    for name in ("config.json", "model.safetensors"):
+        a, b = (tmp_path / d / name for d in ("scanned", "unrolled"))
+        assert a.read_bytes() == b.read_bytes(), name

@@ -52,6 +52,9 @@ FLAGS = {
     "--params": dict(type=float, default=0.5e9, help="hf-load: the checkpoint's parameters"),
     "--decode-steps": dict(type=int, default=64, help="hf-load: greedy steps timed (0: none)"),
     "--decode-batch": dict(type=int, default=1, help="hf-load: the decoding batch"),
+    "--prefill": dict(
+        type=int, default=512, help="hf-load: the tokens of the timed forward (0: none)"
+    ),
     "--families": dict(default="", help="recurrences: the families timed (default all)"),
     "--cpu-groups": dict(
         default="", help="recurrences: tokens per group of chunks on CPU (default: one chunk)"
@@ -149,8 +152,9 @@ SUITES = {
     "hf-load": (
         hf_load,
         "load time and peak memory of from_pretrained on a synthetic Qwen3.5 checkpoint of "
-        "--params parameters (written once to --out), and its decoding speed",
-        ("--params", "--decode-steps", "--decode-batch"),
+        "--params parameters (written once to --out), its compile and decoding times, unrolled "
+        "and scanned",
+        ("--params", "--decode-steps", "--decode-batch", "--prefill"),
     ),
 }
 # The flat command line's suite flags, in the order they win: (attribute, suite).

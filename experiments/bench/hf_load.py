@@ -1,12 +1,15 @@
 """``hf-load``: how long ``linattn_jax.hf.from_pretrained`` takes to load a synthetic Qwen3.5
 checkpoint of about ``--params`` parameters (bfloat16), the process's peak memory while it
-does, and the loaded model's decoding speed.
+does, the loaded model's first forward of ``--prefill`` tokens (it compiles) and the next, and
+its first ``generate`` (it compiles) and decoding speed: unrolled and with ``scan_layers=True``
+(the layers' period compiled once), side by side.
 
 The checkpoint (Qwen3.5's layout, three Gated DeltaNet layers to one attention layer,
 its 248,320-token vocabulary, tied embeddings, width 1024; the depth set by ``--params``) is
 written once with ``safetensors`` into ``--out`` and reused. Each measurement runs in a
-fresh process with glibc's default malloc settings, so its peak RSS
-(``resource.getrusage``) is the loader's, beside the RSS after the imports.
+fresh process with glibc's default malloc settings and no compilation cache, so its peak RSS
+(``resource.getrusage``) is the loader's, beside the RSS after the imports, and each first call
+compiles.
 """
 
 from __future__ import annotations
@@ -53,14 +56,23 @@ def rss_mib():
         line = next(l for l in f if l.startswith("VmRSS"))
     return int(line.split()[1]) / 1024
 
-path, steps, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+path, steps, batch, scan = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+prefill = int(sys.argv[5])
 before = rss_mib()
 start = time.perf_counter()
-model, config = hf.from_pretrained(path, jnp.bfloat16)
+model, config = hf.from_pretrained(path, jnp.bfloat16, scan_layers=scan)
 jax.block_until_ready(jax.tree.leaves(model))
 load_s = time.perf_counter() - start
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 out = dict(load_s=load_s, rss_before_mib=before, peak_rss_mib=peak)
+if prefill:
+    from flax import nnx
+    forward = nnx.jit(lambda model, tokens: model(tokens))
+    tokens = jnp.ones((batch, prefill), jnp.int32)
+    for key in ("first_forward_s", "forward_s"):  # the first call compiles
+        start = time.perf_counter()
+        jax.block_until_ready(forward(model, tokens))
+        out[key] = time.perf_counter() - start
 if steps:
     prompt = jnp.ones((batch, 16), jnp.int32)
     start = time.perf_counter()
@@ -125,39 +137,59 @@ def run(args, command: str) -> None:
         os.makedirs(path, exist_ok=True)
         written = write_checkpoint(path, config)
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    result = subprocess.run(
-        [sys.executable, "-c", MEASURE, path, str(args.decode_steps), str(args.decode_batch)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if result.returncode:
-        raise RuntimeError(f"the measuring process failed:\n{result.stderr[-4000:]}")
-    m = json.loads(result.stdout.strip().splitlines()[-1])
+    # A fresh process each (no compilation cache: JAX's is off unless the environment
+    # sets it), with glibc's default malloc.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("MALLOC_") and k != "JAX_COMPILATION_CACHE_DIR"
+    }
+    measured = []
+    for scan in (0, 1):
+        argv = [path, args.decode_steps, args.decode_batch, scan, args.prefill]
+        result = subprocess.run(
+            [sys.executable, "-c", MEASURE, *map(str, argv)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode:
+            raise RuntimeError(f"the measuring process failed:\n{result.stderr[-4000:]}")
+        measured.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    both = lambda fmt, key: [fmt(m[key]) for m in measured]
     rows = [
-        ("command", f"`{command}`"),
-        ("parameters", f"{count / 1e9:.3f} B ({config['num_hidden_layers']} layers)"),
-        ("checkpoint", f"{size / 2**20:.0f} MiB of bfloat16 safetensors"),
-        ("written in", "reused" if written is None else f"{written:.1f} s"),
-        ("load (from_pretrained, bfloat16)", f"{m['load_s']:.2f} s"),
-        ("RSS after the imports", f"{m['rss_before_mib']:.0f} MiB"),
-        ("peak RSS", f"{m['peak_rss_mib']:.0f} MiB"),
+        ("command", [f"`{command}`", ""]),
+        ("parameters", [f"{count / 1e9:.3f} B ({config['num_hidden_layers']} layers)", ""]),
+        ("checkpoint", [f"{size / 2**20:.0f} MiB of bfloat16 safetensors", ""]),
+        ("written in", ["reused" if written is None else f"{written:.1f} s", ""]),
+        ("load (from_pretrained, bfloat16)", both("{:.2f} s".format, "load_s")),
+        ("RSS after the imports", both("{:.0f} MiB".format, "rss_before_mib")),
+        ("peak RSS", both("{:.0f} MiB".format, "peak_rss_mib")),
         (
             "peak RSS - imports, over the checkpoint",
-            f"{(m['peak_rss_mib'] - m['rss_before_mib']) / (size / 2**20):.2f}",
+            [f"{(m['peak_rss_mib'] - m['rss_before_mib']) / (size / 2**20):.2f}" for m in measured],
         ),
     ]
-    if "decode_tokens_per_s" in m:
+    if args.prefill:
         rows += [
-            ("first generate (compiles)", f"{m['first_generate_s']:.1f} s"),
+            (
+                f"first forward of {args.prefill} tokens (compiles)",
+                both("{:.1f} s".format, "first_forward_s"),
+            ),
+            (f"forward of {args.prefill} tokens", both("{:.2f} s".format, "forward_s")),
+        ]
+    if args.decode_steps:
+        rows += [
+            ("first generate (compiles)", both("{:.1f} s".format, "first_generate_s")),
             (
                 f"decode, batch {args.decode_batch}, {args.decode_steps} greedy steps",
-                f"{m['decode_tokens_per_s']:.1f} tokens/s",
+                both("{:.1f} tokens/s".format, "decode_tokens_per_s"),
             ),
         ]
-    table = "| | |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in rows)
+    table = "| | unrolled | scan_layers=True |\n|---|---|---|\n" + "\n".join(
+        f"| {a} | {b} | {c} |" for a, (b, c) in rows
+    )
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "hf_load.md"), "w") as f:
         f.write(table + "\n")

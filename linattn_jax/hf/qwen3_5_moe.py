@@ -237,7 +237,7 @@ def _finish(model, config: Mapping[str, Any]) -> None:
     for _, node in nnx.iter_graph(model):
         # Not a weight: the losses' record starts at zero (the loader fills only weights).
         if isinstance(node, RouterLosses):
-            node.set_value(jnp.zeros(2, jnp.float32))
+            node.set_value(jnp.zeros(node.get_value().shape, jnp.float32))  # [2], stacked
 
 
 FORMAT = common.ModelFormat(
