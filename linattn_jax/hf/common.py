@@ -70,13 +70,14 @@ class Rule:
         type's module adds.
       index: None, or the tensor is the slice ``index`` of our one parameter along its
         first axis (per-expert tensors stacked into one parameter); the conversion then
-        sees that slice's shape.
+        sees that slice's shape. A tuple (of ints and slices) indexes other axes too
+        (Kimi Linear's q, k and v convs: channel ranges of our one conv kernel).
     """
 
     hf: str
     ours: tuple[str, ...]
     how: str
-    index: int | None = None
+    index: int | tuple | None = None
 
     @property
     def conversion(self) -> Conversion:
@@ -106,7 +107,10 @@ def prefixed(
 
 def slice_shapes(rule: Rule, shapes: Shapes) -> Shapes:
     """Our parameters' shapes as the rule's conversion sees them (one slice if indexed)."""
-    return shapes if rule.index is None else [s[1:] for s in shapes]
+    if rule.index is None:
+        return shapes
+    # The slice's shape, from a view that allocates nothing (an int or a tuple of slices).
+    return [np.broadcast_to(np.empty((), bool), s)[rule.index].shape for s in shapes]
 
 
 def hf_shape(rule: Rule, shapes: Shapes) -> tuple[int, ...]:

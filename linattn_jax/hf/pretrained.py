@@ -22,6 +22,7 @@ from linattn_jax import sharding
 from linattn_jax.hf import (
     bamba,
     common,
+    kimi_linear,
     mamba2,
     nemotron_h,
     qwen3_5,
@@ -29,12 +30,14 @@ from linattn_jax.hf import (
     qwen3_next,
     safetensors_io,
 )
+from linattn_jax.layers.moe import RouterBias
 from linattn_jax.models import LanguageModel
 
 DTYPES = ("float32", "bfloat16")
 
 # One entry per model type's module; adding a model type is its module plus a line here.
 _MODULES = (qwen3_5, qwen3_5_moe, qwen3_next, mamba2, bamba, nemotron_h)
+_MODULES += (kimi_linear,)
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: module.FORMAT for module in _MODULES for model_type in module.FORMAT.model_types
 }
@@ -264,9 +267,10 @@ def save_pretrained(
     else:
         fmt = _format_of_model(model)
     merged = fmt.config_for_save(model, config)
-    flat = _flat(nnx.state(model, nnx.Param))
+    weights = nnx.Any(nnx.Param, RouterBias)  # a score bias: a weight the gradient leaves
+    flat = _flat(nnx.state(model, weights))
     table = fmt.weight_table(merged, fmt.prefixes[0])
-    expected = _flat(nnx.state(abstract_model(merged), nnx.Param))
+    expected = _flat(nnx.state(abstract_model(merged), weights))
     if {p: x.shape for p, x in expected.items()} != {p: x.shape for p, x in flat.items()}:
         # the written config must rebuild this model, parameter by parameter
         raise ValueError(
