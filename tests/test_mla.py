@@ -74,11 +74,18 @@ def close(a, b, tol=1e-5):
     assert np.linalg.norm(a - b) <= tol * max(np.linalg.norm(b), 1e-30), np.linalg.norm(a - b)
 
 
+# One compiled program per shape (the eager op-by-op path costs more on CPU).
+call = nnx.jit(lambda layer, x, mask, ids: layer(x, key_mask=mask, segment_ids=ids))
+step = nnx.jit(
+    lambda layer, x, mask, state: layer(x, key_mask=mask, state=state, return_state=True)
+)
+
+
 @pytest.mark.parametrize("q_lora_rank, rope", [(QR, True), (None, False)])
 def test_mla_matches_reference_and_decodes(q_lora_rank, rope):
     layer = make(q_lora_rank=q_lora_rank, rope=rope)
     x = jax.random.normal(jax.random.key(2), (2, 7, W))
-    full = layer(x)
+    full = call(layer, x, None, None)
     for row in range(2):
         close(full[row], reference(layer, x[row], rope))
     # The cache holds the latent and the rope key only, per token.
@@ -86,10 +93,10 @@ def test_mla_matches_reference_and_decodes(q_lora_rank, rope):
     assert isinstance(cache, LatentKVCache)
     assert cache.latent.shape == (2, 12, R) and cache.k_rope.shape == (2, 12, ROPE)
     # Prefill 4, then one token at a time: the absorbed form == the full forward.
-    y, cache = layer(x[:, :4], state=cache, return_state=True)
+    y, cache = step(layer, x[:, :4], None, cache)
     outs = [y]
     for i in range(4, 7):
-        y, cache = layer(x[:, i : i + 1], state=cache, return_state=True)
+        y, cache = step(layer, x[:, i : i + 1], None, cache)
         outs.append(y)
     close(jnp.concatenate(outs, 1), full)
     assert cache.latent.shape == (2, 12, R) and int(cache.position[0]) == 7
@@ -97,25 +104,22 @@ def test_mla_matches_reference_and_decodes(q_lora_rank, rope):
 
 def test_mla_left_padding_and_segments():
     layer = make(q_lora_rank=QR, rope=True)
-    x = jax.random.normal(jax.random.key(3), (1, 5, W))
-    alone = layer(x)
-    # Left padding (with NaN there): the real tokens as alone, padding outputs zero.
-    padded = jnp.concatenate([jnp.full((1, 3, W), jnp.nan), x], 1)
-    mask = jnp.arange(8)[None] >= 3
-    y = layer(padded, key_mask=mask)
-    close(y[:, 3:], alone)
-    assert np.all(np.isfinite(y))
-    # The same padded prompt prefilled into a cache, then a step: as alone.
-    nxt = jax.random.normal(jax.random.key(4), (1, 1, W))
-    want = layer(jnp.concatenate([x, nxt], 1))[:, -1]
-    _, cache = layer(padded, key_mask=mask, state=layer.init_state(1, 10), return_state=True)
-    got, _ = layer(nxt, state=cache, return_state=True)
-    close(got[:, 0], want)
-    # Two packed segments: each as alone (attention and RoPE restart).
-    other = jax.random.normal(jax.random.key(5), (1, 3, W))
-    packed = layer(jnp.concatenate([x, other], 1), segment_ids=jnp.array([[0] * 5 + [1] * 3]))
-    close(packed[:, :5], alone)
-    close(packed[:, 5:], layer(other))
+    key = jax.random.split(jax.random.key(3), 3)
+    x, other, nxt = (jax.random.normal(k, (n, W)) for k, n in zip(key, (5, 3, 1), strict=True))
+    # Row 0: three padded tokens (NaN there), then x; row 1: x and other packed.
+    rows = jnp.stack([jnp.concatenate([jnp.full((3, W), jnp.nan), x]), jnp.concatenate([x, other])])
+    mask = jnp.array([[False] * 3 + [True] * 5, [True] * 8])
+    ids = jnp.array([[0] * 8, [0] * 5 + [1] * 3])
+    y = np.asarray(call(layer, rows, mask, ids))
+    assert np.all(np.isfinite(y)) and not np.any(y[0, :3])  # padding outputs zero
+    alone = reference(layer, x, True)
+    close(y[0, 3:], alone)  # left padding: as alone
+    close(y[1, :5], alone)  # each segment as alone (attention and RoPE restart)
+    close(y[1, 5:], reference(layer, other, True))
+    # The padded prompt prefilled into a cache, then a step: as the prompt alone.
+    _, cache = step(layer, rows[:1], mask[:1], layer.init_state(1, 10))
+    got, _ = step(layer, nxt[None], None, cache)
+    close(got[0, 0], reference(layer, jnp.concatenate([x, nxt]), True)[-1])
 
 
 def test_mla_options_checked():
@@ -138,9 +142,10 @@ def test_mla_options_checked():
             assert param.out_sharding is not None and len(param.out_sharding) == 2, path
 
 
+@pytest.mark.slow  # generate's compile; test_hf_kimi generates through MLA too
 def test_mla_kind_in_a_layout_generates():
     model = LanguageModel(
-        vocab_size=32, width=W, depth=2, num_heads=H, attention=["mla", "gated_deltanet"],
+        vocab_size=32, width=W, depth=2, num_heads=H, attention="1 mla : 1 softmax",
         kind_options={"mla": dict(kv_lora_rank=R, qk_rope_head_dim=ROPE, rope=True,
                                   q_lora_rank=QR)},
         rngs=nnx.Rngs(0),
@@ -151,5 +156,5 @@ def test_mla_kind_in_a_layout_generates():
     out = model.generate(prompt, 4, temperature=0.0)
     tokens = np.asarray(out)
     # Greedy decoding == the argmax of the full forward at every generated position.
-    logits = model(jnp.asarray(tokens[:, :-1]))
+    logits = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens[:, :-1]))
     np.testing.assert_array_equal(np.argmax(logits[:, 4:], -1), tokens[:, 5:])
