@@ -151,3 +151,19 @@ def test_low_rank_queries_load_and_match(tmp_path):
     back = transformers.KimiLinearForCausalLM.from_pretrained(tmp_path / "ours").eval()
     for key, value in ref.state_dict().items():
         np.testing.assert_array_equal(back.state_dict()[key].numpy(), value.numpy(), err_msg=key)
+
+
+@pytest.mark.slow  # compiles a training step of the MoE hybrid
+def test_trainer_fine_tunes_from_a_kimi_checkpoint(pair, tmp_path):
+    """``--config.init_from=DIR``: the run's model is the checkpoint's, and it trains."""
+    from experiments import trainer
+    from tests.test_experiments import tiny_config
+
+    _, path, model, _ = pair
+    config = tiny_config("configs/mqar.py:small", f"init_from={path}", "steps=1", "seq_len=32")
+    built = trainer.build_model(config)
+    weights = lambda m: nnx.state(m, nnx.Any(nnx.Param, RouterBias))
+    jax.tree.map(np.testing.assert_array_equal, weights(built), weights(model))
+    with jax.numpy_dtype_promotion("standard"):
+        final = trainer.train(config, tmp_path / "run")
+    assert np.isfinite(final["loss"]) and final["step"] == 1
