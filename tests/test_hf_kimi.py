@@ -107,6 +107,10 @@ def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
     assert again_config == config
     weights = lambda m: nnx.state(m, nnx.Any(nnx.Param, RouterBias))  # the score bias too
     jax.tree.map(np.testing.assert_array_equal, weights(again), weights(model))
+    # bfloat16 parameters; the score bias stays float32, as transformers keeps it.
+    half, _ = hf.from_pretrained(tmp_path, jnp.bfloat16)
+    assert half.blocks[1].mlp.router.dtype == jnp.bfloat16
+    assert half.blocks[1].mlp.bias.dtype == jnp.float32
     # Without a config: the model's own, which transformers reads alike.
     hf.save_pretrained(model, tmp_path / "bare", model_type="kimi_linear")
     bare = transformers.KimiLinearForCausalLM.from_pretrained(tmp_path / "bare").eval()

@@ -197,6 +197,10 @@ def from_pretrained(
     graphdef, state = nnx.split(abstract_model(config, dtype, param_dtype))
     variables = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(state)}
     flat = {p: v.get_value() for p, v in variables.items()}
+    # Parameters in param_dtype; other weights (a MoE's score bias) keep their own dtype.
+    dtypes = {
+        p: param_dtype if isinstance(v, nnx.Param) else flat[p].dtype for p, v in variables.items()
+    }
     shardings = None if mesh is None else _flat(sharding.place(state, mesh))
     stacks: dict[str, np.ndarray] = {}  # indexed rules' parameters, filled slice by slice
     with safetensors_io.Checkpoint(path) as checkpoint:
@@ -212,11 +216,11 @@ def from_pretrained(
             parts = rule.conversion.to_ours(x, shapes)
             for p, part in zip(rule.ours, parts, strict=True):
                 if rule.index is None:
-                    part = np.asarray(part, param_dtype, order="C")  # cast, transpose: one copy
+                    part = np.asarray(part, dtypes[p], order="C")  # cast, transpose: one copy
                     flat[p] = jax.device_put(part, None if shardings is None else shardings[p])
                     continue
                 if p not in stacks:
-                    stacks[p] = np.empty(flat[p].shape, param_dtype)
+                    stacks[p] = np.empty(flat[p].shape, dtypes[p])
                 stacks[p][rule.index] = part
                 left[p] -= 1
                 if not left[p]:  # every slice read: placed, the host copy dropped
