@@ -171,3 +171,31 @@ def test_trainer_fine_tunes_from_a_kimi_checkpoint(pair, tmp_path):
     with jax.numpy_dtype_promotion("standard"):
         final = trainer.train(config, tmp_path / "run")
     assert np.isfinite(final["loss"]) and final["step"] == 1
+
+
+def test_the_docs_weight_table_lists_every_rule_and_other_forms_are_refused(tmp_path):
+    from pathlib import Path
+
+    from linattn_jax.models import LanguageModel
+
+    page = (Path(__file__).parents[1] / "docs/guide/kimi.md").read_text()
+    k = hf.kimi_linear
+    rules = k.MODEL_RULES + k.NORM_RULES + k.KDA_RULES + k.MLA_Q_RULES + k.MLA_Q_LORA_RULES
+    rules += k.MLA_RULES + k.DENSE_RULES + k.ROUTER_RULES + k.EXPERT_RULES + k.SHARED_RULES
+    for rule in rules + (k.HEAD_RULE,):  # each row names the tensor, or its sibling
+        name = rule.hf.removesuffix(".weight").rsplit(".", 1)[-1]
+        assert rule.hf in page or f"`{name}`" in page, rule.hf
+    assert all(f"{p}_conv1d" in page for p in "qkv")  # the conv's three tensors
+    model = nnx.eval_shape(
+        lambda: LanguageModel(16, 8, 1, 2, attention="softmax", rngs=nnx.Rngs(0))
+    )
+    with pytest.raises(ValueError, match=r"blocks\[0\]: Kimi Linear has kda and mla layers"):
+        hf.save_pretrained(model, tmp_path, model_type="kimi_linear")
+    tied = nnx.eval_shape(
+        lambda: LanguageModel(
+            16, 8, 1, 2, attention="mla", mlp="swiglu", tie_embeddings=True, rngs=nnx.Rngs(0)
+        )
+    )
+    with pytest.raises(ValueError, match="output head is its own"):
+        hf.save_pretrained(tied, tmp_path, model_type="kimi_linear")
+    assert not (tmp_path / "config.json").exists()
