@@ -310,7 +310,8 @@ def test_bad_gate_and_kind_raise():
 
 
 def test_kimi_output_gate_options():
-    """Kimi Linear's KDA: ``W_g`` of low rank and ``RMSNorm(o) * sigmoid(g)``."""
+    """Kimi Linear's KDA: ``W_g`` of low rank and ``RMSNorm(o) * sigmoid(g)`` (the whole
+    layer against transformers' in tests/test_hf_kimi.py)."""
     layer = _layer("kda", output_gate_rank=3, output_gate_activation="sigmoid")
     first, second = layer.g_proj.layers
     assert first.kernel.shape == (W, 3) and second.kernel.shape == (3, W)
@@ -321,8 +322,6 @@ def test_kimi_output_gate_options():
     expected = o / jnp.sqrt(jnp.mean(o * o, -1, keepdims=True) + norm.epsilon)
     expected = expected * norm.scale[...][None, None, None] / (1 + jnp.exp(-g))
     np.testing.assert_allclose(norm(o, g), expected, **tol(jnp.float32))
-    y = layer(_x())
-    assert y.shape == (B, T, W) and bool(jnp.all(jnp.isfinite(y)))
     with pytest.raises(ValueError, match="output_gate_activation must be one of"):
         _layer("kda", output_gate_activation="relu")
     with pytest.raises(ValueError, match="output_gate_rank needs output_gate=True"):
