@@ -307,3 +307,24 @@ def test_bad_gate_and_kind_raise():
         _layer("kda", causal=False).init_state(B)
     with pytest.raises(ValueError, match="state"):
         _layer("kda")(_x(), state=layers.LinearAttentionCache(None, None))
+
+
+def test_kimi_output_gate_options():
+    """Kimi Linear's KDA: ``W_g`` of low rank and ``RMSNorm(o) * sigmoid(g)`` (the whole
+    layer against transformers' in tests/test_hf_kimi.py)."""
+    layer = _layer("kda", output_gate_rank=3, output_gate_activation="sigmoid")
+    first, second = layer.g_proj.layers
+    assert first.kernel.shape == (W, 3) and second.kernel.shape == (3, W)
+    assert first.kernel.out_sharding == ("embed", None)
+    o = _x(1, (B, T, H, W // H))
+    g = _x(2, (B, T, H, W // H))
+    norm = layer.output_norm
+    expected = o / jnp.sqrt(jnp.mean(o * o, -1, keepdims=True) + norm.epsilon)
+    expected = expected * norm.scale[...][None, None, None] / (1 + jnp.exp(-g))
+    np.testing.assert_allclose(norm(o, g), expected, **tol(jnp.float32))
+    with pytest.raises(ValueError, match="output_gate_activation must be one of"):
+        _layer("kda", output_gate_activation="relu")
+    with pytest.raises(ValueError, match="output_gate_rank needs output_gate=True"):
+        _layer("kda", output_gate_rank=3, output_gate=False)
+    with pytest.raises(ValueError, match="output_gate_rank"):
+        _layer("kda", output_gate_rank=0)

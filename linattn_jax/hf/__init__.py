@@ -15,7 +15,7 @@ The layout: one module per model type over a shared loader.
   ``CONVERSIONS`` (``copy``, ``linear``, ``split``, ``conv``; ``Rule.index`` stacks
   per-expert tensors into one parameter), ``ModelFormat``, and the checks of config fields.
 * one module per model type (``qwen3_5``, ``qwen3_5_moe``, ``qwen3_next``, ``mamba2``,
-  ``bamba``, ``nemotron_h``): its ``FORMAT``, a ``common.ModelFormat``, holds
+  ``bamba``, ``nemotron_h``; ``kimi_linear``): its ``FORMAT``, a ``common.ModelFormat``, holds
   ``normalize_config`` (``config.json``'s fields checked, an unsupported one refused by
   name, defaults as ``transformers``'), ``model_options`` (``LanguageModel``'s
   arguments), ``weight_table`` (every tensor's name, our parameter path(s) and conversion)
@@ -29,6 +29,7 @@ The layout: one module per model type over a shared loader.
 from linattn_jax.hf import (
     bamba,
     common,
+    kimi_linear,
     mamba2,
     nemotron_h,
     qwen3_5,
@@ -62,6 +63,7 @@ __all__ = [
     "format_of",
     "from_pretrained",
     "generate_text",
+    "kimi_linear",
     "load_tokenizer",
     "mamba2",
     "nemotron_h",

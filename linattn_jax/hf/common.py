@@ -71,7 +71,8 @@ class Rule:
       index: None, or the tensor is the slice ``index`` of our one parameter along its
         first axis (per-expert tensors stacked into one parameter); the conversion then
         sees that slice's shape. A tuple (of ints and slices) indexes other axes too
-        (a scanned model's layers: ``(layer // period, expert)``).
+        (a scanned model's layers: ``(layer // period, expert)``; Kimi Linear's q, k and v
+        convs: channel ranges of our one conv kernel).
     """
 
     hf: str

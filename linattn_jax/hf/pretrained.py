@@ -25,6 +25,7 @@ from linattn_jax import sharding
 from linattn_jax.hf import (
     bamba,
     common,
+    kimi_linear,
     mamba2,
     nemotron_h,
     qwen3_5,
@@ -32,12 +33,14 @@ from linattn_jax.hf import (
     qwen3_next,
     safetensors_io,
 )
+from linattn_jax.layers.moe import RouterBias
 from linattn_jax.models import LanguageModel
 
 DTYPES = ("float32", "bfloat16")
 
 # One entry per model type's module; adding a model type is its module plus a line here.
 _MODULES = (qwen3_5, qwen3_5_moe, qwen3_next, mamba2, bamba, nemotron_h)
+_MODULES += (kimi_linear,)
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: module.FORMAT for module in _MODULES for model_type in module.FORMAT.model_types
 }
@@ -238,6 +241,10 @@ def from_pretrained(
     graphdef, state = nnx.split(abstract)
     variables = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(state)}
     flat = {p: v.get_value() for p, v in variables.items()}
+    # Parameters in param_dtype; other weights (a MoE's score bias) keep their own dtype.
+    dtypes = {
+        p: param_dtype if isinstance(v, nnx.Param) else flat[p].dtype for p, v in variables.items()
+    }
     shardings = None if mesh is None else _flat(sharding.place(state, mesh))
     stacks: dict[str, np.ndarray] = {}  # indexed rules' parameters, filled slice by slice
     with safetensors_io.Checkpoint(path) as checkpoint:
@@ -253,11 +260,11 @@ def from_pretrained(
             parts = rule.conversion.to_ours(x, shapes)
             for p, part in zip(rule.ours, parts, strict=True):
                 if rule.index is None:
-                    part = np.asarray(part, param_dtype, order="C")  # cast, transpose: one copy
+                    part = np.asarray(part, dtypes[p], order="C")  # cast, transpose: one copy
                     flat[p] = jax.device_put(part, None if shardings is None else shardings[p])
                     continue
                 if p not in stacks:
-                    stacks[p] = np.empty(flat[p].shape, param_dtype)
+                    stacks[p] = np.empty(flat[p].shape, dtypes[p])
                 stacks[p][rule.index] = part
                 left[p] -= 1
                 if not left[p]:  # every slice read: placed, the host copy dropped
@@ -309,10 +316,11 @@ def save_pretrained(
     else:
         fmt = _format_of_model(unrolled)
     merged = fmt.config_for_save(unrolled, config)
-    flat = _flat(nnx.state(model, nnx.Param))
+    weights = nnx.Any(nnx.Param, RouterBias)  # a score bias: a weight the gradient leaves
+    flat = _flat(nnx.state(model, weights))
     table = scanned_table(fmt.weight_table(merged, fmt.prefixes[0]), model.period)
     rebuilt = abstract_model(merged, scan_layers=model.period is not None)
-    expected = _flat(nnx.state(rebuilt, nnx.Param))
+    expected = _flat(nnx.state(rebuilt, weights))
     if {p: x.shape for p, x in expected.items()} != {p: x.shape for p, x in flat.items()}:
         # the written config must rebuild this model, parameter by parameter
         raise ValueError(

@@ -39,7 +39,13 @@ from linattn_jax.layers.moe import MoE
 from linattn_jax.layers.norms import GatedRMSNorm, RMSNorm
 from linattn_jax.layers.recurrent import SequenceSharding, run_causal
 from linattn_jax.layers.registry import ATTENTION_KINDS, KINDS, AttentionKind, make_attention
-from linattn_jax.layers.softmax import LINEAR_ONLY_OPTIONS, KVCache, SoftmaxAttention
+from linattn_jax.layers.softmax import (
+    LINEAR_ONLY_OPTIONS,
+    KVCache,
+    LatentAttention,
+    LatentKVCache,
+    SoftmaxAttention,
+)
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -62,6 +68,8 @@ __all__ = [
     "HeadGate",
     "HedgehogFeatureMap",
     "KVCache",
+    "LatentAttention",
+    "LatentKVCache",
     "LinearAttention",
     "LinearAttentionCache",
     "Mamba2Cache",

@@ -10,6 +10,9 @@ Kautz and Hatamizadeh, ICLR 2025, "Gated Delta Networks"; FLA's layers)::
     o       = delta_rule(q, k, v, beta, gate=g, scale=1 / sqrt(dk))
     y       = W_o dropout(RMSNorm(o) * SiLU(W_g x))                      # per head
 
+(Kimi Linear's KDA: ``W_g`` of low rank, ``output_gate_rank``, and ``sigmoid`` for SiLU,
+``output_gate_activation``.)
+
 ``"deltanet"`` has no gate, ``"gated_deltanet"`` one log-decay per head,
 ``"kda"`` (Kimi Delta Attention) one per key channel, ``W_a`` then a low-rank
 projection ``width -> gate_rank -> h * dk`` and ``dt_bias`` one per channel.
@@ -42,7 +45,7 @@ from linattn_jax.layers.common import (
 )
 from linattn_jax.layers.conv import CausalConv1D
 from linattn_jax.layers.gates import MambaGate
-from linattn_jax.layers.norms import GatedRMSNorm
+from linattn_jax.layers.norms import GATE_ACTIVATIONS, GatedRMSNorm
 from linattn_jax.layers.recurrent import SequenceSharding, run_causal
 from linattn_jax.ops import checks, delta
 
@@ -89,6 +92,10 @@ class DeltaRuleAttention(nnx.Module):
         (default 4); 0 turns it off (SiLU still follows the projections).
       output_gate: gate the output RMSNorm with ``SiLU(W_g x)`` (default True);
         False leaves the RMSNorm alone.
+      output_gate_rank: ``W_g`` through this low rank, ``width -> rank -> hv * dv``
+        (Kimi Linear's ``g_a_proj``/``g_b_proj``, rank dk); None (default): one matrix.
+      output_gate_activation: the gate's ``"silu"`` (default; FLA, Qwen3-Next) or
+        ``"sigmoid"`` (Kimi Linear's gated norm).
       allow_negative_eigenvalues: ``beta = 2 sigmoid(W_beta x)`` in [0, 2] instead
         of [0, 1] (Grazzi et al. 2025; default False).
       gate_rank: the rank of KDA's gate projection (default dk); other variants
@@ -131,6 +138,8 @@ class DeltaRuleAttention(nnx.Module):
         variant: str = "gated_deltanet",
         conv_size: int = 4,
         output_gate: bool = True,
+        output_gate_rank: int | None = None,
+        output_gate_activation: str = "silu",
         allow_negative_eigenvalues: bool = False,
         gate_rank: int | None = None,
         causal: bool = True,
@@ -166,6 +175,15 @@ class DeltaRuleAttention(nnx.Module):
             if variant != "kda":
                 raise ValueError(f"gate_rank is KDA's (variant='kda'), got variant={variant!r}")
             checks.check_int("gate_rank", gate_rank, 1)
+        if output_gate_activation not in GATE_ACTIVATIONS:
+            raise ValueError(
+                f"output_gate_activation must be one of {GATE_ACTIVATIONS}, got "
+                f"{output_gate_activation!r}"
+            )
+        if output_gate_rank is not None:
+            if not output_gate:
+                raise ValueError("output_gate_rank needs output_gate=True")
+            checks.check_int("output_gate_rank", output_gate_rank, 1)
         self.width, self.num_heads, self.key_dim, self.value_dim = width, h, dk, dv
         self.num_v_heads = hv
         self.variant, self.causal = variant, causal
@@ -199,9 +217,20 @@ class DeltaRuleAttention(nnx.Module):
         elif variant == "kda":
             gate = MambaGate(width, hv, dk, dk if gate_rank is None else gate_rank, **options)
         self.gate = nnx.data(gate)
-        self.g_proj = nnx.data(linear(width, hv * dv, *heads_in) if output_gate else None)
+        g_proj = None
+        if output_gate and output_gate_rank is None:
+            g_proj = linear(width, hv * dv, *heads_in)
+        elif output_gate:
+            g_proj = nnx.Sequential(
+                linear(width, output_gate_rank, sharding.EMBED, None),
+                linear(output_gate_rank, hv * dv, None, sharding.HEADS),
+            )
+        self.g_proj = nnx.data(g_proj)
         # In float32 whatever dtype (Flax's RMSNorm would promote bfloat16 with float32).
-        self.output_norm = GatedRMSNorm(dv, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
+        self.output_norm = GatedRMSNorm(
+            dv, activation=output_gate_activation, dtype=jnp.float32, param_dtype=param_dtype,
+            rngs=rngs,
+        )  # fmt: skip
         self.out_proj = linear(hv * dv, width, sharding.HEADS, sharding.EMBED)
         # Last: its RNG stream (rate > 0) must not shift the parameters' initialisation.
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs if dropout_rate > 0 else None)

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+GATE_ACTIVATIONS = ("silu", "sigmoid")  # GatedRMSNorm's
+
 
 class RMSNorm(nnx.RMSNorm):
     """``nnx.RMSNorm`` over the last axis, or its zero-centred form.
@@ -64,16 +66,24 @@ class RMSNorm(nnx.RMSNorm):
 
 
 class GatedRMSNorm(RMSNorm):
-    """``RMSNorm(x) * SiLU(gate)``: the output norm of Gated DeltaNet and KDA (FLA's
-    ``FusedRMSNormGated``, Qwen3-Next's ``RMSNormGated``), per head.
+    """``RMSNorm(x) * act(gate)``: the output norm of Gated DeltaNet and KDA (FLA's
+    ``FusedRMSNormGated``, Qwen3-Next's ``RMSNormGated``: ``act`` SiLU; Kimi Linear's:
+    sigmoid), per head.
 
-    Args: as ``RMSNorm``.
+    Args: as ``RMSNorm``, and ``activation``: ``"silu"`` (default) or ``"sigmoid"``.
     """
 
+    def __init__(self, num_features: int, *, activation: str = "silu", **options: Any):
+        if activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"activation must be one of {GATE_ACTIVATIONS}, got {activation!r}")
+        super().__init__(num_features, **options)
+        self.activation = activation
+
     def __call__(self, x: jax.Array, gate: jax.Array | None = None) -> jax.Array:
-        """``x [..., d]`` normalised, times ``SiLU(gate [..., d])`` in the gate's dtype when
+        """``x [..., d]`` normalised, times ``act(gate [..., d])`` in the gate's dtype when
         a gate is given (the plain ``RMSNorm`` when None)."""
         y = super().__call__(x)
         if gate is None:
             return y
-        return y.astype(gate.dtype) * jax.nn.silu(gate)
+        act = jax.nn.silu if self.activation == "silu" else jax.nn.sigmoid
+        return y.astype(gate.dtype) * act(gate)

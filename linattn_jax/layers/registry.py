@@ -15,7 +15,7 @@ from flax import nnx
 from linattn_jax.layers.delta import DeltaRuleAttention
 from linattn_jax.layers.linear import LinearAttention
 from linattn_jax.layers.mamba2 import Mamba2Mixer
-from linattn_jax.layers.softmax import SoftmaxAttention
+from linattn_jax.layers.softmax import LatentAttention, SoftmaxAttention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +73,16 @@ _SOFTMAX_OPTIONS = (
     "output_gate",
     "sliding_window",
 )
+_MLA_OPTIONS = (
+    "num_heads",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope",
+    "rope_theta",
+)
 _DELTA_OPTIONS = ("num_heads", "num_v_heads", "head_dim", "value_head_dim", "conv_size")
 _DELTA = dict(section="delta", section_options=_DELTA_OPTIONS)
 _MAMBA2_OPTIONS = ("num_heads", "head_dim", "state_dim", "n_groups", "expand", "conv_size")
@@ -90,6 +100,15 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
             takes_max_length=True,
             section="softmax",
             section_options=_SOFTMAX_OPTIONS,
+        ),
+        # Multi-head latent attention (DeepSeek-V2/V3, Kimi Linear): a compressed KV cache.
+        "mla": AttentionKind(
+            LatentAttention,
+            "MLA",
+            sequence_parallel=False,
+            takes_max_length=True,
+            section="mla",
+            section_options=_MLA_OPTIONS,
         ),
         "gla": AttentionKind(
             LinearAttention,
@@ -150,6 +169,7 @@ def make_attention(kind: str, width: int, num_heads: int, **options: Any) -> nnx
     ``normalize=False``: an output RMSNorm per head); ``"deltanet"``,
     ``"gated_deltanet"``, ``"kda"``: ``DeltaRuleAttention`` of that variant; ``"mamba2"``:
     ``Mamba2Mixer`` (``num_heads`` its SSD heads).
+    ``"mla"``: ``LatentAttention`` (multi-head latent attention).
 
     Raises:
       ValueError: an unknown kind, the kind without a mixer (``"mlp"``), or an option that
