@@ -15,7 +15,7 @@ The layout: one module per model type over a shared loader.
   ``CONVERSIONS`` (``copy``, ``linear``, ``split``, ``conv``; ``Rule.index`` stacks
   per-expert tensors into one parameter), ``ModelFormat``, and the checks of config fields.
 * one module per model type (``qwen3_5``, ``qwen3_5_moe``, ``qwen3_next``, ``mamba2``,
-  ``bamba``, ``nemotron_h``): its ``FORMAT``, a ``common.ModelFormat``, holds
+  ``bamba``, ``nemotron_h``, ``minimax``): its ``FORMAT``, a ``common.ModelFormat``, holds
   ``normalize_config`` (``config.json``'s fields checked, an unsupported one refused by
   name, defaults as ``transformers``'), ``model_options`` (``LanguageModel``'s
   arguments), ``weight_table`` (every tensor's name, our parameter path(s) and conversion)
@@ -30,6 +30,7 @@ from linattn_jax.hf import (
     bamba,
     common,
     mamba2,
+    minimax,
     nemotron_h,
     qwen3_5,
     qwen3_5_moe,
@@ -64,6 +65,7 @@ __all__ = [
     "generate_text",
     "load_tokenizer",
     "mamba2",
+    "minimax",
     "nemotron_h",
     "qwen3_5",
     "qwen3_5_moe",

@@ -122,7 +122,7 @@ class LightningAttention(nnx.Module):
         self.width, self.num_heads, self.causal = width, num_heads, True
         self.layer_index, self.num_layers = layer_index, num_layers
         self.method, self.chunk_size, self.dtype = method, chunk_size, dtype
-        self.decay = nnx.data(jnp.asarray(gamma, jnp.float32))
+        self.decay = tuple(float(g) for g in gamma)  # static: fixed, not a parameter
         self.sharding = nnx.data(
             None if sequence_axis is None else SequenceSharding(sequence_axis, batch_axis, mesh)
         )
@@ -179,7 +179,8 @@ class LightningAttention(nnx.Module):
             for p in (self.q_proj, self.k_proj, self.v_proj)
         )
         position = None if state is None else state.position
-        options = dict(decay=self.decay, feature_map="identity", normalize=False)
+        decay = jnp.asarray(self.decay, jnp.float32)
+        options = dict(decay=decay, feature_map="identity", normalize=False)
         out, s = run_causal(
             additive,
             q,
