@@ -69,14 +69,15 @@ class Rule:
         (rows split in the order of ``ours``, each transposed), ``"conv"``, or one a model
         type's module adds.
       index: None, or the tensor is the slice ``index`` of our one parameter along its
-        first axis (per-expert tensors stacked into one parameter); the conversion then
-        sees that slice's shape.
+        first axis (per-expert tensors stacked into one parameter), or a tuple of slices
+        (``x[index]``: OLMo-Hybrid's q, k and v convolutions, the channels of our one); the
+        conversion then sees that slice's shape.
     """
 
     hf: str
     ours: tuple[str, ...]
     how: str
-    index: int | None = None
+    index: int | tuple[slice, ...] | None = None
 
     @property
     def conversion(self) -> Conversion:
@@ -95,7 +96,10 @@ def rules(*rows) -> tuple[Rule, ...]:
 
 
 def prefixed(
-    rows: Sequence[Rule], hf_prefix: str, ours_prefix: str, index: int | None = None
+    rows: Sequence[Rule],
+    hf_prefix: str,
+    ours_prefix: str,
+    index: int | tuple[slice, ...] | None = None,
 ) -> list[tuple[str, Rule]]:
     """``(full hf name, rule with full paths)`` for rows under a layer's prefixes."""
     return [
@@ -106,7 +110,11 @@ def prefixed(
 
 def slice_shapes(rule: Rule, shapes: Shapes) -> Shapes:
     """Our parameters' shapes as the rule's conversion sees them (one slice if indexed)."""
-    return shapes if rule.index is None else [s[1:] for s in shapes]
+    if rule.index is None:
+        return shapes
+    if isinstance(rule.index, tuple):  # a view's shape: nothing allocated
+        return [np.broadcast_to(np.uint8(0), s)[rule.index].shape for s in shapes]
+    return [s[1:] for s in shapes]
 
 
 def hf_shape(rule: Rule, shapes: Shapes) -> tuple[int, ...]:

@@ -1,6 +1,7 @@
 """The layers floor: Flax NNX modules that own parameters and call ``linattn_jax.ops``.
 
-One file per layer kind (``linear``, ``delta``, ``softmax``, ``mamba2``, ``lightning``), the pieces they share
+One file per layer kind (``linear``, ``delta``, ``softmax``, ``mamba2``,
+``lightning``), the pieces they share
 (``conv``, ``gates``, ``feature_maps``, ``norms``, ``rope``, ``common``), the mixture of
 experts (``moe``), the dispatch
 between a decoding step, the sequence-parallel form and the full-sequence form written

@@ -153,6 +153,9 @@ class TransformerBlock(nnx.Module):
       attention_residual: ``(alpha, beta)``: the attention half is ``alpha * residual +
         beta * attn(...)`` (MiniMax-01's ``*_attn_alpha_factor``, ``*_attn_beta_factor``).
       mlp_residual: ``(alpha, beta)`` of the MLP half likewise (``mlp_alpha_factor``, ...).
+      post_norm: the norms after each half instead of before, ``x + norm(f(x))`` (OLMo 2's
+        and OLMo-Hybrid's attention blocks; ``attention_norm`` and ``mlp_norm`` are then
+        ``post_attention_layernorm`` and ``post_feedforward_layernorm``).
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
       param_dtype: the parameters' dtype, as in Flax.
@@ -174,6 +177,7 @@ class TransformerBlock(nnx.Module):
         normed_residual: bool = False,
         attention_residual: tuple[float, float] = (1.0, 1.0),
         mlp_residual: tuple[float, float] = (1.0, 1.0),
+        post_norm: bool = False,
         rngs: nnx.Rngs,
         dtype=None,
         param_dtype=jnp.float32,
@@ -187,7 +191,10 @@ class TransformerBlock(nnx.Module):
         checks.check_int("mlp_hidden", hidden, 1)
         checks.check_int("short_conv", short_conv, 0)
         checks.check_bool("normed_residual", normed_residual)
-        self.normed_residual = normed_residual
+        checks.check_bool("post_norm", post_norm)
+        if post_norm and (normed_residual or short_conv):
+            raise ValueError("post_norm takes no normed_residual or short_conv")
+        self.normed_residual, self.post_norm = normed_residual, post_norm
         self.attention_residual = _residual_factors("attention_residual", attention_residual)
         self.mlp_residual = _residual_factors("mlp_residual", mlp_residual)
         mixer = registry.get(attention).layer is not None
@@ -237,7 +244,7 @@ class TransformerBlock(nnx.Module):
         if self.attention is None:  # an MLP-only layer
             x = self._mlp_half(x, key_mask, state is None and not return_state)
             return (x, BlockState(None, None)) if return_state else x
-        h = self.attention_norm(x)
+        h = x if self.post_norm else self.attention_norm(x)
         residual = h if self.normed_residual else x
         conv_state = None
         if self.conv is not None:
@@ -255,12 +262,16 @@ class TransformerBlock(nnx.Module):
         if return_state:
             h, attention_state = h
             state = BlockState(attention_state, conv_state)
+        if self.post_norm:
+            h = self.attention_norm(h)
         x = _add(residual, h, self.attention_residual)
         if self.mlp is not None:
             x = self._mlp_half(x, key_mask, state is None and not return_state)
         return (x, state) if return_state else x
 
     def _mlp_half(self, x, key_mask, recording: bool):
+        if self.post_norm:
+            return _add(x, self.mlp_norm(self._mlp(x, key_mask, recording)), self.mlp_residual)
         h = self.mlp_norm(x)
         residual = h if self.normed_residual else x
         return _add(residual, self._mlp(h, key_mask, recording), self.mlp_residual)
