@@ -161,7 +161,8 @@ def make_attention(kind: str, width: int, num_heads: int, **options: Any) -> nnx
     the identity map without a denominator (``feature_map="identity"``,
     ``normalize=False``: an output RMSNorm per head); ``"deltanet"``,
     ``"gated_deltanet"``, ``"kda"``: ``DeltaRuleAttention`` of that variant; ``"mamba2"``:
-    ``Mamba2Mixer`` (``num_heads`` its SSD heads).
+    ``Mamba2Mixer`` (``num_heads`` its SSD heads); ``"lightning"``: ``LightningAttention``
+    (MiniMax-01; ``layer_index``, ``num_layers`` its place in the model).
 
     Raises:
       ValueError: an unknown kind, the kind without a mixer (``"mlp"``), or an option that
