@@ -131,3 +131,15 @@ def test_all_gathered_bytes_are_read_from_hlo_text():
         comm.communication_bytes(1, 4096, 2, 16, 16, 16, 8, decayed=True)["linear_state_allgather"]
         == 7 * 2 * (16 * 17 + 1) * 4
     )
+
+
+def test_the_moe_benchmark_compares_equal_active_parameters():
+    from experiments.bench import moe
+
+    row = moe.measure(16, 32, 1)
+    experts = row["moe_params"] - 16 * moe.EXPERTS  # the router apart
+    assert experts * moe.TOP_K // moe.EXPERTS == row["dense_params"]  # the active ones
+    assert 0 < row["dispatch_share"] and row["moe_ms"] > 0 and row["moe_scratch_mib"] >= 0
+    assert moe.table([row]).splitlines()[-1].startswith("| 16 | 32 |")
+    suite, args = cli.parse(["moe", "--moe-widths", "16", "--tokens", "32"])
+    assert (suite, args.moe_widths, args.tokens) == ("moe", "16", 32)

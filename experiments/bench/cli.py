@@ -1,9 +1,10 @@
 """The command line of ``python -m experiments.benchmark``: one subcommand per suite
 (``forms``, ``recurrences``, ``decode``, ``comm``, ``fsdp``, ``train-step``, ``compile``,
-``hf-load``, ``peers``, ``triangular``), each taking only its own flags, and the flat command
-line without a subcommand, which takes every flag and runs the suite that ``--recurrences``,
-``--decode``, ``--comm`` or ``--train-steps`` names (the forms when none does; ``compile``,
-``fsdp``, ``hf-load``, ``peers`` and ``triangular`` are subcommands only).
+``hf-load``, ``peers``, ``triangular``, ``moe``), each taking only its own flags, and the flat
+command line without a subcommand, which takes every flag and runs the suite that
+``--recurrences``, ``--decode``, ``--comm`` or ``--train-steps`` names (the forms when none
+does; ``compile``, ``fsdp``, ``hf-load``, ``peers``, ``triangular`` and ``moe`` are
+subcommands only).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from experiments.bench import (
     forms,
     fsdp,
     hf_load,
+    moe,
     peers,
     recurrences,
     train_step,
@@ -71,6 +73,8 @@ FLAGS = {
     ),
     "--heads": dict(type=int, default=8, help="peers: heads of the Performer case"),
     "--limit-s": dict(type=float, default=300.0, help="seconds each triangular case may run"),
+    "--moe-widths": dict(default="256,512,1024", help="moe: the model widths, comma-separated"),
+    "--tokens": dict(type=int, default=4096, help="moe: the tokens of each step"),
     "--out": dict(default="bench_out", help="the folder the results are written to"),
 }
 
@@ -157,6 +161,12 @@ SUITES = {
         ("--params", "--decode-steps", "--decode-batch", "--prefill"),
     ),
 }
+SUITES["moe"] = (
+    moe,
+    "a MoE layer's training step against a dense SwiGLU of the same active parameters at "
+    "--moe-widths, its scratch memory, and the dispatch's share",
+    ("--moe-widths", "--tokens", "--repeats"),
+)
 # The flat command line's suite flags, in the order they win: (attribute, suite).
 PICKS = (("comm", "comm"), ("train_steps", "train-step"), ("recurrences", "recurrences"))
 PICKS += (("decode", "decode"),)

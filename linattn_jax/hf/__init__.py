@@ -15,7 +15,8 @@ The layout: one module per model type over a shared loader.
   ``CONVERSIONS`` (``copy``, ``linear``, ``split``, ``conv``; ``Rule.index`` stacks
   per-expert tensors into one parameter), ``ModelFormat``, and the checks of config fields.
 * one module per model type (``qwen3_5``, ``qwen3_5_moe``, ``qwen3_next``, ``mamba2``,
-  ``bamba``, ``nemotron_h``; ``kimi_linear``): its ``FORMAT``, a ``common.ModelFormat``, holds
+  ``bamba``, ``nemotron_h``, ``kimi_linear``, ``minimax``, ``olmo_hybrid``): its ``FORMAT``, a
+  ``common.ModelFormat``, holds
   ``normalize_config`` (``config.json``'s fields checked, an unsupported one refused by
   name, defaults as ``transformers``'), ``model_options`` (``LanguageModel``'s
   arguments), ``weight_table`` (every tensor's name, our parameter path(s) and conversion)
@@ -31,7 +32,9 @@ from linattn_jax.hf import (
     common,
     kimi_linear,
     mamba2,
+    minimax,
     nemotron_h,
+    olmo_hybrid,
     qwen3_5,
     qwen3_5_moe,
     qwen3_next,
@@ -66,7 +69,9 @@ __all__ = [
     "kimi_linear",
     "load_tokenizer",
     "mamba2",
+    "minimax",
     "nemotron_h",
+    "olmo_hybrid",
     "qwen3_5",
     "qwen3_5_moe",
     "qwen3_next",

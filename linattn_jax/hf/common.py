@@ -71,8 +71,8 @@ class Rule:
       index: None, or the tensor is the slice ``index`` of our one parameter along its
         first axis (per-expert tensors stacked into one parameter); the conversion then
         sees that slice's shape. A tuple (of ints and slices) indexes other axes too
-        (a scanned model's layers: ``(layer // period, expert)``; Kimi Linear's q, k and v
-        convs: channel ranges of our one conv kernel).
+        (a scanned model's layers: ``(layer // period, expert)``; Kimi Linear's and
+        OLMo-Hybrid's q, k and v convs: channel ranges of our one conv kernel).
     """
 
     hf: str
@@ -97,7 +97,10 @@ def rules(*rows) -> tuple[Rule, ...]:
 
 
 def prefixed(
-    rows: Sequence[Rule], hf_prefix: str, ours_prefix: str, index: int | None = None
+    rows: Sequence[Rule],
+    hf_prefix: str,
+    ours_prefix: str,
+    index: int | tuple[slice, ...] | None = None,
 ) -> list[tuple[str, Rule]]:
     """``(full hf name, rule with full paths)`` for rows under a layer's prefixes."""
     return [

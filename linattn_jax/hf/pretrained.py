@@ -27,7 +27,9 @@ from linattn_jax.hf import (
     common,
     kimi_linear,
     mamba2,
+    minimax,
     nemotron_h,
+    olmo_hybrid,
     qwen3_5,
     qwen3_5_moe,
     qwen3_next,
@@ -41,6 +43,8 @@ DTYPES = ("float32", "bfloat16")
 # One entry per model type's module; adding a model type is its module plus a line here.
 _MODULES = (qwen3_5, qwen3_5_moe, qwen3_next, mamba2, bamba, nemotron_h)
 _MODULES += (kimi_linear,)
+_MODULES += (minimax,)
+_MODULES += (olmo_hybrid,)
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: module.FORMAT for module in _MODULES for model_type in module.FORMAT.model_types
 }

@@ -1,6 +1,7 @@
 """The layers floor: Flax NNX modules that own parameters and call ``linattn_jax.ops``.
 
-One file per layer kind (``linear``, ``delta``, ``softmax``, ``mamba2``), the pieces they share
+One file per layer kind (``linear``, ``delta``, ``softmax``, ``mamba2``,
+``lightning``), the pieces they share
 (``conv``, ``gates``, ``feature_maps``, ``norms``, ``rope``, ``common``), the mixture of
 experts (``moe``), the dispatch
 between a decoding step, the sequence-parallel form and the full-sequence form written
@@ -33,6 +34,7 @@ from linattn_jax.layers.feature_maps import (
     RandomProjection,
 )
 from linattn_jax.layers.gates import ChannelGate, HeadGate, MambaGate
+from linattn_jax.layers.lightning import LightningAttention, lightning_decays
 from linattn_jax.layers.linear import GATES, LinearAttention, LinearAttentionCache
 from linattn_jax.layers.mamba2 import GroupedGatedRMSNorm, Mamba2Cache, Mamba2Mixer
 from linattn_jax.layers.moe import MoE
@@ -70,6 +72,7 @@ __all__ = [
     "KVCache",
     "LatentAttention",
     "LatentKVCache",
+    "LightningAttention",
     "LinearAttention",
     "LinearAttentionCache",
     "Mamba2Cache",
@@ -83,6 +86,7 @@ __all__ = [
     "SoftmaxAttention",
     "SwiGLU",
     "TransformerBlock",
+    "lightning_decays",
     "make_attention",
     "mlp_layout",
     "moe",

@@ -97,6 +97,23 @@ class ReLU2MLP(nnx.Module):
         return self.down_proj(jnp.square(jax.nn.relu(self.up_proj(x))))
 
 
+def _residual_factors(name: str, factors) -> tuple[float, float]:
+    """``(alpha, beta)`` as two floats, or a ValueError naming ``name``."""
+    if not isinstance(factors, tuple | list) or len(factors) != 2:
+        raise ValueError(f"{name} must be two numbers (alpha, beta), got {factors!r}")
+    for factor in factors:
+        checks.check_number(name, factor)
+    return float(factors[0]), float(factors[1])
+
+
+def _add(residual, h, factors: tuple[float, float]):
+    """``alpha * residual + beta * h`` (``residual + h`` for the usual ``(1, 1)``)."""
+    if factors == (1.0, 1.0):
+        return residual + h
+    alpha, beta = factors
+    return residual * jnp.asarray(alpha, residual.dtype) + h * jnp.asarray(beta, h.dtype)
+
+
 _MLP_CLASSES = {"gelu": MLP, "swiglu": SwiGLU, "relu2": ReLU2MLP}
 
 
@@ -131,6 +148,14 @@ class TransformerBlock(nnx.Module):
       short_conv: kernel size of a causal depthwise convolution before attention
         (``CausalConv1D``, which does not reach across ``segment_ids``; 0: none);
         causal blocks only.
+      normed_residual: each half's residual is its normed input, ``norm(x) + f(norm(x))``,
+        not ``x + f(norm(x))`` (MiniMax-01's blocks).
+      attention_residual: ``(alpha, beta)``: the attention half is ``alpha * residual +
+        beta * attn(...)`` (MiniMax-01's ``*_attn_alpha_factor``, ``*_attn_beta_factor``).
+      mlp_residual: ``(alpha, beta)`` of the MLP half likewise (``mlp_alpha_factor``, ...).
+      post_norm: the norms after each half instead of before, ``x + norm(f(x))`` (OLMo 2's
+        and OLMo-Hybrid's attention blocks; ``attention_norm`` and ``mlp_norm`` are then
+        ``post_attention_layernorm`` and ``post_feedforward_layernorm``).
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
       param_dtype: the parameters' dtype, as in Flax.
@@ -149,6 +174,10 @@ class TransformerBlock(nnx.Module):
         moe: Mapping[str, Any] | None = None,
         zero_centred_norm: bool = False,
         short_conv: int = 0,
+        normed_residual: bool = False,
+        attention_residual: tuple[float, float] = (1.0, 1.0),
+        mlp_residual: tuple[float, float] = (1.0, 1.0),
+        post_norm: bool = False,
         rngs: nnx.Rngs,
         dtype=None,
         param_dtype=jnp.float32,
@@ -161,6 +190,13 @@ class TransformerBlock(nnx.Module):
         hidden = mlp_ratio * width if mlp_hidden is None else mlp_hidden
         checks.check_int("mlp_hidden", hidden, 1)
         checks.check_int("short_conv", short_conv, 0)
+        checks.check_bool("normed_residual", normed_residual)
+        checks.check_bool("post_norm", post_norm)
+        if post_norm and (normed_residual or short_conv):
+            raise ValueError("post_norm takes no normed_residual or short_conv")
+        self.normed_residual, self.post_norm = normed_residual, post_norm
+        self.attention_residual = _residual_factors("attention_residual", attention_residual)
+        self.mlp_residual = _residual_factors("mlp_residual", mlp_residual)
         mixer = registry.get(attention).layer is not None
         if not mixer and mlp == "none":
             raise ValueError('a block needs a mixer or an MLP: attention="mlp" with mlp="none"')
@@ -206,9 +242,10 @@ class TransformerBlock(nnx.Module):
 
     def __call__(self, x, *, key_mask=None, segment_ids=None, state=None, return_state=False):
         if self.attention is None:  # an MLP-only layer
-            x = x + self._mlp(self.mlp_norm(x), key_mask, state is None and not return_state)
+            x = self._mlp_half(x, key_mask, state is None and not return_state)
             return (x, BlockState(None, None)) if return_state else x
-        h = self.attention_norm(x)
+        h = x if self.post_norm else self.attention_norm(x)
+        residual = h if self.normed_residual else x
         conv_state = None
         if self.conv is not None:
             # Padding must not reach the next tokens' window (a replacement, not a product).
@@ -225,10 +262,19 @@ class TransformerBlock(nnx.Module):
         if return_state:
             h, attention_state = h
             state = BlockState(attention_state, conv_state)
-        x = x + h
+        if self.post_norm:
+            h = self.attention_norm(h)
+        x = _add(residual, h, self.attention_residual)
         if self.mlp is not None:
-            x = x + self._mlp(self.mlp_norm(x), key_mask, state is None and not return_state)
+            x = self._mlp_half(x, key_mask, state is None and not return_state)
         return (x, state) if return_state else x
+
+    def _mlp_half(self, x, key_mask, recording: bool):
+        if self.post_norm:
+            return _add(x, self.mlp_norm(self._mlp(x, key_mask, recording)), self.mlp_residual)
+        h = self.mlp_norm(x)
+        residual = h if self.normed_residual else x
+        return _add(residual, self._mlp(h, key_mask, recording), self.mlp_residual)
 
     def _mlp(self, h, key_mask, recording: bool):
         if isinstance(self.mlp, MoE):

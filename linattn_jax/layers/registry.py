@@ -13,6 +13,7 @@ from typing import Any
 from flax import nnx
 
 from linattn_jax.layers.delta import DeltaRuleAttention
+from linattn_jax.layers.lightning import LightningAttention
 from linattn_jax.layers.linear import LinearAttention
 from linattn_jax.layers.mamba2 import Mamba2Mixer
 from linattn_jax.layers.softmax import LatentAttention, SoftmaxAttention
@@ -38,6 +39,8 @@ class AttentionKind:
         (``model.<section>.<option>``: ``"softmax"``, ``"delta"``), or None.
       section_options: the options read from that section (``num_heads`` there overrides
         the model's for this kind's layers).
+      takes_layer_index: whether its layer takes ``layer_index=`` and ``num_layers=``
+        (its place in the model: Lightning's decays); the stack passes them.
     """
 
     layer: Callable[..., nnx.Module] | None
@@ -49,6 +52,7 @@ class AttentionKind:
     takes_max_length: bool = False
     section: str | None = None
     section_options: tuple[str, ...] = ()
+    takes_layer_index: bool = False
 
 
 _LINEAR_OPTIONS = (
@@ -146,6 +150,14 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
             section="mamba2",
             section_options=_MAMBA2_OPTIONS,
         ),
+        "lightning": AttentionKind(
+            LightningAttention,
+            "Lightning attention",
+            options=("method", "chunk_size"),
+            section="lightning",
+            section_options=("num_heads", "head_dim"),
+            takes_layer_index=True,
+        ),
         # No mixer: an MLP-only block (Nemotron-H's "-" layers).
         "mlp": AttentionKind(None, "MLP only"),
     }
@@ -168,7 +180,8 @@ def make_attention(kind: str, width: int, num_heads: int, **options: Any) -> nnx
     the identity map without a denominator (``feature_map="identity"``,
     ``normalize=False``: an output RMSNorm per head); ``"deltanet"``,
     ``"gated_deltanet"``, ``"kda"``: ``DeltaRuleAttention`` of that variant; ``"mamba2"``:
-    ``Mamba2Mixer`` (``num_heads`` its SSD heads).
+    ``Mamba2Mixer`` (``num_heads`` its SSD heads); ``"lightning"``: ``LightningAttention``
+    (MiniMax-01; ``layer_index``, ``num_layers`` its place in the model).
     ``"mla"``: ``LatentAttention`` (multi-head latent attention).
 
     Raises:

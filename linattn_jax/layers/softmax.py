@@ -74,6 +74,9 @@ class SoftmaxAttention(nnx.Module):
       rotary_dim: rotate only the first ``rotary_dim`` channels (instead of a factor).
       qk_norm: an RMSNorm over each head's q and k, before RoPE (Qwen3, Qwen3-Next).
       zero_centred_qk_norm: those RMSNorms in the ``x * (1 + w)`` form (``layers.norms``).
+      qk_norm_over_heads: with ``qk_norm``, one RMSNorm over all of q's heads
+        (``[num_heads * head_dim]``) and one over all of k's (``[num_kv_heads * head_dim]``)
+        instead of one per head (OLMo 2, OLMo 3, OLMo-Hybrid).
       output_gate: gated attention (Qiu et al. 2025; Qwen3-Next): ``q_proj`` also makes a
         gate per head and channel (laid out ``[q_h | gate_h]`` per head) and the output is
         ``attention * sigmoid(gate)`` before ``out_proj``.
@@ -109,6 +112,7 @@ class SoftmaxAttention(nnx.Module):
         rotary_dim: int | None = None,
         qk_norm: bool = False,
         zero_centred_qk_norm: bool = False,
+        qk_norm_over_heads: bool = False,
         output_gate: bool = False,
         sliding_window: int | None = None,
         rngs: nnx.Rngs,
@@ -125,6 +129,10 @@ class SoftmaxAttention(nnx.Module):
         check_dropout_rate(dropout_rate)
         check_flags(rope=rope, qk_norm=qk_norm, output_gate=output_gate, causal=causal)
         check_flags(zero_centred_qk_norm=zero_centred_qk_norm)
+        check_flags(qk_norm_over_heads=qk_norm_over_heads)
+        if qk_norm_over_heads and not qk_norm:
+            raise ValueError("qk_norm_over_heads=True needs qk_norm=True")
+        self.qk_norm_over_heads = qk_norm_over_heads
         if sliding_window is not None:
             checks.check_int("sliding_window", sliding_window, 1)
         self.width, self.num_heads, self.num_kv_heads, self.head_dim = width, h, kv, hd
@@ -142,13 +150,13 @@ class SoftmaxAttention(nnx.Module):
         self.k_proj = linear(width, kv * hd, embed, kv_heads)
         self.v_proj = linear(width, kv * hd, embed, kv_heads)
         self.out_proj = linear(h * hd, width, heads, embed)
-        norm = lambda: RMSNorm(
-            hd, zero_centred=zero_centred_qk_norm, dtype=jnp.float32, param_dtype=param_dtype,
-            rngs=rngs,
+        norm = lambda heads: RMSNorm(
+            hd * (heads if qk_norm_over_heads else 1), zero_centred=zero_centred_qk_norm,
+            dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs,
         )  # fmt: skip
         self.q_norm, self.k_norm = (
-            nnx.data(norm() if qk_norm else None),
-            nnx.data(norm() if qk_norm else None),
+            nnx.data(norm(h) if qk_norm else None),
+            nnx.data(norm(kv) if qk_norm else None),
         )
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs if dropout_rate > 0 else None)
 
@@ -211,7 +219,10 @@ class SoftmaxAttention(nnx.Module):
             q, gate = jnp.split(q, 2, axis=-1)
         # Scores and softmax in float32, like linear attention's sums.
         q, k, v = (y.astype(jnp.float32) for y in (q, k, v))
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_over_heads:
+            over = lambda norm, y: norm(y.reshape(*y.shape[:2], -1)).reshape(y.shape)
+            q, k = over(self.q_norm, q), over(self.k_norm, k)
+        elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         new_state = None
         if state is not None or return_state:

@@ -76,15 +76,25 @@ def make_blocks(
     options = check_options(kind_options, remat, scan_layers)
     mlps = mlp_layout(kwargs.pop("mlp", "gelu"), depth)
 
-    def block(kind: str, mlp: str, rngs: nnx.Rngs) -> TransformerBlock:
+    def block(kind: str, mlp: str, rngs: nnx.Rngs, index: int = 0) -> TransformerBlock:
         own = {**kwargs, **options.get(kind, {})}
+        if registry.get(kind).takes_layer_index:  # Lightning's decays: its place in the depth
+            own.update(layer_index=index, num_layers=depth)
         heads = own.pop("num_heads", num_heads)
         mlp = own.pop("mlp", mlp)  # a kind's own (kind_options: Nemotron-H's mixer-only)
         return TransformerBlock(width, heads, attention=kind, mlp=mlp, rngs=rngs, **own)
 
     if not scan_layers:
-        layers = [block(kind, mlp, rngs) for kind, mlp in zip(kinds, mlps, strict=True)]
+        layers = [
+            block(kind, mlp, rngs, i) for i, (kind, mlp) in enumerate(zip(kinds, mlps, strict=True))
+        ]
         return nnx.List(layers), kinds, None
+    fixed = sorted({k for k in kinds if registry.get(k).takes_layer_index})
+    if fixed:
+        raise ValueError(
+            f"scan_layers stacks identical layers, but {fixed}'s layers differ by depth "
+            "(fixed per-layer decays): use scan_layers=False"
+        )
     period = registry.layout_period(list(zip(kinds, mlps, strict=True)))
     stacked = []
     for kind, mlp in zip(kinds[:period], mlps[:period], strict=True):
