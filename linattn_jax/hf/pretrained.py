@@ -223,9 +223,10 @@ def from_pretrained(
       scan_layers: build the model with its layers scanned (``models.stack``: the layout's
         period, e.g. the 4 layers of ``"3 gated_deltanet : 1 softmax"``, compiled once and
         run ``depth / period`` times; its parameters stacked ``depth / period`` deep, each
-        layer's tensors read into its slice): compiling the forward and ``generate`` takes
-        a fraction of the unrolled model's time, the outputs are the same to float32
-        rounding. ``save_pretrained`` writes either form. False: one block per layer.
+        layer's tensors read into its slice): one period in the program whatever the
+        depth (XLA already compiles identical unrolled layers once, so the compile time
+        falls by less: docs/benchmarks.md), the outputs the same to float32 rounding.
+        ``save_pretrained`` writes either form. False: one block per layer.
 
     Returns:
       ``(model, config)``: the ``LanguageModel`` (``model(tokens)``, ``model.generate``)
