@@ -131,3 +131,15 @@ def test_all_gathered_bytes_are_read_from_hlo_text():
         comm.communication_bytes(1, 4096, 2, 16, 16, 16, 8, decayed=True)["linear_state_allgather"]
         == 7 * 2 * (16 * 17 + 1) * 4
     )
+
+
+def test_recurrences_time_the_ssd_beside_the_additive_form():
+    from experiments.bench import recurrences
+
+    rows = recurrences.measure([32], 1, 32, names=("ssd",), chunk_sizes=(16,))
+    assert [(r["recurrence"], r["method"]) for r in rows] == [
+        ("noncausal", ""),
+        ("ssd", "chunked C=16"),
+        ("ssd", "scan"),
+    ]
+    assert all(r["fwd_bwd_scratch_mib"] > 0 for r in rows)
