@@ -22,6 +22,7 @@ from linattn_jax import sharding
 from linattn_jax.hf import (
     bamba,
     common,
+    granitemoehybrid,
     mamba2,
     nemotron_h,
     qwen3_5,
@@ -35,6 +36,7 @@ DTYPES = ("float32", "bfloat16")
 
 # One entry per model type's module; adding a model type is its module plus a line here.
 _MODULES = (qwen3_5, qwen3_5_moe, qwen3_next, mamba2, bamba, nemotron_h)
+_MODULES += (granitemoehybrid,)
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: module.FORMAT for module in _MODULES for model_type in module.FORMAT.model_types
 }
@@ -229,6 +231,19 @@ def from_pretrained(
     return nnx.merge(graphdef, state), config
 
 
+def _multipliers(model) -> tuple:
+    """``(embedding_multiplier, logits_scaling, ((each block's residual_multiplier, its
+    softmax attention's score scale or None), ...))``: what the weights do not hold."""
+
+    def scale(attention):
+        if not hasattr(attention, "scale"):
+            return None
+        return attention.head_dim**-0.5 if attention.scale is None else attention.scale
+
+    blocks = tuple((b.residual_multiplier, scale(b.attention)) for b in model.blocks)
+    return (model.embedding_multiplier, model.logits_scaling, blocks)
+
+
 def save_pretrained(
     model: LanguageModel,
     path: str | os.PathLike,
@@ -272,6 +287,12 @@ def save_pretrained(
         raise ValueError(
             f"the {fmt.name} config made for the model builds other parameters (a bug of "
             "its config_for_save)"
+        )
+    if _multipliers(abstract_model(merged)) != _multipliers(model):
+        raise ValueError(
+            f"the model's multipliers {_multipliers(model)} are not the {fmt.name} config's "
+            f"{_multipliers(abstract_model(merged))} (embedding, logits, each block's residual "
+            "and its attention's scale; a model type without them has all 1 and head_dim ** -0.5)"
         )
     rows = dict(table)
 

@@ -3,6 +3,7 @@ ReLU, or none), with or without a mixer (the hybrids' mixer-only and MLP-only la
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -101,14 +102,57 @@ _MLP_CLASSES = {"gelu": MLP, "swiglu": SwiGLU, "relu2": ReLU2MLP}
 
 
 class BlockState(NamedTuple):
-    """A ``TransformerBlock``'s decoding state: its attention's and its convolution's."""
+    """A ``TransformerBlock``'s decoding state: its attention's, its convolution's and (a
+    parallel block's) its second mixer's."""
 
     attention: Any
     conv: jax.Array | None
+    parallel: Any = None
+
+
+def check_multiplier(name: str, value: Any) -> None:
+    """Raises ``ValueError`` unless ``value`` is a finite number > 0 (a model multiplier)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (ok and 0 < value < math.inf):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _branch_multipliers(value) -> tuple[tuple[float, float], tuple[float, float]]:
+    """``((in, out), (in, out))`` as floats, each checked by ``check_multiplier``."""
+    try:
+        (in_1, out_1), (in_2, out_2) = value
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"branch_multipliers must be ((in, out), (in, out)), got {value!r}"
+        ) from None
+    names = ("branch_multipliers[0][0]", "branch_multipliers[0][1]")
+    names += ("branch_multipliers[1][0]", "branch_multipliers[1][1]")
+    for name, v in zip(names, (in_1, out_1, in_2, out_2), strict=True):
+        check_multiplier(name, v)
+    return (float(in_1), float(out_1)), (float(in_2), float(out_2))
+
+
+def _parallel_mixer(parallel, width, num_heads, mixer, short_conv, rngs, dtype, param_dtype):
+    """The parallel block's second mixer (``TransformerBlock``'s ``parallel``), or None."""
+    if parallel is None:
+        return None
+    if not isinstance(parallel, Mapping) or "attention" not in parallel:
+        raise ValueError(
+            f"parallel must be None or a dict with 'attention' (a kind), got {parallel!r}"
+        )
+    if not mixer or short_conv:
+        raise ValueError("parallel needs a block with a mixer and no short_conv")
+    options = dict(parallel)
+    kind, heads = options.pop("attention"), options.pop("num_heads", None)
+    if registry.get(kind).layer is None:
+        raise ValueError(f"parallel's attention must be a mixer kind, got {kind!r}")
+    options = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, **options)
+    return registry.make_attention(kind, width, heads or num_heads, **options)
 
 
 class TransformerBlock(nnx.Module):
-    """Pre-norm block: ``x + attn(conv(norm(x)))``, then ``x + mlp(norm(x))``; either half
+    """Pre-norm block: ``x + attn(conv(norm(x)))`` (with ``parallel``, ``x + out_1
+    attn(in_1 norm(x)) + out_2 parallel(in_2 norm(x))``), then ``x + mlp(norm(x))``; either half
     may be absent (``attention="mlp"``: the MLP alone; ``mlp="none"``: the mixer alone, as
     Mamba-2's blocks and the hybrids' Mamba and attention layers).
 
@@ -131,6 +175,16 @@ class TransformerBlock(nnx.Module):
       short_conv: kernel size of a causal depthwise convolution before attention
         (``CausalConv1D``, which does not reach across ``segment_ids``; 0: none);
         causal blocks only.
+      residual_multiplier: each half's output times this before it is added to the residual
+        stream (Granite's ``residual_multiplier``; 1: none).
+      parallel: a second mixer run beside the first on the same normalised input, their
+        outputs added (a parallel hybrid, Falcon-H1's attention beside Mamba-2):
+        ``{"attention": kind, **its options}`` (``num_heads`` there: its own heads; the
+        block's dtype and rngs); None: one mixer.
+      branch_multipliers: ``((in, out), (in, out))`` of the mixer and the parallel one: each
+        reads its input times ``in`` and its output is taken times ``out`` (Falcon-H1's
+        ``attention_in_multiplier``, ``attention_out_multiplier``, ``ssm_in_multiplier``,
+        ``ssm_out_multiplier``); all 1: none.
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
       param_dtype: the parameters' dtype, as in Flax.
@@ -149,12 +203,17 @@ class TransformerBlock(nnx.Module):
         moe: Mapping[str, Any] | None = None,
         zero_centred_norm: bool = False,
         short_conv: int = 0,
+        residual_multiplier: float = 1.0,
+        parallel: Mapping[str, Any] | None = None,
+        branch_multipliers: Sequence[Sequence[float]] = ((1.0, 1.0), (1.0, 1.0)),
         rngs: nnx.Rngs,
         dtype=None,
         param_dtype=jnp.float32,
         **attention_kwargs,
     ):
         checks.check_sizes(width=width, num_heads=num_heads)  # the layer checks the rest
+        check_multiplier("residual_multiplier", residual_multiplier)
+        branch_multipliers = _branch_multipliers(branch_multipliers)
         checks.check_int("mlp_ratio", mlp_ratio, 1)
         if mlp not in MLPS:
             raise ValueError(f"mlp must be one of {MLPS}, got {mlp!r}")
@@ -187,6 +246,10 @@ class TransformerBlock(nnx.Module):
             )
         else:
             self.attention = nnx.data(None)
+        self.parallel = nnx.data(
+            _parallel_mixer(parallel, width, num_heads, mixer, short_conv, rngs, dtype, param_dtype)
+        )
+        self.branch_multipliers = branch_multipliers
         options = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         if mlp == "moe":
             if not isinstance(moe, Mapping):
@@ -196,19 +259,25 @@ class TransformerBlock(nnx.Module):
             self.mlp = nnx.data(
                 _MLP_CLASSES[mlp](width, hidden, **options) if mlp != "none" else None
             )
-        self.width = width
+        self.width, self.residual_multiplier = width, float(residual_multiplier)
 
     def init_state(self, batch: int, max_length: int | None = None) -> BlockState:
         conv = None if self.conv is None else self.conv.init_state(batch)
         if self.attention is None:
             return BlockState(None, conv)
-        return BlockState(self.attention.init_state(batch, max_length), conv)
+        parallel = None if self.parallel is None else self.parallel.init_state(batch, max_length)
+        return BlockState(self.attention.init_state(batch, max_length), conv, parallel)
 
     def __call__(self, x, *, key_mask=None, segment_ids=None, state=None, return_state=False):
         if self.attention is None:  # an MLP-only layer
-            x = x + self._mlp(self.mlp_norm(x), key_mask, state is None and not return_state)
+            x = self._add(
+                x, self._mlp(self.mlp_norm(x), key_mask, state is None and not return_state)
+            )
             return (x, BlockState(None, None)) if return_state else x
-        h = self.attention_norm(x)
+        h = normed = self.attention_norm(x)
+        (in_1, out_1), (in_2, out_2) = self.branch_multipliers
+        if in_1 != 1.0:
+            h = h * in_1
         conv_state = None
         if self.conv is not None:
             # Padding must not reach the next tokens' window (a replacement, not a product).
@@ -222,13 +291,34 @@ class TransformerBlock(nnx.Module):
             state=None if state is None else state.attention,
             return_state=return_state,
         )
+        parallel_state = None
         if return_state:
             h, attention_state = h
-            state = BlockState(attention_state, conv_state)
-        x = x + h
+        if out_1 != 1.0:
+            h = h * out_1
+        if self.parallel is not None:
+            g = self.parallel(
+                normed if in_2 == 1.0 else normed * in_2,
+                key_mask=key_mask,
+                segment_ids=segment_ids,
+                state=None if state is None else state.parallel,
+                return_state=return_state,
+            )
+            if return_state:
+                g, parallel_state = g
+            h = h + (g if out_2 == 1.0 else g * out_2)
+        if return_state:
+            state = BlockState(attention_state, conv_state, parallel_state)
+        x = self._add(x, h)
         if self.mlp is not None:
-            x = x + self._mlp(self.mlp_norm(x), key_mask, state is None and not return_state)
+            x = self._add(
+                x, self._mlp(self.mlp_norm(x), key_mask, state is None and not return_state)
+            )
         return (x, state) if return_state else x
+
+    def _add(self, x, h):
+        """``x + residual_multiplier * h`` (no product when the multiplier is 1)."""
+        return x + (h if self.residual_multiplier == 1.0 else self.residual_multiplier * h)
 
     def _mlp(self, h, key_mask, recording: bool):
         if isinstance(self.mlp, MoE):
