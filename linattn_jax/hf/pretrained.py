@@ -22,6 +22,7 @@ from linattn_jax import sharding
 from linattn_jax.hf import (
     bamba,
     common,
+    falcon_h1,
     granitemoehybrid,
     mamba2,
     nemotron_h,
@@ -37,6 +38,7 @@ DTYPES = ("float32", "bfloat16")
 # One entry per model type's module; adding a model type is its module plus a line here.
 _MODULES = (qwen3_5, qwen3_5_moe, qwen3_next, mamba2, bamba, nemotron_h)
 _MODULES += (granitemoehybrid,)
+_MODULES += (falcon_h1,)
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: module.FORMAT for module in _MODULES for model_type in module.FORMAT.model_types
 }
@@ -232,15 +234,27 @@ def from_pretrained(
 
 
 def _multipliers(model) -> tuple:
-    """``(embedding_multiplier, logits_scaling, ((each block's residual_multiplier, its
-    softmax attention's score scale or None), ...))``: what the weights do not hold."""
+    """What the weights do not hold: ``(embedding_multiplier, logits_scaling, per block
+    (residual_multiplier, branch_multipliers, the MLP's multipliers, per mixer its
+    softmax score scale or Mamba-2 projection multipliers and norm))``."""
 
-    def scale(attention):
-        if not hasattr(attention, "scale"):
-            return None
-        return attention.head_dim**-0.5 if attention.scale is None else attention.scale
+    def mixer(layer):
+        if hasattr(layer, "projection_multipliers"):  # Mamba2Mixer
+            return layer.projection_multipliers, getattr(layer.norm, "gate_first", None)
+        if hasattr(layer, "scale"):  # SoftmaxAttention
+            return layer.head_dim**-0.5 if layer.scale is None else layer.scale
+        return None
 
-    blocks = tuple((b.residual_multiplier, scale(b.attention)) for b in model.blocks)
+    blocks = tuple(
+        (
+            b.residual_multiplier,
+            b.branch_multipliers,
+            getattr(b.mlp, "multipliers", None),
+            mixer(b.attention),
+            mixer(b.parallel),
+        )
+        for b in model.blocks
+    )
     return (model.embedding_multiplier, model.logits_scaling, blocks)
 
 
@@ -292,7 +306,8 @@ def save_pretrained(
         raise ValueError(
             f"the model's multipliers {_multipliers(model)} are not the {fmt.name} config's "
             f"{_multipliers(abstract_model(merged))} (embedding, logits, each block's residual "
-            "and its attention's scale; a model type without them has all 1 and head_dim ** -0.5)"
+            "and its branches', MLP's and mixers' own; a model type without them has all 1, "
+            "head_dim ** -0.5 and Mamba-2's norm)"
         )
     rows = dict(table)
 

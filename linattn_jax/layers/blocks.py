@@ -62,11 +62,23 @@ class MLP(nnx.Module):
 
 class SwiGLU(nnx.Module):
     """``down(SiLU(gate(x)) * up(x))`` with hidden width ``hidden``, no biases (Shazeer 2020;
-    Llama's and Qwen's MLP: ``gate_proj``, ``up_proj``, ``down_proj``)."""
+    Llama's and Qwen's MLP: ``gate_proj``, ``up_proj``, ``down_proj``).
+
+    ``multipliers=(m_gate, m_down)`` makes it ``m_down down(SiLU(m_gate gate(x)) * up(x))``
+    (Falcon-H1's ``mlp_multipliers``); (1, 1): none.
+    """
 
     def __init__(
-        self, width: int, hidden: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32
-    ):
+        self, width: int, hidden: int, *, multipliers: Sequence[float] = (1.0, 1.0),
+        rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32,
+    ):  # fmt: skip
+        try:
+            m_gate, m_down = multipliers
+        except (TypeError, ValueError):
+            raise ValueError(f"multipliers must be (gate, down), got {multipliers!r}") from None
+        check_multiplier("multipliers[0]", m_gate)
+        check_multiplier("multipliers[1]", m_down)
+        self.multipliers = (float(m_gate), float(m_down))
         linear = lambda n_in, n_out, *axes: nnx.Linear(
             n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), dtype=dtype,
             param_dtype=param_dtype, rngs=rngs,
@@ -77,7 +89,12 @@ class SwiGLU(nnx.Module):
         self.down_proj = linear(hidden, width, mlp, embed)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        m_gate, m_down = self.multipliers
+        gate = self.gate_proj(x)
+        out = self.down_proj(
+            jax.nn.silu(gate if m_gate == 1.0 else gate * m_gate) * self.up_proj(x)
+        )
+        return out if m_down == 1.0 else out * m_down
 
 
 class ReLU2MLP(nnx.Module):
@@ -185,6 +202,8 @@ class TransformerBlock(nnx.Module):
         reads its input times ``in`` and its output is taken times ``out`` (Falcon-H1's
         ``attention_in_multiplier``, ``attention_out_multiplier``, ``ssm_in_multiplier``,
         ``ssm_out_multiplier``); all 1: none.
+      mlp_multipliers: ``(gate, down)`` of a SwiGLU MLP (``SwiGLU``'s ``multipliers``;
+        Falcon-H1's ``mlp_multipliers``); (1, 1): none.
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
       param_dtype: the parameters' dtype, as in Flax.
@@ -206,6 +225,7 @@ class TransformerBlock(nnx.Module):
         residual_multiplier: float = 1.0,
         parallel: Mapping[str, Any] | None = None,
         branch_multipliers: Sequence[Sequence[float]] = ((1.0, 1.0), (1.0, 1.0)),
+        mlp_multipliers: Sequence[float] = (1.0, 1.0),
         rngs: nnx.Rngs,
         dtype=None,
         param_dtype=jnp.float32,
@@ -256,6 +276,10 @@ class TransformerBlock(nnx.Module):
                 raise ValueError(f"mlp='moe' needs moe= a dict of MoE's options, got {moe!r}")
             self.mlp = MoE(width, **{"hidden": hidden, **moe}, **options)
         else:
+            if tuple(mlp_multipliers) != (1.0, 1.0):
+                if mlp != "swiglu":
+                    raise ValueError(f"mlp_multipliers need mlp='swiglu', got mlp={mlp!r}")
+                options = dict(options, multipliers=mlp_multipliers)
             self.mlp = nnx.data(
                 _MLP_CLASSES[mlp](width, hidden, **options) if mlp != "none" else None
             )
