@@ -126,3 +126,20 @@ def test_bad_configs_are_refused_by_name(normed, tmp_path):
             fmt.normalize_config({**config, field: value})
     with pytest.raises(ValueError, match=r"config\['ssm_out_multiplier'\]=1.0, but the model"):
         hf.save_pretrained(model, tmp_path / "other", {**config, "ssm_out_multiplier": 1.0})
+
+
+def test_init_from_builds_the_checkpoints_model(normed, tmp_path):
+    """``--config.init_from=DIR`` of a directory ``transformers`` saved: the run's model is
+    the checkpoint's, parameter for parameter."""
+    from experiments import trainer
+    from tests.test_experiments import tiny_config
+
+    torch_model, model, _ = normed
+    torch_model.save_pretrained(tmp_path / "hf")
+    built = trainer.build_model(
+        tiny_config("configs/mqar.py:small", f"init_from={tmp_path / 'hf'}")
+    )
+    before, after = (nnx.to_flat_state(nnx.state(m, nnx.Param)) for m in (model, built))
+    for (name, x), (name_built, y) in zip(before, after, strict=True):
+        assert name == name_built
+        np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]))

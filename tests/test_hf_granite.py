@@ -147,3 +147,20 @@ def test_bad_configs_and_models_are_refused_by_name(moe, tmp_path):
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"multipliers .* are not the Mamba-2 config's"):
         hf.save_pretrained(scaled, tmp_path / "scaled", model_type="mamba2")
+
+
+def test_init_from_builds_the_checkpoints_model(moe, tmp_path):
+    """``--config.init_from=DIR`` of a directory ``transformers`` saved: the run's model is
+    the checkpoint's, parameter for parameter."""
+    from experiments import trainer
+    from tests.test_experiments import tiny_config
+
+    torch_model, model, _ = moe
+    torch_model.save_pretrained(tmp_path / "hf")
+    built = trainer.build_model(
+        tiny_config("configs/mqar.py:small", f"init_from={tmp_path / 'hf'}")
+    )
+    before, after = (nnx.to_flat_state(nnx.state(m, nnx.Param)) for m in (model, built))
+    for (name, x), (name_built, y) in zip(before, after, strict=True):
+        assert name == name_built
+        np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]))
