@@ -127,8 +127,11 @@ def test_prefill_then_decode_steps_and_left_padding(moe):
 def test_bad_configs_and_models_are_refused_by_name(moe, tmp_path):
     _, model, config = moe
     fmt = hf.pretrained.format_of(config)
+    # The released checkpoints' names for the layer types (transformers renames them).
+    legacy = {**config, "layer_types": ["mamba", "attention"]}
+    assert fmt.normalize_config(legacy)["layer_types"] == config["layer_types"]
     for field, value, message in [
-        ("layer_types", ["mamba", "attention"], "layer_types must list num_hidden_layers=2"),
+        ("layer_types", ["mamba", "sliding"], "layer_types must list num_hidden_layers=2"),
         ("embedding_multiplier", 0.0, "embedding_multiplier must be a finite number > 0"),
         ("position_embedding_type", "alibi", "position_embedding_type must be .*rope"),
         ("num_experts_per_tok", 5, "num_experts_per_tok=5 must be <= num_local_experts=4"),

@@ -52,6 +52,8 @@ from linattn_jax.layers.moe import MoE, RouterLosses
 MODEL_TYPES = ("granitemoehybrid",)
 PREFIX = "model."
 LAYER_KINDS = {"linear_attention": "mamba2", "full_attention": "softmax"}
+# Released Granite-4.0-H configs name the layer types so; transformers renames them on load.
+LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
 MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier")
 
 MODEL_RULES = common.rules(
@@ -150,6 +152,10 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     if config["mamba_d_head"] == "auto" and common.is_int(config.get("hidden_size")):
         heads = config["mamba_n_heads"]
         config["mamba_d_head"] = config["mamba_expand"] * config["hidden_size"] // heads
+    if config["layer_types"] is None and "layers_block_type" in config:  # the older name
+        config["layer_types"] = config.pop("layers_block_type")
+    if isinstance(config["layer_types"], list):  # the Hub's configs: "mamba", "attention"
+        config["layer_types"] = [LEGACY_LAYER_TYPES.get(t, t) for t in config["layer_types"]]
     if config["layer_types"] is None and common.is_int(config.get("num_hidden_layers")):
         config["layer_types"] = ["linear_attention"] * config["num_hidden_layers"]
     config["time_step_limit"] = mamba2.time_step_limit(config["time_step_limit"])
