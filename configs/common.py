@@ -78,6 +78,14 @@ def base() -> ConfigDict:
     c.model.delta.head_dim = 0  # dk (0: width / num_heads)
     c.model.delta.value_head_dim = 0  # dv (0: dk)
     c.model.delta.conv_size = 4
+    # Mamba-2 layers' own options (model.attention "mamba2" or a layout with it); 0: default.
+    c.model.mamba2 = ConfigDict()
+    c.model.mamba2.num_heads = 0  # SSD heads (0: model.num_heads)
+    c.model.mamba2.head_dim = 0  # p (0: expand * width / num_heads)
+    c.model.mamba2.expand = 0  # inner / width (0: Mamba-2's 2)
+    c.model.mamba2.state_dim = 0  # n (0: Mamba-2's 128)
+    c.model.mamba2.n_groups = 0  # B/C groups (0: 1)
+    c.model.mamba2.conv_size = 4
     # The mixture of experts (model.mlp "moe"; linattn_jax.layers.moe.MoE).
     c.model.moe = ConfigDict()
     c.model.moe.num_experts = 8  # routed experts

@@ -9,7 +9,8 @@ learning rate per (kind, width), and writes ``<workdir>/recall.md`` (the table),
 ``recall.json`` and ``recall.png`` (test accuracy against the state size in
 floats per layer, log x). The state size is read from the model: the floats its
 attention layer keeps to decode one sequence at the longest test length (a linear
-layer's S and, when normalised, Z; the delta rule's S; softmax's KV cache).
+layer's S and, when normalised, Z; the delta rule's S; Mamba-2's SSD state; softmax's KV
+cache).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ KINDS = {
     "kda": {"attention": "kda"},
     # A hybrid: the 2-layer models of the grid alternate the two (Qwen3-Next's is 3:1).
     "hybrid": {"attention": "gated_deltanet : softmax"},
+    # Mamba-2 (its own convolution, no short_conv): one SSD head of p = 2 * width channels
+    # and a state of n = 32 per channel, so h n p = 64 * width floats (the delta rule's
+    # width² at width 64).
+    "mamba2": {"attention": "mamba2", "short_conv": 0, "mamba2.state_dim": 32},
 }
 LABELS = {
     "softmax": "softmax attention",
@@ -62,6 +67,7 @@ LABELS = {
     "gated_deltanet": "Gated DeltaNet",
     "kda": "KDA",
     "hybrid": "Gated DeltaNet : softmax, 1:1",
+    "mamba2": "Mamba-2 (SSD, state 32)",
 }
 
 
@@ -93,7 +99,9 @@ def grid(config: ConfigDict) -> list[tuple[str, int, float, ConfigDict]]:
                 run = ConfigDict(config.to_dict())
                 run.lock()
                 for field, value in (KINDS[kind] | {"width": width}).items():
-                    run.model[field] = value
+                    *section, name = field.split(".")  # "mamba2.state_dim": a section's
+                    target = run.model[section[0]] if section else run.model
+                    target[name] = value
                 run.optim.lr = lr
                 validate(run)
                 runs.append((kind, width, lr, run))
@@ -135,6 +143,8 @@ def _state_floats(config_json: str) -> int:
         cache = jax.eval_shape(lambda attention=attention: attention.init_state(1, length))
         if isinstance(cache, layers.KVCache):
             held = (cache.k, cache.v)
+        elif isinstance(cache, layers.Mamba2Cache):
+            held = cache.ssm  # the convolution's few floats are not counted
         elif isinstance(cache, layers.LinearAttentionCache) and not attention.normalize:
             held = cache.state.s  # no denominator: Z is never read
         else:

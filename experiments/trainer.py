@@ -111,6 +111,9 @@ _ZERO_IS_DEFAULT = (
     "num_v_heads",
     "value_head_dim",
     "sliding_window",
+    "expand",
+    "state_dim",
+    "n_groups",
 )
 _ROPE_ONLY = ("rope_theta", "partial_rotary_factor")
 

@@ -174,6 +174,11 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
         f"model.delta.{n}": (_integer(0)[0], "an integer >= 0 (0: the default)")
         for n in ("num_heads", "num_v_heads", "head_dim", "value_head_dim", "conv_size")
     },
+    **{
+        f"model.mamba2.{n}": (_integer(0)[0], "an integer >= 0 (0: the default)")
+        for n in ("num_heads", "head_dim", "expand", "state_dim", "n_groups")
+    },
+    "model.mamba2.conv_size": _integer(1),
     "optim.lr": _number(0, lo_open=True),
     "optim.warmup_steps": _integer(0),
     "optim.weight_decay": _number(0),

@@ -143,3 +143,15 @@ def test_the_moe_benchmark_compares_equal_active_parameters():
     assert moe.table([row]).splitlines()[-1].startswith("| 16 | 32 |")
     suite, args = cli.parse(["moe", "--moe-widths", "16", "--tokens", "32"])
     assert (suite, args.moe_widths, args.tokens) == ("moe", "16", 32)
+
+
+def test_recurrences_time_the_ssd_beside_the_additive_form():
+    from experiments.bench import recurrences
+
+    rows = recurrences.measure([32], 1, 32, names=("ssd",), chunk_sizes=(16,))
+    assert [(r["recurrence"], r["method"]) for r in rows] == [
+        ("noncausal", ""),
+        ("ssd", "chunked C=16"),
+        ("ssd", "scan"),
+    ]
+    assert all(r["fwd_bwd_scratch_mib"] > 0 for r in rows)

@@ -151,3 +151,22 @@ def test_bad_configs_are_refused_by_field(torch_model, torch_bamba, torch_nemotr
     legacy = {k: v for k, v in nemotron.items() if k != "layers_block_type"}
     legacy = hf.nemotron_h.normalize_config({**legacy, "hybrid_override_pattern": "M-*-"})
     assert legacy["layers_block_type"] == nemotron["layers_block_type"]
+
+
+def test_trainer_fine_tunes_from_a_transformers_checkpoint(torch_nemotron_h, tmp_path):
+    """``--config.init_from=DIR`` of a directory ``transformers`` saved: the run's model is
+    the checkpoint's (a Nemotron-H: Mamba-2, MLP-only and attention layers), and it trains."""
+    from experiments import trainer
+    from tests.test_experiments import tiny_config
+
+    model, _ = _ours(torch_nemotron_h, tmp_path)
+    path = tmp_path / "hf"
+    config = tiny_config("configs/mqar.py:small", f"init_from={path}", "steps=1", "seq_len=32")
+    built = trainer.build_model(config)
+    before, after = (nnx.to_flat_state(nnx.state(m, nnx.Param)) for m in (model, built))
+    for (name, x), (name_built, y) in zip(before, after, strict=True):
+        assert name == name_built
+        np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]))
+    with jax.numpy_dtype_promotion("standard"):
+        final = trainer.train(config, tmp_path / "run")
+    assert np.isfinite(final["loss"]) and final["step"] == 1

@@ -1,5 +1,5 @@
 """Speed and memory of the recurrence families (additive decay, GLA, DeltaNet, Gated
-DeltaNet, KDA), chunked and as a per-token scan, against non-causal linear
+DeltaNet, KDA, Mamba-2's SSD), chunked and as a per-token scan, against non-causal linear
 attention: forward ms, forward+backward ms and forward+backward scratch memory per
 length, as a markdown table. ``--cpu-groups`` times the chunked forms with several
 chunks batched per group on CPU (``chunking.GROUP_TOKENS_CPU``, one chunk by default;
@@ -27,6 +27,9 @@ RECURRENCES = {
     "deltanet": ("delta", None),
     "gated_deltanet": ("delta", "head"),
     "kda": ("delta", "channel"),
+    # Mamba-2's SSD (ops.ssd): h heads of p = d channels, one B/C group of n = d (so its
+    # q, k, v have additive_decay's shapes), the per-head log-decay dt A.
+    "ssd": ("ssd", None),
 }
 
 
@@ -40,6 +43,11 @@ def recurrence_case(
     q, k, v = (jax.random.normal(kk, (b, t, h, d), jnp.float32) for kk in keys[:3])
     gate_shape = {None: None, "head": (b, t, h), "channel": (b, t, h, d)}[gated]
     gate = None if gate_shape is None else -jax.nn.softplus(jax.random.normal(keys[3], gate_shape))
+    if form == "ssd":
+        dt = jax.nn.softplus(jax.random.normal(keys[3], (b, t, h)))
+        A = -jnp.exp(jax.random.normal(keys[4], (h,)))
+        fn = lambda x, dt, A, B, C: la.ssd(x, dt, A, B, C, method=method, chunk_size=chunk_size)
+        return fn, (v, dt, A, k[:, :, :1], q[:, :, :1])
     if form == "additive":
         fn = lambda q, k, v, gate: la.causal_linear_attention(
             q, k, v, gate=gate, method=method, chunk_size=chunk_size

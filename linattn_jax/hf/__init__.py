@@ -15,7 +15,8 @@ The layout: one module per model type over a shared loader.
   ``CONVERSIONS`` (``copy``, ``linear``, ``split``, ``conv``; ``Rule.index`` stacks
   per-expert tensors into one parameter), ``ModelFormat``, and the checks of config fields.
 * one module per model type (``qwen3_5``, ``qwen3_5_moe``, ``qwen3_next``, ``mamba2``,
-  ``bamba``, ``nemotron_h``, ``kimi_linear``, ``minimax``, ``olmo_hybrid``): its ``FORMAT``, a
+  ``bamba``, ``nemotron_h``, ``granitemoehybrid``, ``falcon_h1``, ``kimi_linear``, ``minimax``,
+  ``olmo_hybrid``): its ``FORMAT``, a
   ``common.ModelFormat``, holds
   ``normalize_config`` (``config.json``'s fields checked, an unsupported one refused by
   name, defaults as ``transformers``'), ``model_options`` (``LanguageModel``'s
@@ -30,6 +31,8 @@ The layout: one module per model type over a shared loader.
 from linattn_jax.hf import (
     bamba,
     common,
+    falcon_h1,
+    granitemoehybrid,
     kimi_linear,
     mamba2,
     minimax,
@@ -63,10 +66,12 @@ __all__ = [
     "common",
     "eos_ids",
     "expected_tensors",
+    "falcon_h1",
     "format_of",
     "from_pretrained",
     "generate_text",
     "kimi_linear",
+    "granitemoehybrid",
     "load_tokenizer",
     "mamba2",
     "minimax",

@@ -25,6 +25,8 @@ from linattn_jax import sharding
 from linattn_jax.hf import (
     bamba,
     common,
+    falcon_h1,
+    granitemoehybrid,
     kimi_linear,
     mamba2,
     minimax,
@@ -41,10 +43,19 @@ from linattn_jax.models import LanguageModel
 DTYPES = ("float32", "bfloat16")
 
 # One entry per model type's module; adding a model type is its module plus a line here.
-_MODULES = (qwen3_5, qwen3_5_moe, qwen3_next, mamba2, bamba, nemotron_h)
-_MODULES += (kimi_linear,)
-_MODULES += (minimax,)
-_MODULES += (olmo_hybrid,)
+_MODULES = (
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_next,
+    mamba2,
+    bamba,
+    nemotron_h,
+    granitemoehybrid,
+    falcon_h1,
+    kimi_linear,
+    minimax,
+    olmo_hybrid,
+)
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: module.FORMAT for module in _MODULES for model_type in module.FORMAT.model_types
 }
@@ -285,6 +296,33 @@ def from_pretrained(
     return nnx.merge(graphdef, state), config
 
 
+def _multipliers(model) -> tuple:
+    """What the weights do not hold: ``(embedding_multiplier, logits_scaling, per block
+    (residual_multiplier, the halves' residual factors, branch_multipliers, the MLP's
+    multipliers, per mixer its softmax score scale or Mamba-2 projection multipliers and
+    norm))``."""
+
+    def mixer(layer):
+        if hasattr(layer, "projection_multipliers"):  # Mamba2Mixer
+            return layer.projection_multipliers, getattr(layer.norm, "gate_first", None)
+        if hasattr(layer, "scale"):  # SoftmaxAttention
+            return layer.head_dim**-0.5 if layer.scale is None else layer.scale
+        return None
+
+    blocks = tuple(
+        (
+            b.residual_multiplier,
+            (b.attention_residual, b.mlp_residual),
+            b.branch_multipliers,
+            getattr(b.mlp, "multipliers", None),
+            mixer(b.attention),
+            mixer(b.parallel),
+        )
+        for b in model.blocks
+    )
+    return (model.embedding_multiplier, model.logits_scaling, blocks)
+
+
 def save_pretrained(
     model: LanguageModel,
     path: str | os.PathLike,
@@ -331,6 +369,13 @@ def save_pretrained(
         raise ValueError(
             f"the {fmt.name} config made for the model builds other parameters (a bug of "
             "its config_for_save)"
+        )
+    if _multipliers(abstract_model(merged)) != _multipliers(unrolled):
+        raise ValueError(
+            f"the model's multipliers {_multipliers(unrolled)} are not the {fmt.name} config's "
+            f"{_multipliers(abstract_model(merged))} (embedding, logits, each block's residual "
+            "and its branches', MLP's and mixers' own; a model type without them has all 1, "
+            "head_dim ** -0.5 and Mamba-2's norm)"
         )
     rows = dict(table)
 

@@ -3,6 +3,7 @@ ReLU, or none), with or without a mixer (the hybrids' mixer-only and MLP-only la
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -61,11 +62,23 @@ class MLP(nnx.Module):
 
 class SwiGLU(nnx.Module):
     """``down(SiLU(gate(x)) * up(x))`` with hidden width ``hidden``, no biases (Shazeer 2020;
-    Llama's and Qwen's MLP: ``gate_proj``, ``up_proj``, ``down_proj``)."""
+    Llama's and Qwen's MLP: ``gate_proj``, ``up_proj``, ``down_proj``).
+
+    ``multipliers=(m_gate, m_down)`` makes it ``m_down down(SiLU(m_gate gate(x)) * up(x))``
+    (Falcon-H1's ``mlp_multipliers``); (1, 1): none.
+    """
 
     def __init__(
-        self, width: int, hidden: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32
-    ):
+        self, width: int, hidden: int, *, multipliers: Sequence[float] = (1.0, 1.0),
+        rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32,
+    ):  # fmt: skip
+        try:
+            m_gate, m_down = multipliers
+        except (TypeError, ValueError):
+            raise ValueError(f"multipliers must be (gate, down), got {multipliers!r}") from None
+        check_multiplier("multipliers[0]", m_gate)
+        check_multiplier("multipliers[1]", m_down)
+        self.multipliers = (float(m_gate), float(m_down))
         linear = lambda n_in, n_out, *axes: nnx.Linear(
             n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), dtype=dtype,
             param_dtype=param_dtype, rngs=rngs,
@@ -76,7 +89,12 @@ class SwiGLU(nnx.Module):
         self.down_proj = linear(hidden, width, mlp, embed)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        m_gate, m_down = self.multipliers
+        gate = self.gate_proj(x)
+        out = self.down_proj(
+            jax.nn.silu(gate if m_gate == 1.0 else gate * m_gate) * self.up_proj(x)
+        )
+        return out if m_down == 1.0 else out * m_down
 
 
 class ReLU2MLP(nnx.Module):
@@ -97,6 +115,58 @@ class ReLU2MLP(nnx.Module):
         return self.down_proj(jnp.square(jax.nn.relu(self.up_proj(x))))
 
 
+_MLP_CLASSES = {"gelu": MLP, "swiglu": SwiGLU, "relu2": ReLU2MLP}
+
+
+class BlockState(NamedTuple):
+    """A ``TransformerBlock``'s decoding state: its attention's, its convolution's and (a
+    parallel block's) its second mixer's."""
+
+    attention: Any
+    conv: jax.Array | None
+    parallel: Any = None
+
+
+def check_multiplier(name: str, value: Any) -> None:
+    """Raises ``ValueError`` unless ``value`` is a finite number > 0 (a model multiplier)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (ok and 0 < value < math.inf):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _branch_multipliers(value) -> tuple[tuple[float, float], tuple[float, float]]:
+    """``((in, out), (in, out))`` as floats, each checked by ``check_multiplier``."""
+    try:
+        (in_1, out_1), (in_2, out_2) = value
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"branch_multipliers must be ((in, out), (in, out)), got {value!r}"
+        ) from None
+    names = ("branch_multipliers[0][0]", "branch_multipliers[0][1]")
+    names += ("branch_multipliers[1][0]", "branch_multipliers[1][1]")
+    for name, v in zip(names, (in_1, out_1, in_2, out_2), strict=True):
+        check_multiplier(name, v)
+    return (float(in_1), float(out_1)), (float(in_2), float(out_2))
+
+
+def _parallel_mixer(parallel, width, num_heads, mixer, short_conv, rngs, dtype, param_dtype):
+    """The parallel block's second mixer (``TransformerBlock``'s ``parallel``), or None."""
+    if parallel is None:
+        return None
+    if not isinstance(parallel, Mapping) or "attention" not in parallel:
+        raise ValueError(
+            f"parallel must be None or a dict with 'attention' (a kind), got {parallel!r}"
+        )
+    if not mixer or short_conv:
+        raise ValueError("parallel needs a block with a mixer and no short_conv")
+    options = dict(parallel)
+    kind, heads = options.pop("attention"), options.pop("num_heads", None)
+    if registry.get(kind).layer is None:
+        raise ValueError(f"parallel's attention must be a mixer kind, got {kind!r}")
+    options = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, **options)
+    return registry.make_attention(kind, width, heads or num_heads, **options)
+
+
 def _residual_factors(name: str, factors) -> tuple[float, float]:
     """``(alpha, beta)`` as two floats, or a ValueError naming ``name``."""
     if not isinstance(factors, tuple | list) or len(factors) != 2:
@@ -107,25 +177,18 @@ def _residual_factors(name: str, factors) -> tuple[float, float]:
 
 
 def _add(residual, h, factors: tuple[float, float]):
-    """``alpha * residual + beta * h`` (``residual + h`` for the usual ``(1, 1)``)."""
-    if factors == (1.0, 1.0):
-        return residual + h
+    """``alpha * residual + beta * h`` (no product for a factor of 1)."""
     alpha, beta = factors
-    return residual * jnp.asarray(alpha, residual.dtype) + h * jnp.asarray(beta, h.dtype)
-
-
-_MLP_CLASSES = {"gelu": MLP, "swiglu": SwiGLU, "relu2": ReLU2MLP}
-
-
-class BlockState(NamedTuple):
-    """A ``TransformerBlock``'s decoding state: its attention's and its convolution's."""
-
-    attention: Any
-    conv: jax.Array | None
+    if alpha != 1.0:
+        residual = residual * jnp.asarray(alpha, residual.dtype)
+    if beta != 1.0:
+        h = h * jnp.asarray(beta, h.dtype)
+    return residual + h
 
 
 class TransformerBlock(nnx.Module):
-    """Pre-norm block: ``x + attn(conv(norm(x)))``, then ``x + mlp(norm(x))``; either half
+    """Pre-norm block: ``x + attn(conv(norm(x)))`` (with ``parallel``, ``x + out_1
+    attn(in_1 norm(x)) + out_2 parallel(in_2 norm(x))``), then ``x + mlp(norm(x))``; either half
     may be absent (``attention="mlp"``: the MLP alone; ``mlp="none"``: the mixer alone, as
     Mamba-2's blocks and the hybrids' Mamba and attention layers).
 
@@ -156,6 +219,18 @@ class TransformerBlock(nnx.Module):
       post_norm: the norms after each half instead of before, ``x + norm(f(x))`` (OLMo 2's
         and OLMo-Hybrid's attention blocks; ``attention_norm`` and ``mlp_norm`` are then
         ``post_attention_layernorm`` and ``post_feedforward_layernorm``).
+      residual_multiplier: each half's output times this before it is added to the residual
+        stream (Granite's ``residual_multiplier``; 1: none), over the halves' ``beta``.
+      parallel: a second mixer run beside the first on the same normalised input, their
+        outputs added (a parallel hybrid, Falcon-H1's attention beside Mamba-2):
+        ``{"attention": kind, **its options}`` (``num_heads`` there: its own heads; the
+        block's dtype and rngs); None: one mixer.
+      branch_multipliers: ``((in, out), (in, out))`` of the mixer and the parallel one: each
+        reads its input times ``in`` and its output is taken times ``out`` (Falcon-H1's
+        ``attention_in_multiplier``, ``attention_out_multiplier``, ``ssm_in_multiplier``,
+        ``ssm_out_multiplier``); all 1: none.
+      mlp_multipliers: ``(gate, down)`` of a SwiGLU MLP (``SwiGLU``'s ``multipliers``;
+        Falcon-H1's ``mlp_multipliers``); (1, 1): none.
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
       param_dtype: the parameters' dtype, as in Flax.
@@ -178,25 +253,31 @@ class TransformerBlock(nnx.Module):
         attention_residual: tuple[float, float] = (1.0, 1.0),
         mlp_residual: tuple[float, float] = (1.0, 1.0),
         post_norm: bool = False,
+        residual_multiplier: float = 1.0,
+        parallel: Mapping[str, Any] | None = None,
+        branch_multipliers: Sequence[Sequence[float]] = ((1.0, 1.0), (1.0, 1.0)),
+        mlp_multipliers: Sequence[float] = (1.0, 1.0),
         rngs: nnx.Rngs,
         dtype=None,
         param_dtype=jnp.float32,
         **attention_kwargs,
     ):
         checks.check_sizes(width=width, num_heads=num_heads)  # the layer checks the rest
+        check_multiplier("residual_multiplier", residual_multiplier)
+        checks.check_bool("normed_residual", normed_residual)
+        checks.check_bool("post_norm", post_norm)
+        if post_norm and (normed_residual or short_conv or parallel is not None):
+            raise ValueError("post_norm takes no normed_residual, short_conv or parallel mixer")
+        self.normed_residual, self.post_norm = normed_residual, post_norm
+        self.attention_residual = _residual_factors("attention_residual", attention_residual)
+        self.mlp_residual = _residual_factors("mlp_residual", mlp_residual)
+        branch_multipliers = _branch_multipliers(branch_multipliers)
         checks.check_int("mlp_ratio", mlp_ratio, 1)
         if mlp not in MLPS:
             raise ValueError(f"mlp must be one of {MLPS}, got {mlp!r}")
         hidden = mlp_ratio * width if mlp_hidden is None else mlp_hidden
         checks.check_int("mlp_hidden", hidden, 1)
         checks.check_int("short_conv", short_conv, 0)
-        checks.check_bool("normed_residual", normed_residual)
-        checks.check_bool("post_norm", post_norm)
-        if post_norm and (normed_residual or short_conv):
-            raise ValueError("post_norm takes no normed_residual or short_conv")
-        self.normed_residual, self.post_norm = normed_residual, post_norm
-        self.attention_residual = _residual_factors("attention_residual", attention_residual)
-        self.mlp_residual = _residual_factors("mlp_residual", mlp_residual)
         mixer = registry.get(attention).layer is not None
         if not mixer and mlp == "none":
             raise ValueError('a block needs a mixer or an MLP: attention="mlp" with mlp="none"')
@@ -223,29 +304,41 @@ class TransformerBlock(nnx.Module):
             )
         else:
             self.attention = nnx.data(None)
+        self.parallel = nnx.data(
+            _parallel_mixer(parallel, width, num_heads, mixer, short_conv, rngs, dtype, param_dtype)
+        )
+        self.branch_multipliers = branch_multipliers
         options = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         if mlp == "moe":
             if not isinstance(moe, Mapping):
                 raise ValueError(f"mlp='moe' needs moe= a dict of MoE's options, got {moe!r}")
             self.mlp = MoE(width, **{"hidden": hidden, **moe}, **options)
         else:
+            if tuple(mlp_multipliers) != (1.0, 1.0):
+                if mlp != "swiglu":
+                    raise ValueError(f"mlp_multipliers need mlp='swiglu', got mlp={mlp!r}")
+                options = dict(options, multipliers=mlp_multipliers)
             self.mlp = nnx.data(
                 _MLP_CLASSES[mlp](width, hidden, **options) if mlp != "none" else None
             )
-        self.width = width
+        self.width, self.residual_multiplier = width, float(residual_multiplier)
 
     def init_state(self, batch: int, max_length: int | None = None) -> BlockState:
         conv = None if self.conv is None else self.conv.init_state(batch)
         if self.attention is None:
             return BlockState(None, conv)
-        return BlockState(self.attention.init_state(batch, max_length), conv)
+        parallel = None if self.parallel is None else self.parallel.init_state(batch, max_length)
+        return BlockState(self.attention.init_state(batch, max_length), conv, parallel)
 
     def __call__(self, x, *, key_mask=None, segment_ids=None, state=None, return_state=False):
         if self.attention is None:  # an MLP-only layer
             x = self._mlp_half(x, key_mask, state is None and not return_state)
             return (x, BlockState(None, None)) if return_state else x
-        h = x if self.post_norm else self.attention_norm(x)
-        residual = h if self.normed_residual else x
+        h = normed = x if self.post_norm else self.attention_norm(x)
+        residual = normed if self.normed_residual else x
+        (in_1, out_1), (in_2, out_2) = self.branch_multipliers
+        if in_1 != 1.0:
+            h = h * in_1
         conv_state = None
         if self.conv is not None:
             # Padding must not reach the next tokens' window (a replacement, not a product).
@@ -259,22 +352,42 @@ class TransformerBlock(nnx.Module):
             state=None if state is None else state.attention,
             return_state=return_state,
         )
+        parallel_state = None
         if return_state:
             h, attention_state = h
-            state = BlockState(attention_state, conv_state)
+        if out_1 != 1.0:
+            h = h * out_1
+        if self.parallel is not None:
+            g = self.parallel(
+                normed if in_2 == 1.0 else normed * in_2,
+                key_mask=key_mask,
+                segment_ids=segment_ids,
+                state=None if state is None else state.parallel,
+                return_state=return_state,
+            )
+            if return_state:
+                g, parallel_state = g
+            h = h + (g if out_2 == 1.0 else g * out_2)
+        if return_state:
+            state = BlockState(attention_state, conv_state, parallel_state)
         if self.post_norm:
             h = self.attention_norm(h)
-        x = _add(residual, h, self.attention_residual)
+        x = self._add(residual, h, self.attention_residual)
         if self.mlp is not None:
             x = self._mlp_half(x, key_mask, state is None and not return_state)
         return (x, state) if return_state else x
 
+    def _add(self, residual, h, factors: tuple[float, float]):
+        """``alpha * residual + beta * residual_multiplier * h`` of a half's ``factors``."""
+        alpha, beta = factors
+        return _add(residual, h, (alpha, beta * self.residual_multiplier))
+
     def _mlp_half(self, x, key_mask, recording: bool):
         if self.post_norm:
-            return _add(x, self.mlp_norm(self._mlp(x, key_mask, recording)), self.mlp_residual)
+            return self._add(x, self.mlp_norm(self._mlp(x, key_mask, recording)), self.mlp_residual)
         h = self.mlp_norm(x)
         residual = h if self.normed_residual else x
-        return _add(residual, self._mlp(h, key_mask, recording), self.mlp_residual)
+        return self._add(residual, self._mlp(h, key_mask, recording), self.mlp_residual)
 
     def _mlp(self, h, key_mask, recording: bool):
         if isinstance(self.mlp, MoE):

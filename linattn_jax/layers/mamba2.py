@@ -31,6 +31,7 @@ from linattn_jax.layers.conv import CausalConv1D
 from linattn_jax.layers.recurrent import SequenceSharding
 from linattn_jax.ops import checks, ssd
 
+NORMS = ("gate_first", "norm_first", "none")  # Mamba2Mixer's output norms
 DT_INIT_RANGE = (1e-3, 1e-1)  # softplus(dt_bias) log-uniform in this range (Mamba-2)
 
 
@@ -61,15 +62,19 @@ class GroupedGatedRMSNorm(nnx.Module):
       features: the last axis' size (divisible by ``groups``).
       groups: the number of groups normalised on their own.
       epsilon: added to each group's mean square.
+      gate_first: ``RMSNorm(x * SiLU(z))`` (Mamba-2's); False: ``RMSNorm(x) * SiLU(z)``
+        (Falcon-H1's ``mamba_norm_before_gate``).
       rngs: unused (the weight starts at ones), as in Flax.
       param_dtype: the weight's dtype.
     """
 
     def __init__(
-        self, features: int, groups: int, *, epsilon: float = 1e-6, rngs: nnx.Rngs,
-        param_dtype: Any = jnp.float32,
+        self, features: int, groups: int, *, epsilon: float = 1e-6, gate_first: bool = True,
+        rngs: nnx.Rngs, param_dtype: Any = jnp.float32,
     ):  # fmt: skip
         del rngs
+        checks.check_bool("gate_first", gate_first)
+        self.gate_first = gate_first
         if features % groups:
             raise ValueError(f"groups={groups} must divide the features, got {features}")
         self.weight = _param(jnp.ones((features,), param_dtype), sharding.HEADS)
@@ -77,13 +82,15 @@ class GroupedGatedRMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
         """``x [..., features]`` gated by ``z [..., features]``, float32."""
-        y = x.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        gate = jax.nn.silu(z.astype(jnp.float32))
+        y = x.astype(jnp.float32) * gate if self.gate_first else x.astype(jnp.float32)
         grouped = y.reshape(*y.shape[:-1], self.groups, -1)
         grouped = grouped * jax.lax.rsqrt(
             jnp.mean(grouped * grouped, axis=-1, keepdims=True) + self.epsilon
         )
         weight = self.weight[...].astype(jnp.float32)
-        return weight.reshape((1,) * (y.ndim - 1) + weight.shape) * grouped.reshape(y.shape)
+        out = weight.reshape((1,) * (y.ndim - 1) + weight.shape) * grouped.reshape(y.shape)
+        return out if self.gate_first else out * gate
 
 
 class Mamba2Mixer(nnx.Module):
@@ -106,6 +113,11 @@ class Mamba2Mixer(nnx.Module):
       use_bias: biases on ``in_proj`` and ``out_proj``.
       time_step_limit: ``(low, high)`` that ``dt`` is clipped to (default no limit).
       norm_eps: the output norm's epsilon (Mamba-2's ``layer_norm_epsilon``).
+      norm: the output norm: ``"gate_first"`` (``RMSNorm_g(y * SiLU(z))``, Mamba-2's),
+        ``"norm_first"`` (``RMSNorm_g(y) * SiLU(z)``) or ``"none"`` (``y * SiLU(z)``, no
+        weight; Falcon-H1 without ``mamba_rms_norm``).
+      projection_multipliers: ``(z, x, B, C, dt)``: each part of ``in_proj``'s output times
+        its factor (Falcon-H1's ``ssm_multipliers``); None: none.
       causal: True for decoders; with False the layer still reads left to right, and
         refuses decoding.
       method: the SSD's full-sequence form (``ops.ssd.METHODS``).
@@ -137,6 +149,8 @@ class Mamba2Mixer(nnx.Module):
         use_bias: bool = False,
         time_step_limit: tuple[float, float] = (0.0, math.inf),
         norm_eps: float = 1e-5,
+        norm: str = "gate_first",
+        projection_multipliers: tuple[float, ...] | None = None,
         causal: bool = True,
         method: str = "chunked",
         chunk_size: int | None = None,
@@ -175,6 +189,18 @@ class Mamba2Mixer(nnx.Module):
             ("causal", causal),
         ]:
             checks.check_bool(name, flag)
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+        if projection_multipliers is not None:
+            values = tuple(projection_multipliers)
+            finite = all(isinstance(v, int | float) and math.isfinite(v) for v in values)
+            if len(values) != 5 or not finite:
+                raise ValueError(
+                    "projection_multipliers must be None or 5 finite numbers (z, x, B, C, dt), "
+                    f"got {projection_multipliers!r}"
+                )
+            projection_multipliers = tuple(float(v) for v in values)
+        self.projection_multipliers = projection_multipliers
         if sequence_axis is not None and not causal:
             raise ValueError("sequence_axis needs a causal layer (causal=True)")
         h, p, g, n = num_heads, head_dim, n_groups, state_dim
@@ -207,8 +233,17 @@ class Mamba2Mixer(nnx.Module):
         a_log = jnp.log(jnp.arange(1, h + 1, dtype=jnp.float32))  # A = 1 ... h (Mamba-2)
         self.A_log = _param(a_log.astype(param_dtype), sharding.HEADS)
         self.D = _param(jnp.ones((h,), param_dtype), sharding.HEADS)
-        self.norm = GroupedGatedRMSNorm(
-            inner, g, epsilon=norm_eps, rngs=rngs, param_dtype=param_dtype
+        self.norm = nnx.data(
+            None
+            if norm == "none"
+            else GroupedGatedRMSNorm(
+                inner,
+                g,
+                epsilon=norm_eps,
+                gate_first=norm == "gate_first",
+                rngs=rngs,
+                param_dtype=param_dtype,
+            )  # fmt: skip
         )
         self.out_proj = nnx.Linear(
             inner, width, use_bias=use_bias,
@@ -254,6 +289,13 @@ class Mamba2Mixer(nnx.Module):
         h, g, n, inner = self.num_heads, self.n_groups, self.state_dim, self.inner
         key_mask = checks.token_mask("key_mask", key_mask, b, t)
         projected = self.in_proj(checks.where_token(key_mask, x))
+        if self.projection_multipliers is not None:
+            sizes = (inner, inner, g * n, g * n, h)
+            factors = [
+                jnp.full((k,), m, projected.dtype)
+                for k, m in zip(sizes, self.projection_multipliers, strict=True)
+            ]
+            projected = projected * jnp.concatenate(factors)[None, None]
         z, xbc, dt = jnp.split(projected, [inner, 2 * inner + 2 * g * n], axis=-1)
         # Padding must not reach the next tokens' window (a replacement, not a product).
         xbc, conv_state = self.conv(
@@ -273,7 +315,11 @@ class Mamba2Mixer(nnx.Module):
         A = -jnp.exp(self.A_log[...].astype(jnp.float32))
         D = self.D[...].astype(jnp.float32)
         y, ssm = self._ssd(xs, dt, A, B, C, D, state, key_mask, segment_ids)
-        y = self.norm(y.reshape(b, t, inner), z)
+        y = y.reshape(b, t, inner)
+        if self.norm is None:
+            y = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        else:
+            y = self.norm(y, z)
         out = self.out_proj(y.astype(projected.dtype))
         return (out, Mamba2Cache(ssm, conv_state)) if return_state else out
 

@@ -3,6 +3,7 @@ attention layer of today's hybrids (GQA, RoPE, QK-norm, gated output, sliding wi
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -82,6 +83,8 @@ class SoftmaxAttention(nnx.Module):
         ``attention * sigmoid(gate)`` before ``out_proj``.
       sliding_window: each query sees itself and the ``sliding_window - 1`` tokens (slots)
         before it (and, non-causal, after it); None: all.
+      scale: the scores' factor, ``softmax(scale q . k)``; None: ``head_dim ** -0.5``
+        (Granite's ``attention_multiplier`` sets its own).
       dropout_rate: dropout on the attention's output, as in ``LinearAttention``.
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
@@ -115,6 +118,7 @@ class SoftmaxAttention(nnx.Module):
         qk_norm_over_heads: bool = False,
         output_gate: bool = False,
         sliding_window: int | None = None,
+        scale: float | None = None,
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -135,6 +139,9 @@ class SoftmaxAttention(nnx.Module):
         self.qk_norm_over_heads = qk_norm_over_heads
         if sliding_window is not None:
             checks.check_int("sliding_window", sliding_window, 1)
+        if scale is not None and not (isinstance(scale, int | float) and 0 < scale < math.inf):
+            raise ValueError(f"scale must be None or a finite number > 0, got {scale!r}")
+        self.scale = None if scale is None else float(scale)
         self.width, self.num_heads, self.num_kv_heads, self.head_dim = width, h, kv, hd
         self.causal, self.max_length, self.sliding_window = causal, max_length, sliding_window
         self.rotary_dim, self.rope_theta = check_rope(
@@ -265,7 +272,7 @@ def attend_full(layer, q, k, v, key_mask, segment_ids, cross: bool):
     if layer.sliding_window is not None:
         window = (layer.sliding_window - 1, 0 if layer.causal else layer.sliding_window - 1)
     return jax.nn.dot_product_attention(
-        q, k, v, mask=mask, is_causal=layer.causal, local_window_size=window
+        q, k, v, mask=mask, is_causal=layer.causal, local_window_size=window, scale=layer.scale
     )
 
 
@@ -298,7 +305,9 @@ def attend_cached(layer, q, k, v, key_mask, state):
     if layer.sliding_window is not None:
         allowed = allowed & (slots > query_slot - layer.sliding_window)
     f32 = lambda a: a.astype(jnp.float32)
-    out = jax.nn.dot_product_attention(q, f32(k_all), f32(v_all), mask=allowed[:, None])
+    out = jax.nn.dot_product_attention(
+        q, f32(k_all), f32(v_all), mask=allowed[:, None], scale=layer.scale
+    )
     return out, KVCache(k_all, v_all, state.position + t, mask), overflow
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax import sharding
+from linattn_jax.layers.blocks import check_multiplier
 from linattn_jax.layers.norms import RMSNorm
 from linattn_jax.models import sampling, stack
 from linattn_jax.models.common import check_state, check_tokens
@@ -38,6 +39,9 @@ class LanguageModel(nnx.Module):
         compiled period whatever the depth; the parameters are stacked.
       remat: ``"none"``, ``"full"`` (recompute each block in the backward pass) or
         ``"dots_saveable"`` (keep the matmuls' outputs, recompute the rest).
+      embedding_multiplier: the embeddings times this before the first block (Granite's
+        ``embedding_multiplier``; 1: none).
+      logits_scaling: the logits divided by this (Granite's ``logits_scaling``; 1: none).
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
       param_dtype: the parameters' dtype, as in Flax.
@@ -61,11 +65,17 @@ class LanguageModel(nnx.Module):
         zero_centred_norm: bool = False,
         scan_layers: bool = False,
         remat: str = "none",
+        embedding_multiplier: float = 1.0,
+        logits_scaling: float = 1.0,
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         **block_kwargs,
     ):
+        check_multiplier("embedding_multiplier", embedding_multiplier)
+        check_multiplier("logits_scaling", logits_scaling)
+        self.embedding_multiplier = float(embedding_multiplier)
+        self.logits_scaling = float(logits_scaling)
         self.vocab_size = vocab_size
         self.embed = nnx.Embed(
             vocab_size, width, embedding_init=sharding.embedding(sharding.VOCAB, sharding.EMBED),
@@ -131,7 +141,10 @@ class LanguageModel(nnx.Module):
         """
         check_tokens(tokens, self.vocab_size)
         check_state(state, len(self.blocks), tokens.shape[0], 0 if self.period is None else 1)
-        x = sharding.constrain(self.embed(tokens), sharding.BATCH, sharding.LENGTH, None)
+        x = self.embed(tokens)
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
+        x = sharding.constrain(x, sharding.BATCH, sharding.LENGTH, None)
         x = stack.run_blocks(
             self.blocks,
             x,
@@ -147,6 +160,8 @@ class LanguageModel(nnx.Module):
         x = self.norm(x)
         logits = self.embed.attend(x) if self.head is None else self.head(x)
         logits = logits.astype(jnp.float32)
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
         return (logits, new_states) if return_state else logits
 
     def generate(

@@ -20,8 +20,10 @@ bfloat16 inputs the chunks' matmuls read bfloat16 operands with float32 accumula
 
 Heads and groups: ``x`` has ``h`` heads, ``B`` and ``C`` have ``g`` groups (Mamba-2's
 ``n_groups``), ``g`` dividing ``h``; head ``i`` reads group ``i // (h / g)`` (as
-``repeat_interleave`` in ``transformers``). The groups are repeated to the heads before the
-engine runs (their gradient sums over each group).
+``repeat_interleave`` in ``transformers``). The chunked form repeats the groups to the heads
+inside each group of chunks, never over the whole sequence (as the delta family's grouped
+heads); the scan, the step and the sequence-parallel form repeat them first. Their gradient
+sums over each group.
 
 The state is ``SSDState(s)``, ``s [b, h, n, p]`` (the transpose of ``transformers``'
 ``ssm_state [b, h, p, n]``).
@@ -116,15 +118,16 @@ def _check_dt(dt, key_mask) -> None:
             raise ValueError(f"dt must be >= 0 (a softplus), got a minimum of {np.min(real)}")
 
 
-def _operands(x, dt, A, B, C, key_mask, heads: int):
+def _operands(x, dt, A, B, C, key_mask, heads: int, repeat: bool = True):
     """``(q = C, k = B, v = dt x, log-decay dt A)`` of the additive rule, the groups repeated
-    to ``heads``; q and k in their own dtype, v and the log-decay in float32 (float64).
+    to ``heads`` (unless not ``repeat``: the chunked engine repeats them per group of
+    chunks); q and k in their own dtype, v and the log-decay in float32 (float64).
     Padding is replaced by zeros before anything reads it (so no NaN there reaches a
     gradient through ``dt * x`` or ``dt * A``)."""
     dtype = feature_maps.accumulation_dtype(x.dtype)
     x, dt, B, C = (checks.where_token(key_mask, y) for y in (x, dt, B, C))
-    groups = heads // B.shape[-2]
-    q, k = (jnp.repeat(y, groups, axis=-2) for y in (C, B))
+    groups = heads // B.shape[-2] if repeat else 1
+    q, k = (C, B) if groups == 1 else (jnp.repeat(y, groups, axis=-2) for y in (C, B))
     dt = dt.astype(dtype)
     v = dt[..., None] * x.astype(dtype)
     A = A.astype(dtype).reshape((1,) * (dt.ndim - 1) + A.shape)
@@ -200,7 +203,7 @@ def causal(
     key_mask = checks.token_mask("key_mask", key_mask, b, t)
     _check_dt(dt, key_mask)
     dtype = feature_maps.accumulation_dtype(x.dtype)
-    q, k, v, gate = _operands(x, dt, A, B, C, key_mask, h)
+    q, k, v, gate = _operands(x, dt, A, B, C, key_mask, h, repeat=method == "scan")
     g = checks.log_decay(None, gate, b, t, h, dtype, key_mask=key_mask)
     resets = None if segment_ids is None else checks.segment_resets(segment_ids, b, t, dtype)
     state = (_as_internal(initial_state, b, h, n, p, dtype), None)
@@ -223,6 +226,7 @@ def causal(
             time_axis=1,
             phi=feature_maps.get("identity"),
             live=None if key_mask is None else key_mask[:, :, None, None],
+            groups=h // q.shape[-2],
         )
     out = _skip(out, x, D, key_mask).astype(x.dtype)
     return (out, State(s)) if return_state else out

@@ -57,6 +57,7 @@ def run_chunks(
     phi=None,
     live: Array | None = None,
     group_tokens: int | None = None,
+    groups: int = 1,
 ):
     """The additive recurrence over chunks, internal layout in and out.
 
@@ -96,15 +97,22 @@ def run_chunks(
         ``chunking.GROUP_TOKENS_CPU`` (one chunk) on CPU, ``chunking.GROUP_TOKENS`` on GPU
         and TPU (``lax.platform_dependent``), at most ``chunking.GROUP_STATE_ELEMENTS``
         state elements per head.
+      groups: the value heads that read each q and k head (``phi_q`` and ``phi_k`` then
+        have ``h / groups`` heads, repeated inside each group of chunks, never over the
+        whole sequence; their gradient sums over the group). ``phi`` (per-token) only, no
+        ``kernel``.
 
     Returns:
       ``((numerator [b,h,t,v], denominator [b,h,t] | None), final (S, Z | None))``.
     """
+    if groups > 1 and kernel is not None:
+        raise ValueError("run_chunks: groups > 1 takes no kernel")
     if eps is not None and state[1] is None:
         raise ValueError("run_chunks: eps needs Z in the state")
     run = functools.partial(
         run_chunks, phi_q, phi_k, v, g, resets, chunk_size=chunk_size, diagonal=diagonal,
         kernel=kernel, dtype=dtype, time_axis=time_axis, eps=eps, phi=phi, live=live,
+        groups=groups,
     )  # fmt: skip
     if group_tokens is None:
         on = lambda tokens: lambda s: run(s, group_tokens=tokens)
@@ -130,7 +138,10 @@ def run_chunks(
     options = dict(c=c, diagonal=diagonal, kernel=fn, dtype=dtype, eps=eps, phi=phi)
     body = functools.partial(group_body, **options)
     body_bwd = functools.partial(group_body_bwd, **options)
-    xs, first_v, first = _finite_inputs(xs, phi, time_axis)
+    if groups > 1:
+        body = functools.partial(_grouped_body, body, groups)
+        body_bwd = functools.partial(_grouped_body_bwd, body_bwd, groups)
+    xs, first_v, first = _finite_inputs(xs, phi, time_axis, groups)
     (num, den), (s, z) = chunking.scan(
         body, state, xs, per_group * c, t, body_bwd=body_bwd, time_axis=time_axis
     )
@@ -142,6 +153,29 @@ def run_chunks(
     if z is not None:
         z = jnp.where(heads_first(first) < t, jnp.full((), jnp.nan, z.dtype), z)
     return (num, den), (s, z)
+
+
+def _repeat_qk(x, groups: int):
+    """A group's ``(q, k, ...)`` (heads first) with q and k repeated ``groups`` times per
+    head (head ``i`` serves value heads ``i * groups ... i * groups + groups - 1``)."""
+    q, k, *rest = x
+    return (jnp.repeat(q, groups, axis=1), jnp.repeat(k, groups, axis=1), *rest)
+
+
+def _grouped_body(body, groups: int, state, x):
+    """``group_body`` on grouped q and k, repeated for this group of chunks only."""
+    return body(state, _repeat_qk(x, groups))
+
+
+def _grouped_body_bwd(body_bwd, groups: int, d_final, inputs):
+    """``group_body_bwd`` on grouped q and k: their cotangents summed over each group."""
+    state, raw, out, d_out = inputs
+    d_state, dx = body_bwd(d_final, (state, _repeat_qk(raw, groups), out, d_out))
+    dx = list(dx)
+    for i in (0, 1):
+        d = dx[i]
+        dx[i] = jnp.sum(d.reshape(d.shape[0], -1, groups, *d.shape[2:]), axis=2)
+    return d_state, tuple(dx)
 
 
 def chunk_parts(diagonal: bool, kernel, x, *, dtype=None, phi=None):
@@ -267,7 +301,7 @@ def _outputs(parts, v: Array, states, *, dtype=None, eps=None):
 _KEYS, _VALUES, _LOG_DECAYS, _RAW_KEYS = 1, 2, 3, 6
 
 
-def _finite_inputs(xs, phi, time_axis: int):
+def _finite_inputs(xs, phi, time_axis: int, groups: int = 1):
     """Once per call, over the whole sequence (the chunk loop then never meets a
     non-finite input): ``(xs with non-finite keys, log-decays and values zeroed, and
     with phi a dead token's raw keys and values, the index of the first token whose
@@ -285,9 +319,17 @@ def _finite_inputs(xs, phi, time_axis: int):
         for i in (_KEYS, _VALUES):
             xs[i] = chunking.where_finite(xs[-1][..., 0], xs[i])
     raw_keys = xs[_RAW_KEYS] if len(xs) > _RAW_KEYS and phi is None else None
-    ok = chunking.finite_tokens(xs[_KEYS], raw_keys, log_decays=xs[_LOG_DECAYS])
-    for i in (_KEYS, _LOG_DECAYS) + ((_RAW_KEYS,) if raw_keys is not None else ()):
-        xs[i] = chunking.where_finite(ok, xs[i])
+    if groups > 1:  # grouped keys: each bad key zeroed once, its heads' outputs poisoned
+        ok_keys = chunking.finite_tokens(xs[_KEYS])
+        xs[_KEYS] = chunking.where_finite(ok_keys, xs[_KEYS])
+        ok = jnp.repeat(ok_keys, groups, axis=3 - time_axis)
+        if xs[_LOG_DECAYS] is not None:
+            ok = ok & chunking.finite_tokens(log_decays=xs[_LOG_DECAYS])
+            xs[_LOG_DECAYS] = chunking.where_finite(ok, xs[_LOG_DECAYS])
+    else:
+        ok = chunking.finite_tokens(xs[_KEYS], raw_keys, log_decays=xs[_LOG_DECAYS])
+        for i in (_KEYS, _LOG_DECAYS) + ((_RAW_KEYS,) if raw_keys is not None else ()):
+            xs[i] = chunking.where_finite(ok, xs[i])
     good_v = ok[..., None] & jnp.isfinite(xs[_VALUES])
     xs[_VALUES] = chunking.where_finite(good_v, xs[_VALUES])
     first_v = chunking.first_index(~good_v, time_axis)

@@ -1,0 +1,169 @@
+"""Granite-4.0-H checkpoints (``linattn_jax.hf.granitemoehybrid``) against ``transformers``'
+own PyTorch ``GraniteMoeHybridForCausalLM`` (CPU, float32, its pure-torch paths): tiny random
+models made here, one with experts and RoPE, one dense without RoPE, with random multipliers,
+norms, ``A_log``, ``dt_bias``, ``D`` and convolution biases (so that a mapping error shows):
+logits to 1e-5 normwise, 16 greedy tokens, prefill then decode steps against the full
+forward, left padding, the save/load round trip and a directory ``transformers`` reads."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from linattn_jax import hf
+from tests import helpers
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+
+
+def _granite(seed, **options):
+    config = transformers.GraniteMoeHybridConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=12, shared_intermediate_size=20,
+        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=2, num_key_value_heads=1, mamba_n_heads=4, mamba_d_head=8,
+        mamba_d_state=6, mamba_n_groups=2, mamba_chunk_size=8, rms_norm_eps=1e-5,
+        pad_token_id=0, bos_token_id=0, eos_token_id=1, **options,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.GraniteMoeHybridForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias", "D", "conv1d.bias")):
+                p.copy_(torch.randn_like(p))
+            elif "norm" in name:
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """Experts, a shared MLP, RoPE, untied, and multipliers far from 1."""
+    torch_model = _granite(
+        0, num_local_experts=4, num_experts_per_tok=2, position_embedding_type="rope",
+        embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.2,
+        logits_scaling=2.5, tie_word_embeddings=False,
+    )  # fmt: skip
+    return torch_model, *_ours(torch_model, tmp_path_factory.mktemp("moe"))
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """No experts (the shared MLP alone), no RoPE, tied, other multipliers."""
+    torch_model = _granite(
+        1, num_local_experts=0, position_embedding_type=None, embedding_multiplier=0.5,
+        residual_multiplier=1.7, attention_multiplier=0.4, logits_scaling=0.8,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    return torch_model, *_ours(torch_model, tmp_path_factory.mktemp("dense"))
+
+
+def _ours(torch_model, path):
+    torch_model.save_pretrained(path / "hf")
+    return hf.from_pretrained(path / "hf")
+
+
+def _torch_logits(torch_model, tokens):
+    with torch.no_grad():
+        return torch_model(torch.from_numpy(np.array(tokens))).logits.numpy()
+
+
+@pytest.mark.parametrize(
+    "fixture",
+    ["moe", pytest.param("dense", marks=pytest.mark.slow)],  # dense: no RoPE, tied
+)
+def test_logits_greedy_tokens_and_round_trip_equal_transformers(fixture, request, tmp_path):
+    torch_model, model, config = request.getfixturevalue(fixture)
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 13), 2, VOCAB)
+    helpers.assert_close_normwise(model(tokens), _torch_logits(torch_model, tokens))
+    prompt = tokens[:1, :5]
+    ours = model.generate(prompt, 16, temperature=0.0)
+    with torch.no_grad():
+        theirs = torch_model.generate(
+            torch.from_numpy(np.array(prompt)), max_new_tokens=16, do_sample=False,
+            min_new_tokens=16,
+        ).numpy()  # fmt: skip
+    np.testing.assert_array_equal(ours, theirs)
+    # Save, load back bit-identical; transformers reads our directory to the same logits.
+    hf.save_pretrained(model, tmp_path / "ours", config)
+    again, config_again = hf.from_pretrained(tmp_path / "ours")
+    assert config_again == config
+    before, after = (nnx.to_flat_state(nnx.state(m, nnx.Param)) for m in (model, again))
+    for (path, x), (path_again, y) in zip(before, after, strict=True):
+        assert path == path_again
+        np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]))
+    theirs = type(torch_model).from_pretrained(tmp_path / "ours").eval()
+    helpers.assert_close_normwise(model(tokens[:1, :7]), _torch_logits(theirs, tokens[:1, :7]))
+    # Without a config, the model's form picks its model type, multipliers and all.
+    hf.save_pretrained(model, tmp_path / "bare")
+    bare = hf.read_config(tmp_path / "bare")
+    assert bare["model_type"] == "granitemoehybrid"
+    for field in ("embedding_multiplier", "residual_multiplier", "attention_multiplier"):
+        assert bare[field] == config[field]
+    assert bare["logits_scaling"] == config["logits_scaling"]
+
+
+@pytest.mark.slow  # compiles the prefill, a decoding step and a masked forward
+def test_prefill_then_decode_steps_and_left_padding(moe):
+    _, model, _ = moe
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 9), 2, VOCAB)
+    full = model(tokens)
+    logits, state = model(tokens[:, :6], state=model.init_state(2), return_state=True)
+    outs = [logits]
+    step = nnx.jit(lambda m, token, s: m(token, state=s, return_state=True))
+    for i in range(6, 9):
+        logits, state = step(model, tokens[:, i : i + 1], state)
+        outs.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=2e-5, atol=2e-5)
+    mask = jnp.array([[False] * 3 + [True] * 6, [True] * 9])
+    padded = tokens.at[0, 3:].set(tokens[0, :6])
+    out = model(padded, key_mask=mask)
+    np.testing.assert_allclose(out[0, 3:], full[0, :6], rtol=2e-5, atol=2e-5)
+
+
+def test_bad_configs_and_models_are_refused_by_name(moe, tmp_path):
+    _, model, config = moe
+    fmt = hf.pretrained.format_of(config)
+    # The released checkpoints' names for the layer types (transformers renames them).
+    legacy = {**config, "layer_types": ["mamba", "attention"]}
+    assert fmt.normalize_config(legacy)["layer_types"] == config["layer_types"]
+    for field, value, message in [
+        ("layer_types", ["mamba", "sliding"], "layer_types must list num_hidden_layers=2"),
+        ("embedding_multiplier", 0.0, "embedding_multiplier must be a finite number > 0"),
+        ("position_embedding_type", "alibi", "position_embedding_type must be .*rope"),
+        ("num_experts_per_tok", 5, "num_experts_per_tok=5 must be <= num_local_experts=4"),
+        ("attention_bias", True, "attention_bias must be false"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            fmt.normalize_config({**config, field: value})
+    # A multiplier the written config would lose is refused, not dropped.
+    with pytest.raises(ValueError, match=r"config\['residual_multiplier'\]=1.0, but the model"):
+        hf.save_pretrained(model, tmp_path / "other", {**config, "residual_multiplier": 1.0})
+    from linattn_jax.models import LanguageModel
+
+    scaled = LanguageModel(
+        16, 8, 1, 2, attention="mamba2", mlp="none", logits_scaling=2.0,
+        kind_options={"mamba2": dict(state_dim=4, norm_eps=1e-6)}, rngs=nnx.Rngs(0),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"multipliers .* are not the Mamba-2 config's"):
+        hf.save_pretrained(scaled, tmp_path / "scaled", model_type="mamba2")
+
+
+def test_init_from_builds_the_checkpoints_model(moe, tmp_path):
+    """``--config.init_from=DIR`` of a directory ``transformers`` saved: the run's model is
+    the checkpoint's, parameter for parameter."""
+    from experiments import trainer
+    from tests.test_experiments import tiny_config
+
+    torch_model, model, _ = moe
+    torch_model.save_pretrained(tmp_path / "hf")
+    built = trainer.build_model(
+        tiny_config("configs/mqar.py:small", f"init_from={tmp_path / 'hf'}")
+    )
+    before, after = (nnx.to_flat_state(nnx.state(m, nnx.Param)) for m in (model, built))
+    for (name, x), (name_built, y) in zip(before, after, strict=True):
+        assert name == name_built
+        np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]))
