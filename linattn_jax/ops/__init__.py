@@ -6,10 +6,11 @@ form with the same file names (``api``, ``chunked``, ``recurrent``, ``step``,
 ``sequence_parallel``, ``state``) and exposing one interface: ``additive`` and ``delta``.
 ``FAMILIES`` names them. ``ssd`` (Mamba-2) is the additive rule with its own inputs
 (``x, dt, A, B, C``) and the same forms (``causal``, ``step``, ``sequence_parallel``).
+``mlstm`` (xLSTM) is a family of its own, the stabilised exponential-gate recurrence.
 """
 
-from linattn_jax.ops import additive, checks, chunking, delta, feature_maps, ssd
+from linattn_jax.ops import additive, checks, chunking, delta, feature_maps, mlstm, ssd
 
-FAMILIES = {"additive": additive, "delta": delta}
+FAMILIES = {"additive": additive, "delta": delta, "mlstm": mlstm}
 
-__all__ = ["FAMILIES", "additive", "checks", "chunking", "delta", "feature_maps", "ssd"]
+__all__ = ["FAMILIES", "additive", "checks", "chunking", "delta", "feature_maps", "mlstm", "ssd"]
