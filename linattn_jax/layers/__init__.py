@@ -35,6 +35,7 @@ from linattn_jax.layers.feature_maps import (
 from linattn_jax.layers.gates import ChannelGate, HeadGate, MambaGate
 from linattn_jax.layers.linear import GATES, LinearAttention, LinearAttentionCache
 from linattn_jax.layers.mamba2 import GroupedGatedRMSNorm, Mamba2Cache, Mamba2Mixer
+from linattn_jax.layers.mlstm import MLSTMLayer, MultiHeadLayerNorm
 from linattn_jax.layers.moe import MoE
 from linattn_jax.layers.norms import GatedRMSNorm, RMSNorm
 from linattn_jax.layers.recurrent import SequenceSharding, run_causal
@@ -49,6 +50,7 @@ __all__ = [
     "LINEAR_ONLY_OPTIONS",
     "MLP",
     "MLPS",
+    "MLSTMLayer",
     "RANDOM_FEATURES",
     "VARIANTS",
     "AttentionKind",
@@ -68,6 +70,7 @@ __all__ = [
     "Mamba2Mixer",
     "MambaGate",
     "MoE",
+    "MultiHeadLayerNorm",
     "RMSNorm",
     "RandomProjection",
     "ReLU2MLP",

@@ -15,6 +15,7 @@ from flax import nnx
 from linattn_jax.layers.delta import DeltaRuleAttention
 from linattn_jax.layers.linear import LinearAttention
 from linattn_jax.layers.mamba2 import Mamba2Mixer
+from linattn_jax.layers.mlstm import MLSTMLayer
 from linattn_jax.layers.softmax import SoftmaxAttention
 
 
@@ -127,6 +128,11 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
             section="mamba2",
             section_options=_MAMBA2_OPTIONS,
         ),
+        "mlstm": AttentionKind(
+            MLSTMLayer,
+            "mLSTM (xLSTM)",
+            options=("method", "chunk_size"),
+        ),
         # No mixer: an MLP-only block (Nemotron-H's "-" layers).
         "mlp": AttentionKind(None, "MLP only"),
     }
@@ -149,7 +155,7 @@ def make_attention(kind: str, width: int, num_heads: int, **options: Any) -> nnx
     the identity map without a denominator (``feature_map="identity"``,
     ``normalize=False``: an output RMSNorm per head); ``"deltanet"``,
     ``"gated_deltanet"``, ``"kda"``: ``DeltaRuleAttention`` of that variant; ``"mamba2"``:
-    ``Mamba2Mixer`` (``num_heads`` its SSD heads).
+    ``Mamba2Mixer`` (``num_heads`` its SSD heads); ``"mlstm"``: ``MLSTMLayer`` (xLSTM).
 
     Raises:
       ValueError: an unknown kind, the kind without a mixer (``"mlp"``), or an option that
