@@ -28,6 +28,7 @@ from linattn_jax.hf import (
     qwen3_5_moe,
     qwen3_next,
     safetensors_io,
+    xlstm,
 )
 from linattn_jax.models import LanguageModel
 
@@ -35,6 +36,7 @@ DTYPES = ("float32", "bfloat16")
 
 # One entry per model type's module; adding a model type is its module plus a line here.
 _MODULES = (qwen3_5, qwen3_5_moe, qwen3_next, mamba2, bamba, nemotron_h)
+_MODULES += (xlstm,)
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: module.FORMAT for module in _MODULES for model_type in module.FORMAT.model_types
 }

@@ -14,6 +14,7 @@ from linattn_jax import sharding
 from linattn_jax.layers.norms import RMSNorm
 from linattn_jax.models import sampling, stack
 from linattn_jax.models.common import check_state, check_tokens
+from linattn_jax.ops import checks
 
 
 class LanguageModel(nnx.Module):
@@ -38,6 +39,7 @@ class LanguageModel(nnx.Module):
         compiled period whatever the depth; the parameters are stacked.
       remat: ``"none"``, ``"full"`` (recompute each block in the backward pass) or
         ``"dots_saveable"`` (keep the matmuls' outputs, recompute the rest).
+      logit_soft_cap: None, or the logits are ``cap * tanh(logits / cap)`` (xLSTM-7B: 30).
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
       param_dtype: the parameters' dtype, as in Flax.
@@ -61,6 +63,7 @@ class LanguageModel(nnx.Module):
         zero_centred_norm: bool = False,
         scan_layers: bool = False,
         remat: str = "none",
+        logit_soft_cap: float | None = None,
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -89,6 +92,11 @@ class LanguageModel(nnx.Module):
             **block_kwargs,
         )
         self.depth, self.remat = depth, remat
+        if logit_soft_cap is not None:
+            checks.check_number("logit_soft_cap", logit_soft_cap, minimum=0.0)
+            if not logit_soft_cap > 0:
+                raise ValueError(f"logit_soft_cap must be > 0 (or None), got {logit_soft_cap!r}")
+        self.logit_soft_cap = None if logit_soft_cap is None else float(logit_soft_cap)
         self.norm = RMSNorm(
             width, zero_centred=zero_centred_norm, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
@@ -147,6 +155,8 @@ class LanguageModel(nnx.Module):
         x = self.norm(x)
         logits = self.embed.attend(x) if self.head is None else self.head(x)
         logits = logits.astype(jnp.float32)
+        if self.logit_soft_cap is not None:
+            logits = self.logit_soft_cap * jnp.tanh(logits / self.logit_soft_cap)
         return (logits, new_states) if return_state else logits
 
     def generate(
