@@ -1,5 +1,5 @@
 """Speed and memory of the recurrence families (additive decay, GLA, DeltaNet, Gated
-DeltaNet, KDA), chunked and as a per-token scan, against non-causal linear
+DeltaNet, KDA, the mLSTM), chunked and as a per-token scan, against non-causal linear
 attention: forward ms, forward+backward ms and forward+backward scratch memory per
 length, as a markdown table. ``--cpu-groups`` times the chunked forms with several
 chunks batched per group on CPU (``chunking.GROUP_TOKENS_CPU``, one chunk by default;
@@ -27,6 +27,7 @@ RECURRENCES = {
     "deltanet": ("delta", None),
     "gated_deltanet": ("delta", "head"),
     "kda": ("delta", "channel"),
+    "mlstm": ("mlstm", "head"),
 }
 
 
@@ -40,6 +41,10 @@ def recurrence_case(
     q, k, v = (jax.random.normal(kk, (b, t, h, d), jnp.float32) for kk in keys[:3])
     gate_shape = {None: None, "head": (b, t, h), "channel": (b, t, h, d)}[gated]
     gate = None if gate_shape is None else -jax.nn.softplus(jax.random.normal(keys[3], gate_shape))
+    if form == "mlstm":  # the gate pre-activations: exp input gate, sigmoid forget gate
+        i, f = jax.random.normal(keys[3], (b, t, h)), 3.0 + jax.random.normal(keys[4], (b, t, h))
+        fn = lambda q, k, v, i, f: la.mlstm(q, k, v, i, f, method=method, chunk_size=chunk_size)
+        return fn, (q, k, v, i, f)
     if form == "additive":
         fn = lambda q, k, v, gate: la.causal_linear_attention(
             q, k, v, gate=gate, method=method, chunk_size=chunk_size
