@@ -119,7 +119,7 @@ class SequenceParallelTest(chex.TestCase):
         x = jax.random.normal(jax.random.PRNGKey(4), (4, 24, 16))
         chex.assert_trees_all_close(sharded(x), plain(x), atol=1e-5, rtol=1e-5)
 
-    @parameterized.parameters("gla", "gated_deltanet", "kda")
+    @parameterized.parameters("gla", "gated_deltanet", "kda", "mlstm")
     def test_gated_and_delta_layers_with_a_sequence_axis(self, kind):
         mesh = _mesh(4, batch=2)
         plain = layers.make_attention(kind, 16, 2, chunk_size=4, rngs=nnx.Rngs(0))
