@@ -102,12 +102,12 @@ def _dirty(inputs, key_mask):
     "method, case",
     [
         ("chunked", "plain"),
-        ("scan", "plain"),
+        pytest.param("scan", "plain", marks=pytest.mark.slow),
         ("quadratic", "extreme"),
         ("chunked", "extreme mask"),
-        ("scan", "mask segments"),
+        pytest.param("scan", "mask segments", marks=pytest.mark.slow),
         ("chunked", "mask segments"),
-        ("chunked", "exp"),
+        pytest.param("chunked", "exp", marks=pytest.mark.slow),
     ],
 )
 def test_forms_equal_the_float64_loop_outputs_states_and_gradients(method, case):
@@ -207,6 +207,7 @@ def test_non_finite_inputs_spoil_only_their_own_and_later_outputs():
         assert np.all(np.isnan(state.c[1, 0, :, 2])) and np.all(np.isfinite(state.c[1, 0, :, :2]))
 
 
+@pytest.mark.slow
 def test_segments_restart_from_the_empty_state():
     """Packed rows: each segment equals its own sequence run from ``init_state``."""
     inputs, _ = _inputs(7)
