@@ -109,3 +109,14 @@ def test_bad_configs_are_refused_by_field(loaded):
             node.epsilon = 1e-5
     with pytest.raises(ValueError, match="norms have different epsilons"):
         hf.save_pretrained(unfinished, path / "unfinished", config)
+
+
+def test_the_docs_weight_table_names_every_rule():
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs/guide/mlstm.md").read_text()
+    for rule in xlstm.MODEL_RULES + xlstm.BLOCK_RULES + (xlstm.HEAD_RULE,):
+        name = rule.hf.removesuffix(".weight").removesuffix(".bias").rsplit(".", 1)[-1]
+        assert name in page, rule.hf
+        for ours in rule.ours:
+            assert ours.split(".")[-2] in page, ours
