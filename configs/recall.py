@@ -44,7 +44,9 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.optim.weight_decay = 0.1
 
     c.recall = ConfigDict()
-    c.recall.kinds = "softmax,elu,based,hedgehog,retnet,gla,deltanet,gated_deltanet,kda,hybrid"
+    c.recall.kinds = (
+        "softmax,elu,based,hedgehog,retnet,gla,deltanet,gated_deltanet,kda,mlstm,hybrid"
+    )
     c.recall.widths = "64,96,128"
     c.recall.lrs = "3e-3,1e-2"
     if arg == "small":  # about 2.5 minutes on 2 CPU cores
