@@ -31,7 +31,7 @@ from experiments import cli, reporting, trainer
 from experiments.configuration import flatten
 from experiments.tasks import mqar_shapes
 from experiments.validation import validate
-from linattn_jax import layers
+from linattn_jax import layers, ops
 
 # What each kind sets, over the config's model fields.
 KINDS = {
@@ -49,6 +49,7 @@ KINDS = {
     "deltanet": {"attention": "deltanet"},
     "gated_deltanet": {"attention": "gated_deltanet"},
     "kda": {"attention": "kda"},
+    "mlstm": {"attention": "mlstm"},
     # A hybrid: the 2-layer models of the grid alternate the two (Qwen3-Next's is 3:1).
     "hybrid": {"attention": "gated_deltanet : softmax"},
     # Mamba-2 (its own convolution, no short_conv): one SSD head of p = 2 * width channels
@@ -66,6 +67,7 @@ LABELS = {
     "deltanet": "DeltaNet",
     "gated_deltanet": "Gated DeltaNet",
     "kda": "KDA",
+    "mlstm": "mLSTM (xLSTM)",
     "hybrid": "Gated DeltaNet : softmax, 1:1",
     "mamba2": "Mamba-2 (SSD, state 32)",
 }
@@ -145,6 +147,8 @@ def _state_floats(config_json: str) -> int:
             held = (cache.k, cache.v)
         elif isinstance(cache, layers.Mamba2Cache):
             held = cache.ssm  # the convolution's few floats are not counted
+        elif isinstance(cache, ops.mlstm.State):
+            held = cache  # C, n and m
         elif isinstance(cache, layers.LinearAttentionCache) and not attention.normalize:
             held = cache.state.s  # no denominator: Z is never read
         else:

@@ -28,6 +28,14 @@ from linattn_jax.ops.delta import (
     init_delta_state,
     sequence_parallel_delta_rule,
 )
+from linattn_jax.ops.mlstm import (
+    MLSTM_METHODS,
+    MLSTMState,
+    init_mlstm_state,
+    mlstm,
+    mlstm_step,
+    sequence_parallel_mlstm,
+)
 from linattn_jax.ops.ssd import (
     SSD_METHODS,
     SSDState,
@@ -41,10 +49,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DELTA_METHODS",
+    "MLSTM_METHODS",
     "METHODS",
     "SSD_METHODS",
     "DeltaRuleState",
     "LinearAttentionState",
+    "MLSTMState",
     "SSDState",
     "causal_linear_attention",
     "causal_linear_attention_step",
@@ -52,12 +62,16 @@ __all__ = [
     "delta_rule_step",
     "feature_maps",
     "init_delta_state",
+    "init_mlstm_state",
     "init_ssd_state",
     "init_state",
     "linear_attention",
+    "mlstm",
+    "mlstm_step",
     "ops",
     "sequence_parallel_causal_linear_attention",
     "sequence_parallel_delta_rule",
+    "sequence_parallel_mlstm",
     "sequence_parallel_ssd",
     "ssd",
     "ssd_step",

@@ -22,6 +22,7 @@ KINDS = {
     "gla": dict(attention="gla"),
     "gated_deltanet": dict(attention="gated_deltanet"),
     "kda": dict(attention="kda"),
+    "mlstm": dict(attention="mlstm", mlp="swiglu"),
 }
 
 

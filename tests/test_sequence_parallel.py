@@ -121,7 +121,7 @@ class SequenceParallelTest(chex.TestCase):
 
     # GLA (additive, per-channel gates) and KDA (delta, per-channel gates); Gated DeltaNet's
     # per-head gate is the delta rule's test below, its layer that of KDA but for the gate.
-    @parameterized.parameters("gla", "kda")
+    @parameterized.parameters("gla", "kda", "mlstm")
     def test_gated_and_delta_layers_with_a_sequence_axis(self, kind):
         mesh = _mesh(4, batch=2)
         plain = layers.make_attention(kind, 16, 2, chunk_size=4, rngs=nnx.Rngs(0))
@@ -261,4 +261,38 @@ def test_ssd_sequence_parallel_equals_one_device():
     (d, (out, s)), (ref_d, (ref_out, ref_s)) = grad(parallel), grad(single)
     chex.assert_trees_all_close(out, ref_out, **helpers.tol(jnp.float32))
     chex.assert_trees_all_close(s, ref_s, **helpers.tol(jnp.float32))
+    helpers.assert_close_normwise(d, ref_d)
+
+
+@pytest.mark.skipif(not EIGHT, reason="needs 8 devices (run by the launcher test)")
+def test_mlstm_sequence_parallel_equals_one_device():
+    """The mLSTM (``ops.mlstm``): 4 shards x 2 batch shards, gates of +-50 among ordinary
+    ones, a given state; outputs, final (C, n, m) and gradients against one device."""
+    b, t, h, d, dv = 2, 12, 2, 4, 3
+    ks = jax.random.split(jax.random.PRNGKey(23), 9)
+    extreme = lambda key: 50.0 * jnp.sign(jax.random.normal(key, (b, t, h)))
+    pick = jax.random.bernoulli(ks[0], 0.4, (b, t, h))
+    inputs = dict(
+        q=jax.random.normal(ks[1], (b, t, h, d)),
+        k=jax.random.normal(ks[2], (b, t, h, d)),
+        v=jax.random.normal(ks[3], (b, t, h, dv)),
+        i=jnp.where(pick, extreme(ks[4]), jax.random.normal(ks[5], (b, t, h))),
+        f=jnp.where(pick, extreme(ks[6]), 2.0 + jax.random.normal(ks[7], (b, t, h))),
+    )
+    s0 = la.init_mlstm_state(b, h, d, dv)._replace(m=jax.random.normal(ks[8], (b, h)))
+    w = jax.random.normal(jax.random.PRNGKey(24), (b, t, h, dv))
+
+    def loss(fn, inputs):
+        out, state = fn(**inputs, initial_state=s0, return_state=True)
+        return jnp.sum(out * w) + jnp.sum(state.c) + jnp.sum(state.m), (out, state)
+
+    parallel = functools.partial(
+        la.sequence_parallel_mlstm, axis_name="seq", batch_axis="batch", mesh=_mesh(4, 2),
+        chunk_size=2,
+    )  # fmt: skip
+    single = functools.partial(la.mlstm, chunk_size=2)
+    grad = lambda fn: jax.jit(jax.grad(functools.partial(loss, fn), has_aux=True))(inputs)
+    (d, (out, s)), (ref_d, (ref_out, ref_s)) = grad(parallel), grad(single)
+    helpers.assert_close_normwise(out, ref_out)
+    chex.assert_trees_all_close(tuple(s), tuple(ref_s), **helpers.tol(jnp.float32))
     helpers.assert_close_normwise(d, ref_d)

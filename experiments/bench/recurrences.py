@@ -1,5 +1,5 @@
 """Speed and memory of the recurrence families (additive decay, GLA, DeltaNet, Gated
-DeltaNet, KDA, Mamba-2's SSD), chunked and as a per-token scan, against non-causal linear
+DeltaNet, KDA, Mamba-2's SSD, the mLSTM), chunked and as a per-token scan, against non-causal linear
 attention: forward ms, forward+backward ms and forward+backward scratch memory per
 length, as a markdown table. ``--cpu-groups`` times the chunked forms with several
 chunks batched per group on CPU (``chunking.GROUP_TOKENS_CPU``, one chunk by default;
@@ -30,6 +30,7 @@ RECURRENCES = {
     # Mamba-2's SSD (ops.ssd): h heads of p = d channels, one B/C group of n = d (so its
     # q, k, v have additive_decay's shapes), the per-head log-decay dt A.
     "ssd": ("ssd", None),
+    "mlstm": ("mlstm", "head"),
 }
 
 
@@ -48,6 +49,10 @@ def recurrence_case(
         A = -jnp.exp(jax.random.normal(keys[4], (h,)))
         fn = lambda x, dt, A, B, C: la.ssd(x, dt, A, B, C, method=method, chunk_size=chunk_size)
         return fn, (v, dt, A, k[:, :, :1], q[:, :, :1])
+    if form == "mlstm":  # the gate pre-activations: exp input gate, sigmoid forget gate
+        i, f = jax.random.normal(keys[3], (b, t, h)), 3.0 + jax.random.normal(keys[4], (b, t, h))
+        fn = lambda q, k, v, i, f: la.mlstm(q, k, v, i, f, method=method, chunk_size=chunk_size)
+        return fn, (q, k, v, i, f)
     if form == "additive":
         fn = lambda q, k, v, gate: la.causal_linear_attention(
             q, k, v, gate=gate, method=method, chunk_size=chunk_size

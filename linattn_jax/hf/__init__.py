@@ -43,6 +43,7 @@ from linattn_jax.hf import (
     qwen3_next,
     safetensors_io,
     text,
+    xlstm,
 )
 from linattn_jax.hf.pretrained import (
     FORMATS,
@@ -84,4 +85,5 @@ __all__ = [
     "safetensors_io",
     "save_pretrained",
     "text",
+    "xlstm",
 ]

@@ -36,6 +36,7 @@ from linattn_jax.hf import (
     qwen3_5_moe,
     qwen3_next,
     safetensors_io,
+    xlstm,
 )
 from linattn_jax.layers.moe import RouterBias
 from linattn_jax.models import LanguageModel
@@ -55,6 +56,7 @@ _MODULES = (
     kimi_linear,
     minimax,
     olmo_hybrid,
+    xlstm,
 )
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: module.FORMAT for module in _MODULES for model_type in module.FORMAT.model_types

@@ -37,6 +37,7 @@ from linattn_jax.layers.gates import ChannelGate, HeadGate, MambaGate
 from linattn_jax.layers.lightning import LightningAttention, lightning_decays
 from linattn_jax.layers.linear import GATES, LinearAttention, LinearAttentionCache
 from linattn_jax.layers.mamba2 import GroupedGatedRMSNorm, Mamba2Cache, Mamba2Mixer
+from linattn_jax.layers.mlstm import MLSTMLayer, MultiHeadLayerNorm
 from linattn_jax.layers.moe import MoE
 from linattn_jax.layers.norms import GatedRMSNorm, RMSNorm
 from linattn_jax.layers.recurrent import SequenceSharding, run_causal
@@ -57,6 +58,7 @@ __all__ = [
     "LINEAR_ONLY_OPTIONS",
     "MLP",
     "MLPS",
+    "MLSTMLayer",
     "RANDOM_FEATURES",
     "VARIANTS",
     "AttentionKind",
@@ -79,6 +81,7 @@ __all__ = [
     "Mamba2Mixer",
     "MambaGate",
     "MoE",
+    "MultiHeadLayerNorm",
     "RMSNorm",
     "RandomProjection",
     "ReLU2MLP",

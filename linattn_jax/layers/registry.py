@@ -16,6 +16,7 @@ from linattn_jax.layers.delta import DeltaRuleAttention
 from linattn_jax.layers.lightning import LightningAttention
 from linattn_jax.layers.linear import LinearAttention
 from linattn_jax.layers.mamba2 import Mamba2Mixer
+from linattn_jax.layers.mlstm import MLSTMLayer
 from linattn_jax.layers.softmax import LatentAttention, SoftmaxAttention
 
 
@@ -158,6 +159,11 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
             section_options=("num_heads", "head_dim"),
             takes_layer_index=True,
         ),
+        "mlstm": AttentionKind(
+            MLSTMLayer,
+            "mLSTM (xLSTM)",
+            options=("method", "chunk_size"),
+        ),
         # No mixer: an MLP-only block (Nemotron-H's "-" layers).
         "mlp": AttentionKind(None, "MLP only"),
     }
@@ -183,6 +189,7 @@ def make_attention(kind: str, width: int, num_heads: int, **options: Any) -> nnx
     ``Mamba2Mixer`` (``num_heads`` its SSD heads); ``"lightning"``: ``LightningAttention``
     (MiniMax-01; ``layer_index``, ``num_layers`` its place in the model).
     ``"mla"``: ``LatentAttention`` (multi-head latent attention).
+    ``"mlstm"``: ``MLSTMLayer`` (xLSTM).
 
     Raises:
       ValueError: an unknown kind, the kind without a mixer (``"mlp"``), or an option that

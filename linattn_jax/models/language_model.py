@@ -15,6 +15,7 @@ from linattn_jax.layers.blocks import check_multiplier
 from linattn_jax.layers.norms import RMSNorm
 from linattn_jax.models import sampling, stack
 from linattn_jax.models.common import check_state, check_tokens
+from linattn_jax.ops import checks
 
 
 class LanguageModel(nnx.Module):
@@ -42,6 +43,7 @@ class LanguageModel(nnx.Module):
       embedding_multiplier: the embeddings times this before the first block (Granite's
         ``embedding_multiplier``; 1: none).
       logits_scaling: the logits divided by this (Granite's ``logits_scaling``; 1: none).
+      logit_soft_cap: None, or the logits are ``cap * tanh(logits / cap)`` (xLSTM-7B: 30).
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
       param_dtype: the parameters' dtype, as in Flax.
@@ -67,6 +69,7 @@ class LanguageModel(nnx.Module):
         remat: str = "none",
         embedding_multiplier: float = 1.0,
         logits_scaling: float = 1.0,
+        logit_soft_cap: float | None = None,
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -99,6 +102,11 @@ class LanguageModel(nnx.Module):
             **block_kwargs,
         )
         self.depth, self.remat = depth, remat
+        if logit_soft_cap is not None:
+            checks.check_number("logit_soft_cap", logit_soft_cap, minimum=0.0)
+            if not logit_soft_cap > 0:
+                raise ValueError(f"logit_soft_cap must be > 0 (or None), got {logit_soft_cap!r}")
+        self.logit_soft_cap = None if logit_soft_cap is None else float(logit_soft_cap)
         self.norm = RMSNorm(
             width, zero_centred=zero_centred_norm, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
@@ -162,6 +170,8 @@ class LanguageModel(nnx.Module):
         logits = logits.astype(jnp.float32)
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling
+        if self.logit_soft_cap is not None:
+            logits = self.logit_soft_cap * jnp.tanh(logits / self.logit_soft_cap)
         return (logits, new_states) if return_state else logits
 
     def generate(

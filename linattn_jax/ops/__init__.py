@@ -3,13 +3,14 @@
 ``chunking`` (the chunk engine) and ``checks`` (input checks) at the bottom;
 ``feature_maps`` (the kernels phi); one package per family of recurrences, each split by
 form with the same file names (``api``, ``chunked``, ``recurrent``, ``step``,
-``sequence_parallel``, ``state``) and exposing one interface: ``additive`` and ``delta``.
-``FAMILIES`` names them. ``ssd`` (Mamba-2) is the additive rule with its own inputs
-(``x, dt, A, B, C``) and the same forms (``causal``, ``step``, ``sequence_parallel``).
+``sequence_parallel``, ``state``) and exposing one interface: ``additive``, ``delta`` and
+``mlstm`` (xLSTM's stabilised exponential gates). ``FAMILIES`` names them. ``ssd``
+(Mamba-2) is the additive rule with its own inputs (``x, dt, A, B, C``) and the same forms
+(``causal``, ``step``, ``sequence_parallel``).
 """
 
-from linattn_jax.ops import additive, checks, chunking, delta, feature_maps, ssd
+from linattn_jax.ops import additive, checks, chunking, delta, feature_maps, mlstm, ssd
 
-FAMILIES = {"additive": additive, "delta": delta}
+FAMILIES = {"additive": additive, "delta": delta, "mlstm": mlstm}
 
-__all__ = ["FAMILIES", "additive", "checks", "chunking", "delta", "feature_maps", "ssd"]
+__all__ = ["FAMILIES", "additive", "checks", "chunking", "delta", "feature_maps", "mlstm", "ssd"]
