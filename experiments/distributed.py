@@ -12,8 +12,8 @@ Once they have joined, every process writes a heartbeat to the coordinator's key
 every quarter of ``distributed.heartbeat_timeout``, and process 0 watches the others': a peer
 silent for that long (killed, or its host gone) makes process 0 exit in the same way
 (``lost_process_message``), again before JAX's own heartbeat deadline aborts it. The
-checkpoints already on disk stay as they are (the one being written, if any, is left
-incomplete, which orbax skips on resume).
+checkpoints already on disk stay as they are (one being written at that moment, if any, may
+be left incomplete; the test checks only that the completed ones stay).
 """
 
 from __future__ import annotations
