@@ -37,6 +37,7 @@ def base() -> ConfigDict:
     c.distributed.coordinator_address = ""  # "host:port" of process 0 ("": detected)
     c.distributed.cpu_collectives = "gloo"  # across processes on CPUs: "gloo" or "mpi"
     c.distributed.initialization_timeout = 300  # seconds to wait for every process to join
+    c.distributed.heartbeat_timeout = 100  # seconds without a sign of life: a peer is lost
 
     c.model = ConfigDict()
     c.model.attention = "linear"  # a kind of linattn_jax.layers.ATTENTION_KINDS

@@ -8,13 +8,22 @@ A peer that never joins makes ``initialize`` exit (status ``LOST_PEER_STATUS``) 
 line on stderr naming the missing process, the coordinator and the timeout, before JAX's
 own deadline would abort the process with a C++ check failure (its coordination client
 terminates the process from a thread of its own: nothing in Python can catch it).
+Once they have joined, every process writes a heartbeat to the coordinator's key-value store
+every quarter of ``distributed.heartbeat_timeout``, and process 0 watches the others': a peer
+silent for that long (killed, or its host gone) makes process 0 exit in the same way
+(``lost_process_message``), again before JAX's own heartbeat deadline aborts it. The
+checkpoints already on disk stay as they are (one being written at that moment, if any, may
+be left incomplete; the test checks only that the completed ones stay).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import sys
 import threading
+import time
 
 import jax
 from jax.experimental import multihost_utils
@@ -46,6 +55,7 @@ def initialize(config: ConfigDict) -> None:
             num_processes=d.num_processes or None,
             process_id=None if d.process_id < 0 else d.process_id,
             initialization_timeout=d.initialization_timeout + JAX_GRACE_S,
+            heartbeat_timeout_seconds=d.heartbeat_timeout + JAX_GRACE_S,
         )
     except ValueError as e:
         raise ValueError(
@@ -62,6 +72,7 @@ def initialize(config: ConfigDict) -> None:
         ) from None
     finally:
         joined.set()
+    _watch_peers(d)
 
 
 LOST_PEER_STATUS = 1  # a run that failed (experiments.cli: 2 is a bad command line)
@@ -102,6 +113,107 @@ def _watch_joining(d) -> threading.Event:
 
     threading.Thread(target=watch, name="distributed-join-watchdog", daemon=True).start()
     return joined
+
+
+def lost_process_message(d, lost: list[int], n: int) -> str:
+    """The one line process 0 of ``n`` prints when processes ``lost`` of ``d`` (a config's
+    ``distributed``) have sent no heartbeat for ``d.heartbeat_timeout`` seconds mid-run."""
+    names = ", ".join(map(str, lost))
+    return (
+        f"distributed: error: lost process {names} (no heartbeat for "
+        f"distributed.heartbeat_timeout={d.heartbeat_timeout} s): process 0 of "
+        f"num_processes={n} at the coordinator "
+        f"{d.coordinator_address or '(detected)'} stops; the checkpoints on disk are kept "
+        f"(resume from the last one with every process running)"
+    )
+
+
+_HEARTBEAT = "experiments.distributed/heartbeat/"  # + process index: a counter, or _DONE
+_DONE = "done"
+
+
+def _watch_peers(d) -> None:
+    """Starts this process's heartbeat (a counter in the coordinator's key-value store,
+    advanced every quarter of ``d.heartbeat_timeout``) and, on process 0, the watch of the
+    others': a peer whose counter stands still for ``d.heartbeat_timeout`` seconds makes it
+    print ``lost_process_message`` and exit ``LOST_PEER_STATUS``.
+
+    The store is JAX's distributed client, which jax only exposes privately
+    (``jax._src.distributed.global_state``); where a release lacks it, nothing is watched
+    and a lost peer ends the run as JAX ends it (SIGABRT after its own deadline).
+    """
+    from jax._src import distributed as jax_distributed  # no public handle on the client
+
+    state = getattr(jax_distributed, "global_state", None)
+    client = getattr(state, "client", None)
+    if client is None or not hasattr(client, "key_value_try_get"):
+        return
+    # From JAX's distributed state, not jax.process_index(): no backend starts here.
+    me, n, every = state.process_id, state.num_processes, d.heartbeat_timeout / 4
+
+    lock, stopped = threading.Lock(), threading.Event()
+
+    def beat():
+        count = 0
+        while True:
+            count += 1
+            with lock:
+                if stopped.is_set():
+                    return
+                try:
+                    client.key_value_set(_HEARTBEAT + str(me), str(count), allow_overwrite=True)
+                except Exception:  # the coordinator is gone: JAX reports that itself
+                    return
+            time.sleep(every)
+
+    def watch():
+        seen = {p: (None, time.monotonic()) for p in range(1, n)}  # last count, when it moved
+        while True:
+            time.sleep(every)
+            now = time.monotonic()
+            for p, (count, _) in list(seen.items()):
+                try:
+                    value = client.key_value_try_get(_HEARTBEAT + str(p))
+                except Exception:  # not written yet (a slow start counts as silence)
+                    value = None
+                if value == _DONE:  # it finished its run: silence from now on is no loss
+                    del seen[p]
+                elif value is not None and value != count:
+                    seen[p] = (value, now)
+            lost = [p for p, (_, since) in seen.items() if now - since > d.heartbeat_timeout]
+            if lost:
+                sys.stderr.write(lost_process_message(d, lost, n) + "\n")  # one write
+                sys.stderr.flush()
+                os._exit(LOST_PEER_STATUS)  # the main thread may be blocked inside XLA
+
+    def done():
+        with lock, contextlib.suppress(Exception):
+            stopped.set()
+            client.key_value_set(_HEARTBEAT + str(me), _DONE, allow_overwrite=True)
+
+    atexit.register(done)  # before JAX's own exit handler (registered at import) shuts down
+    threading.Thread(target=beat, name="distributed-heartbeat", daemon=True).start()
+    if me == 0:
+        threading.Thread(target=watch, name="distributed-peer-watchdog", daemon=True).start()
+        _WATCHED["settle_s"] = d.heartbeat_timeout + 3 * every
+
+
+_WATCHED: dict[str, float] = {}  # settle_s: how long the watchdog needs to see a lost peer
+
+
+@contextlib.contextmanager
+def lost_peers_reported():
+    """Where process 0 watches its peers (``initialize``), an exception inside (a collective
+    that failed when a peer died: gloo's "Connection closed by peer") waits until the
+    watchdog could tell whether a peer is lost: if one is, the watchdog's line and exit
+    status end the process (not the exception's traceback, then JAX's SIGABRT in its
+    shutdown barrier); if none is, the exception goes on."""
+    try:
+        yield
+    except Exception:
+        if "settle_s" in _WATCHED:
+            time.sleep(_WATCHED["settle_s"])  # the watchdog exits the process meanwhile
+        raise
 
 
 def is_primary() -> bool:

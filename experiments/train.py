@@ -46,7 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.multihost and config.distributed.num_processes == 1:
             config.distributed.num_processes = 0
         distributed.initialize(config)  # first of all (train does it too, if not yet)
-        final = trainer.train(config, args.workdir, verbose=args.verbose)
+        with distributed.lost_peers_reported():
+            final = trainer.train(config, args.workdir, verbose=args.verbose)
     except (ValueError, OSError, FloatingPointError) as e:
         return cli.report(parser.prog, e, cli.wants_verbose(argv))
     if distributed.is_primary():

@@ -138,6 +138,7 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "distributed.cpu_collectives": _one_of(("gloo", "mpi")),
     "distributed.initialization_timeout": _integer(1),
+    "distributed.heartbeat_timeout": _integer(1),
     "model.attention": (
         _layout_ok,
         f"one of {tuple(ATTENTION_FIELDS)} or a layout such as '3 gated_deltanet : 1 softmax'",

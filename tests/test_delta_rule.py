@@ -255,6 +255,8 @@ class DeltaRuleTest(chex.TestCase):
         out, state = la.delta_rule(q, k, v, beta, gate=gate, initial_state=s0, return_state=True)
         chex.assert_shape(out, (B, 0, H, DV))
         chex.assert_trees_all_equal(state.s, s0.s)
+        q, k, v, beta, gate = _inputs(16, b=0, variant="kda")  # an empty batch
+        chex.assert_shape(la.delta_rule(q, k, v, beta, gate=gate), (0,) + q.shape[1:3] + (DV,))
 
     @pytest.mark.slow
     def test_long_sequence_is_finite(self):

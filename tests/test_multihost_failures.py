@@ -1,12 +1,17 @@
 """Multi-process failures (issue 40, item 7): process 0 whose peer never joins exits with one
 line naming the missing process, the coordinator and the timeout (not JAX's SIGABRT and C++
-stack trace), before touching the workdir, so its last checkpoint stays as it was."""
+stack trace), before touching the workdir, so its last checkpoint stays as it was; one whose
+peer is killed mid-run exits with one line naming the lost process, the coordinator and the
+heartbeat timeout, its checkpoints kept."""
 
 import re
 import subprocess
 import sys
+import time
 
-from tests.test_multihost import MQAR, ROOT, _env, _free_port
+import pytest
+
+from tests.test_multihost import MQAR, ROOT, _env, _free_port, _running, _start
 
 
 def test_a_peer_that_never_joins_is_one_line_and_keeps_the_checkpoint(tmp_path):
@@ -42,3 +47,37 @@ def test_a_peer_that_never_joins_is_one_line_and_keeps_the_checkpoint(tmp_path):
         "checkpoints/2",
         "checkpoints/2/marker",
     ]
+
+
+@pytest.mark.slow
+def test_a_peer_killed_mid_run_is_one_line_and_keeps_the_checkpoint(tmp_path):
+    # Process 1 waits forever for step 3's batch once checkpoint 2 is saved; process 0 goes
+    # on into step 3's collectives and waits for it there when it is killed (gloo then fails
+    # the collective: "Connection closed by peer"; before, JAX's SIGABRT came after that).
+    workdir = tmp_path / "run"
+    address = f"127.0.0.1:{_free_port()}"
+    argv = (
+        f"--config.distributed.coordinator_address={address}",
+        "--config.distributed.num_processes=2",
+        "--config.distributed.heartbeat_timeout=4",
+    )
+    first = _start(workdir, 1, *argv, "--config.distributed.process_id=0")
+    with _running(
+        first, _start(workdir, 1, *argv, "--config.distributed.process_id=1", HANG_AT="2")
+    ) as (_, peer):
+        checkpoint = workdir / "checkpoints" / "2"
+        deadline = time.monotonic() + 240
+        while not checkpoint.is_dir() and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.5)
+        assert checkpoint.is_dir(), first.communicate()[1][-3000:]
+        time.sleep(1)  # process 0 into step 3
+        peer.kill()
+        _, err = first.communicate(timeout=60)
+    assert first.returncode == 1, err[-3000:]
+    assert re.fullmatch(
+        rf"distributed: error: lost process 1 \(no heartbeat for distributed.heartbeat_timeout=4 "
+        rf"s\): process 0 of num_processes=2 at the coordinator {re.escape(address)} stops; "
+        r"[^\n]*\n",
+        err,
+    ), err[-3000:]
+    assert (workdir / "checkpoints" / "2").is_dir()

@@ -222,6 +222,10 @@ class SequenceParallelTest(chex.TestCase):
         )  # fmt: skip
         chex.assert_shape(out, (B, 0, H, D))
         chex.assert_trees_all_close(state.s, s0.s)
+        # An empty batch: nothing to shard either (an IndexError in the shards before).
+        q = jnp.ones((0, 8, H, D))
+        out = la.sequence_parallel_causal_linear_attention(q, q, q, axis_name="seq", mesh=_mesh(4))
+        chex.assert_shape(out, (0, 8, H, D))
 
     def test_errors(self):
         q, k, v = helpers.qkv(0, B, 12, H, D, DV)

@@ -30,6 +30,7 @@ denominator [b, h, c] | None)``.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -122,7 +123,7 @@ def run_chunks(
     xs = (phi_q, phi_k, v, g, resets)
     t = phi_q.shape[time_axis]
     c, n = chunking.chunk_count(chunk_size, t)
-    per_group = chunking.chunks_per_group(c, n, group_tokens, state[0][0, 0].size)
+    per_group = chunking.chunks_per_group(c, n, group_tokens, math.prod(state[0].shape[2:]))
     fn = None
     if phi is not None:
         if live is None and -(-n // per_group) * per_group * c != t:

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from linattn_jax.ops import checks, chunking, feature_maps
 from linattn_jax.ops.additive import inputs
+from linattn_jax.ops.additive.api import causal
 from linattn_jax.ops.additive.chunked import run_chunks
 from linattn_jax.ops.additive.state import State, as_internal, zeros
 from linattn_jax.typing import Array, FeatureMap, Float
@@ -87,6 +88,13 @@ def sequence_parallel(
     dtype = feature_maps.accumulation_dtype(q.dtype)
     # Validates decay and gate before tracing the shards.
     checks.log_decay(decay, gate, b, t, h, dtype, channels=f)
+    if 0 in (b, t, h):
+        # Nothing to shard (the output is empty, the state passes through): the one-device
+        # form. An empty shard in shard_map also crashes XLA's compiler on jax 0.11.2.
+        return causal(
+            q, k, v, feature_map=feature_map, chunk_size=chunk_size, initial_state=initial_state,
+            return_state=return_state, decay=decay, gate=gate, normalize=normalize, eps=eps,
+        )  # fmt: skip
     state = as_internal(initial_state, b, h, f, v.shape[-1], dtype)
 
     def local(q, k, v, state, extras):

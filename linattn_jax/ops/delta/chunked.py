@@ -32,6 +32,7 @@ References:
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +96,7 @@ def causal_chunks(
 
         return jax.lax.platform_dependent(xs, state, cpu=on("cpu"), default=on("default"))
     c, n = chunking.chunk_count(chunk_size, length)
-    per_group = chunking.chunks_per_group(c, n, group_tokens, state[0, 0].size)
+    per_group = chunking.chunks_per_group(c, n, group_tokens, math.prod(state.shape[2:]))
     options = dict(c=c, groups=groups, dtype=dtype)
     body = functools.partial(group_body, **options)
     body_bwd = functools.partial(group_body_bwd, **options)

@@ -86,6 +86,10 @@ def sequence_parallel(
     dtype = feature_maps.accumulation_dtype(q.dtype)
     s0 = as_internal(initial_state, b, h, dk, dv, dtype)
     run = functools.partial(causal, decay=decay, chunk_size=chunk_size, scale=scale)
+    if 0 in (b, t, h):
+        # Nothing to shard (the output is empty, the state passes through): the one-device
+        # form. An empty shard in shard_map also crashes XLA's compiler on jax 0.11.2.
+        return run(q, k, v, beta, gate=gate, initial_state=initial_state, return_state=return_state)
 
     def local(q, k, v, beta, s0, extras):
         gate = extras.get("gate")
