@@ -216,7 +216,7 @@ def is_layout(attention: Any) -> bool:
 def parse_layout(attention: str | Sequence[str], depth: int | None = None) -> tuple[str, ...]:
     """The kind of each layer: ``attention`` is one kind (every layer), a list of ``depth``
     kinds, or a pattern such as ``"3 gated_deltanet : 1 softmax"`` (Qwen3-Next's
-    ``full_attention_interval`` 4; Kimi Linear's ``"3 kda : 1 softmax"``) repeated from the
+    ``full_attention_interval`` 4; Kimi Linear's ``"3 kda : 1 mla"``) repeated from the
     first layer on and cut at ``depth`` (layer ``i`` is the pattern's ``i mod period``).
 
     With ``depth`` None, the pattern's one period (or the list) is returned.
