@@ -95,6 +95,7 @@ def use_compilation_cache(directory: str | None = None) -> str | None:
     if not directory:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
+    jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
     return directory
 
