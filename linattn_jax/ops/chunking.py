@@ -328,6 +328,25 @@ def finite_tokens(*xs: Array | None, log_decays: Array | None = None) -> Array:
     return ok
 
 
+def all_finite(*xs: Array | None, log_decays: Array | None = None) -> Array:
+    """A scalar bool: every entry of every ``x`` finite and no log-decay NaN or ``+inf``
+    (``finite_tokens`` over the whole call, reduced). One read-only pass: where it holds,
+    a form skips its masking passes (``if_not``)."""
+    ok = jnp.array(True)
+    for x, test in [(x, jnp.isfinite) for x in xs] + [(log_decays, lambda g: g < jnp.inf)]:
+        if x is not None:
+            ok = ok & jnp.all(test(x))
+    return ok
+
+
+def if_not(ok: Array, fn: Callable[..., Any], clean: Callable[..., Any], *operands: Any) -> Any:
+    """``clean(*operands)`` where the scalar ``ok`` holds, else ``fn(*operands)`` (a
+    ``lax.cond``): the non-finite inputs' masks (``where_finite``, ``nan_from``) then cost
+    nothing in a call whose inputs are all finite, forward and backward. Under ``vmap``
+    with a batched ``ok`` both run (a select), with the same result."""
+    return jax.lax.cond(ok, clean, fn, *operands)
+
+
 def where_finite(ok: Array, x: Array | None) -> Array | None:
     """``x [b, h|1, c, ...]`` with zeros where ``ok`` (``[b, h|1, c]``, or ``x``'s shape)
     is False."""

@@ -142,13 +142,17 @@ def run_chunks(
     if groups > 1:
         body = functools.partial(_grouped_body, body, groups)
         body_bwd = functools.partial(_grouped_body_bwd, body_bwd, groups)
-    xs, first_v, first = _finite_inputs(xs, phi, time_axis, groups)
+    finite, xs, first_v, first = _finite_inputs(xs, phi, time_axis, groups)
     (num, den), (s, z) = chunking.scan(
         body, state, xs, per_group * c, t, body_bwd=body_bwd, time_axis=time_axis
     )
     # What a non-finite input reaches is NaN from its token on, as in the per-token
     # recurrence: the outputs (a value channel, or all of them), the final state's columns.
-    num, den = chunking.nan_from(first_v, num, time_axis), chunking.nan_from(first, den, time_axis)
+    poison = lambda n, d: (
+        chunking.nan_from(first_v, n, time_axis),
+        chunking.nan_from(first, d, time_axis),
+    )
+    num, den = chunking.if_not(finite, poison, lambda n, d: (n, d), num, den)
     heads_first = (lambda x: x) if time_axis == 2 else (lambda x: jnp.swapaxes(x, 1, 2))
     s = jnp.where(heads_first(first_v) < t, jnp.full((), jnp.nan, s.dtype), s)
     if z is not None:
@@ -195,6 +199,7 @@ def chunk_parts(diagonal: bool, kernel, x, *, dtype=None, phi=None):
       ``(scores [b,h,c,c], phi_q decayed from the chunk's start [b,h,c,f], phi_k decayed
       to the chunk's end [b,h,c,f], the decay across the chunk [b,h,g] | None)``.
     """
+    x = _finite_keys(x, kernel is not None and phi is None)
     if phi is None:
         q, k, g, r = x[:4]
     else:
@@ -246,7 +251,7 @@ def group_body(state, x, *, c: int, diagonal: bool, kernel=None, dtype=None, eps
     """
     h, length = x[0].shape[1], x[0].shape[2]
     x = _fold(x, c, h)
-    v = _values(x, phi)
+    v = _values(x, phi, kernel)
     parts = chunk_parts(diagonal, kernel, _without_values(x), dtype=dtype, phi=phi)
     states, final = _states(h, parts[3], _writes(parts, v, state[1] is not None), state)
     num, den = _outputs(parts, v, states, dtype=dtype, eps=eps)
@@ -303,39 +308,46 @@ _KEYS, _VALUES, _LOG_DECAYS, _RAW_KEYS = 1, 2, 3, 6
 
 
 def _finite_inputs(xs, phi, time_axis: int, groups: int = 1):
-    """Once per call, over the whole sequence (the chunk loop then never meets a
-    non-finite input): ``(xs with non-finite keys, log-decays and values zeroed, and
-    with phi a dead token's raw keys and values, the index of the first token whose
-    value channel is spoilt [b, h, 1, v] (time-major [b, 1, h, v]), that of the first
-    bad token [b, h, 1] ([b, 1, h]))``, each the sequence's length where there is none.
+    """Once per call, over the whole sequence: ``(whether every input is finite (a
+    scalar), xs (with ``phi``, a dead token's raw keys and values zeroed), the index of
+    the first token whose value channel is spoilt [b, h, 1, v] (time-major [b, 1, h, v]),
+    that of the first bad token [b, h, 1] ([b, 1, h]))``, each the sequence's length
+    where there is none.
 
-    Zeroing (a replacement, ``where``) keeps a masked matmul from spreading ``0 * NaN``
-    to earlier tokens (causal: an output never depends on a later input);
-    ``chunking.nan_from`` then sets what the per-token recurrence would make non-finite:
-    every output from a bad token on (a bad key or gate), or one value channel from a
-    non-finite value on (the value channels never mix).
+    Each chunk zeroes its own non-finite keys, log-decays and values (``_finite_keys``,
+    ``_values``: a replacement, so a masked matmul never spreads ``0 * NaN`` to earlier
+    tokens; causal: an output never depends on a later input), fused with the ops that
+    read them; ``chunking.nan_from`` then sets what the per-token recurrence would make
+    non-finite: every output from a bad token on (a bad key or gate), or one value
+    channel from a non-finite value on (the value channels never mix). A call whose
+    inputs are all finite skips the indices and ``nan_from`` (``chunking.if_not``: one
+    read-only check).
     """
     xs = list(xs)
     if phi is not None and xs[-1] is not None:  # dead tokens (raw inputs) hold anything
         for i in (_KEYS, _VALUES):
             xs[i] = chunking.where_finite(xs[-1][..., 0], xs[i])
     raw_keys = xs[_RAW_KEYS] if len(xs) > _RAW_KEYS and phi is None else None
-    if groups > 1:  # grouped keys: each bad key zeroed once, its heads' outputs poisoned
-        ok_keys = chunking.finite_tokens(xs[_KEYS])
-        xs[_KEYS] = chunking.where_finite(ok_keys, xs[_KEYS])
-        ok = jnp.repeat(ok_keys, groups, axis=3 - time_axis)
-        if xs[_LOG_DECAYS] is not None:
-            ok = ok & chunking.finite_tokens(log_decays=xs[_LOG_DECAYS])
-            xs[_LOG_DECAYS] = chunking.where_finite(ok, xs[_LOG_DECAYS])
-    else:
-        ok = chunking.finite_tokens(xs[_KEYS], raw_keys, log_decays=xs[_LOG_DECAYS])
-        for i in (_KEYS, _LOG_DECAYS) + ((_RAW_KEYS,) if raw_keys is not None else ()):
-            xs[i] = chunking.where_finite(ok, xs[i])
-    good_v = ok[..., None] & jnp.isfinite(xs[_VALUES])
-    xs[_VALUES] = chunking.where_finite(good_v, xs[_VALUES])
-    first_v = chunking.first_index(~good_v, time_axis)
-    first = chunking.first_index(~ok, time_axis)
-    return tuple(xs), first_v, first
+    keys, log_decays, v = xs[_KEYS], xs[_LOG_DECAYS], xs[_VALUES]
+    finite = chunking.all_finite(keys, raw_keys, v, log_decays=log_decays)
+    first = functools.partial(_first_bad, time_axis, groups)
+    t = keys.shape[time_axis]
+
+    def clean(*args):
+        return tuple(jnp.full(y.shape, t, y.dtype) for y in jax.eval_shape(first, *args))
+
+    return finite, tuple(xs), *chunking.if_not(finite, first, clean, keys, raw_keys, v, log_decays)
+
+
+def _first_bad(time_axis: int, groups: int, keys, raw_keys, v, log_decays):
+    """``_finite_inputs``' indices: ``(first spoilt value channel, first bad token)``."""
+    ok = chunking.finite_tokens(keys, raw_keys)
+    if groups > 1:  # grouped keys: a bad key poisons each of its value heads
+        ok = jnp.repeat(ok, groups, axis=3 - time_axis)
+    if log_decays is not None:
+        ok = ok & chunking.finite_tokens(log_decays=log_decays)
+    good_v = ok[..., None] & jnp.isfinite(v)
+    return chunking.first_index(~good_v, time_axis), chunking.first_index(~ok, time_axis)
 
 
 def _denominator(scores, q_in, z):
@@ -364,7 +376,7 @@ def group_body_bwd(
     state, raw, (out, _), (d_num, d_den) = inputs
     h = raw[0].shape[1]
     x = _fold(raw, c, h)
-    v = _values(x, phi)
+    v = _values(x, phi, kernel)
     parts, vjp = jax.vjp(
         functools.partial(chunk_parts, diagonal, kernel, dtype=dtype, phi=phi),
         _without_values(x),
@@ -401,7 +413,9 @@ def group_body_bwd(
         if across is not None:
             d_across = d_across + _reduce_to(d_z * z, across.shape)
     (d_x,) = vjp((d_scores, d_q_in, d_k_out, d_across))
-    if phi is not None:  # the raw values' cotangent: none at a dead token
+    # The raw values' cotangent: none at a dead token or where _values zeroed them.
+    d_v = chunking.where_finite(_good_values(x, kernel is not None and phi is None), d_v)
+    if phi is not None:
         d_v = _live(x[-1], d_v)
     d_x = d_x[:2] + (d_v,) + d_x[2:]
     return d_state, tuple(_unfold_like(d, y, h) for d, y in zip(d_x, raw, strict=True))
@@ -433,10 +447,31 @@ def _unfold_like(d, x, h: int):
     return jnp.sum(d, axis=1, keepdims=True) if x.shape[1] != d.shape[1] else d
 
 
-def _values(x, phi):
+def _values(x, phi, kernel=None):
     """A chunk's values: as given, or (with ``phi``: raw inputs) upcast and zeroed at
-    the dead tokens of ``live``, x's last entry."""
-    return x[2] if phi is None else _live(x[-1], x[2])
+    the dead tokens of ``live``, x's last entry; zeros where a value, or its token's key
+    or log-decay, is not finite (``_finite_keys``)."""
+    v = x[2] if phi is None else _live(x[-1], x[2])
+    return chunking.where_finite(_good_values(x, kernel is not None and phi is None), v)
+
+
+def _good_values(x, raw: bool) -> Array:
+    """``[b, h, c, v]`` bool: the finite values of a chunk's tokens that count."""
+    keys = _without_values(x)
+    ok = chunking.finite_tokens(keys[1], keys[_RAW_KEYS - 1] if raw else None, log_decays=keys[2])
+    return ok[..., None] & jnp.isfinite(x[2])
+
+
+def _finite_keys(x, raw: bool):
+    """A chunk's inputs without values (``chunk_parts``' x) with the keys, log-decays (and
+    with a ``kernel`` the raw keys) zeroed at a token where any is not finite: so a masked
+    matmul never spreads ``0 * NaN`` to earlier tokens (the outputs from there on are
+    ``run_chunks``' NaN). Inside the chunk, fused with the ops that read it."""
+    x = list(x)
+    ok = chunking.finite_tokens(x[1], x[_RAW_KEYS - 1] if raw else None, log_decays=x[2])
+    for i in (1, 2) + ((_RAW_KEYS - 1,) if raw else ()):
+        x[i] = chunking.where_finite(ok, x[i])
+    return tuple(x)
 
 
 def _without_values(x):
