@@ -13,7 +13,14 @@ import pytest
 from linattn_jax.ops import delta
 from tests.helpers import assert_close_normwise
 
-B, T, H, HV, D = 2, 40, 1, 2, 16  # t not a multiple of the chunk; two value heads per key head
+B, T, H, HV, D, DV = (
+    2,
+    40,
+    1,
+    2,
+    16,
+    32,
+)  # t not a multiple of the chunk; 2 value heads per key head
 CHUNK = 16
 
 
@@ -22,11 +29,11 @@ def _inputs(seed: int = 0):
     q = jax.random.normal(ks[0], (B, T, H, D))
     k = jax.random.normal(ks[1], (B, T, H, D))
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    v = jax.random.normal(ks[2], (B, T, HV, D))
+    v = jax.random.normal(ks[2], (B, T, HV, DV))
     beta = jax.random.uniform(ks[3], (B, T, HV), minval=0.1, maxval=1.0)
     gate = -jax.random.uniform(ks[4], (B, T, HV), maxval=0.5)
     gate = gate.at[0, 21, 1].set(-jnp.inf)  # a full reset inside a chunk
-    s0 = 0.3 * jax.random.normal(ks[5], (B, HV, D, D))
+    s0 = 0.3 * jax.random.normal(ks[5], (B, HV, D, DV))
     # Row 1 pads its last 9 tokens with NaN and inf in every input: they must reach nothing.
     key_mask = jnp.ones((B, T), bool).at[1, T - 9 :].set(False)
     pad = key_mask[:, :, None, None]
@@ -63,7 +70,7 @@ def _value_and_grads(method):
     def loss(*args):
         out, state = _causal(method, *args)
         real = args[-2][:, :, None, None]
-        weight = jnp.linspace(-1.0, 1.0, D)[None, None, None]
+        weight = jnp.linspace(-1.0, 1.0, DV)[None, None, None]
         return jnp.sum(jnp.where(real, out, 0.0) * weight) + jnp.sum(state**2), (out, state)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))
@@ -109,7 +116,7 @@ def test_plain_delta_rule_and_a_non_finite_value():
 
 
 def test_unsupported_options_raise():
-    q, k, v = jnp.ones((B, T, H, D)), jnp.ones((B, T, H, D)), jnp.ones((B, T, HV, D))
+    q, k, v = jnp.ones((B, T, H, D)), jnp.ones((B, T, H, D)), jnp.ones((B, T, HV, DV))
     beta = jnp.full((B, T, HV), 0.5)
     with pytest.raises(ValueError, match="per key channel"):
         delta.causal(q, k, v, beta, method="pallas", gate=jnp.zeros((B, T, HV, D)))
@@ -121,14 +128,17 @@ def test_unsupported_options_raise():
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_lowers_for_gpu_and_tpu(platform):
-    # The kernel lowers (Triton on GPU, Mosaic on TPU), forward and gradient.
+    # The kernels lower (Triton on GPU, Mosaic on TPU): the forward; the gradient runs the
+    # forward (saving the chunk states) and the backward kernel.
     shapes = [x.shape for x in _inputs()[:6]]
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
     mask = jax.ShapeDtypeStruct((B, T), jnp.bool_)
     ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
     target = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}[platform]
     unchecked = [jax.export.DisabledSafetyCheck.custom_call(target)]
-    for f in (lambda *x: _causal("pallas", *x), _value_and_grads("pallas")):
+    forward, gradient = (lambda *x: _causal("pallas", *x)), _value_and_grads("pallas")
+    for f, kernels in ((forward, 1), (gradient, 2)):
         exported = jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=unchecked)
         text = exported(*args, mask, ids).mlir_module()
-        assert target in re.findall(r"custom_call @([\w$.]+)", text)
+        assert re.findall(r"custom_call @([\w$.]+)", text).count(target) == kernels
+        assert ("delta_rule_chunked_bwd" in text) == (kernels == 2)

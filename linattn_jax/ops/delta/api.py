@@ -93,7 +93,7 @@ def causal(
         ``"pallas"`` (opt-in: the chunked form as one Pallas kernel per batch and head,
         Triton on GPU, Mosaic on TPU, interpreted on CPU; no gate or a gate per head,
         power-of-two head widths >= 16, ``chunk_size`` in ``pallas.CHUNK_SIZES`` (None:
-        64); its gradient is the chunked form's; ``linattn_jax.ops.delta.pallas``).
+        64); forward and backward kernels; ``linattn_jax.ops.delta.pallas``).
       chunk_size: tokens per chunk (``"chunked"``) or per recomputed block of the
         backward pass (``"scan"``); any length works. None: 16 with a per-channel gate
         (whose ``[c, c, f]`` relative decays grow with the chunk); else for ``"chunked"``

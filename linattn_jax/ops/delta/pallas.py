@@ -23,11 +23,22 @@ per chunk and the reset runs, so that the kernel reads two ``[C, 1]`` columns pe
 Backends (``jax.lax.platform_dependent``): on GPU the Triton lowering of Pallas (the
 kernel is plain array code: ``jnp.dot``, ``exp``, ``where``, reductions; Mosaic GPU's
 warpgroup model would need a rewrite); on TPU Mosaic TPU; on CPU the Pallas interpreter
-(slow: for tests, the XLA ``"chunked"`` form is the one to use there).
+(slow: for tests, the XLA ``"chunked"`` form is the one to use there). Checked here by
+the interpreter against the chunked form and by ``jax.export`` lowering for ``cuda`` and
+``tpu``; not yet compiled or timed on a GPU or TPU (no device was lent).
 
-The gradient: ``jax.custom_vjp`` whose backward is the XLA chunked form's own hand-written
-backward (``chunked.causal_chunks`` under ``jax.vjp``, from the saved inputs); it is exact
-(the same function) but recomputes the forward in XLA. A backward kernel is not written yet.
+The gradient (``jax.custom_vjp`` on the kernel): the forward kernel also writes the state
+entering each chunk (``[n, dk, dv]`` per head: O((t / C) dk dv), never a state per token),
+and a backward kernel walks the chunks from the last with the state's cotangent ``dS`` in
+float32, recomputing each chunk's pieces (decays, ``T``, ``U``, ``W``) from its inputs and
+stored state, then transposing the outputs, the state update, the two products with ``T``,
+the inverse (``dL = -T^T dT T^T``, strictly lower), ``K K^T`` and ``Q K^T`` and the
+decays (``dG`` from ``dD * D``, row sums minus column sums). The XLA wrapper's padding,
+masking, cumulative sums and head repetition are differentiated by XLA.
+
+Numerics: every product is float32 (bfloat16 and float16 inputs are upcast first: unlike the
+chunked form, no product reads bfloat16 operands), and there is no blocked substitution: the
+inverse is formed row by row (C steps of ``O(C^2)`` each per chunk).
 """
 
 from __future__ import annotations
@@ -72,30 +83,15 @@ def check_supported(*, chunk_size, gate_channels: int, dtype, dk: int, dv: int) 
 
 def causal_chunks(xs, state: Array, chunk_size: int, length: int, *, groups: int = 1):
     """``chunked.causal_chunks`` (same arguments and results, heads-first layout) by the
-    Pallas kernel; the gradient is the chunked form's (see the module's docstring)."""
+    Pallas kernels, forward and backward (see the module's docstring)."""
     return _causal(chunk_size, length, groups, xs, state)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _causal(chunk_size, length, groups, xs, state):
     xs, first_v = chunked._finite_inputs(xs, groups)
     out, final = _run(xs, state, chunk_size, length, groups)
     out = chunking.nan_from(first_v, out, 2)
     return out, jnp.where(first_v < length, jnp.full((), jnp.nan, final.dtype), final)
-
-
-def _causal_fwd(chunk_size, length, groups, xs, state):
-    return _causal(chunk_size, length, groups, xs, state), (xs, state)
-
-
-def _causal_bwd(chunk_size, length, groups, residuals, cotangents):
-    xs, state = residuals
-    run = functools.partial(chunked.causal_chunks, length=length, groups=groups)
-    _, vjp = jax.vjp(lambda x, s: run(x, s, chunk_size), xs, state)
-    return vjp(cotangents)
-
-
-_causal.defvjp(_causal_fwd, _causal_bwd)
 
 
 def _run(xs, state: Array, c: int, length: int, groups: int):
@@ -109,7 +105,7 @@ def _run(xs, state: Array, c: int, length: int, groups: int):
     pad = n * c - length
     dtype = state.dtype
 
-    def padded(x, width):  # [b, h', t, width] -> [b, h, n*c, width], float32 (or f64)
+    def padded(x, width):  # [b, h', t, width] -> [b, h, n*c, width], float32
         x = jnp.broadcast_to(x, (b, h, length, width)).astype(dtype)
         return jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0)))
 
@@ -126,50 +122,90 @@ def _run(xs, state: Array, c: int, length: int, groups: int):
     g_cum, runs = per_chunk(g), per_chunk(r)
     flat = lambda x: x.reshape((b * h,) + x.shape[2:])
     ins = [flat(x) for x in (q, k, v, beta, g_cum, runs)] + [flat(state)]
-    out, final = jax.lax.platform_dependent(
-        *ins,
-        cpu=functools.partial(_call, c=c, backend="interpret"),
-        cuda=functools.partial(_call, c=c, backend="triton"),
-        rocm=functools.partial(_call, c=c, backend="triton"),
-        tpu=functools.partial(_call, c=c, backend="tpu"),
-    )
+    out, final = _chunks(c, *ins)
     out = out.reshape(b, h, n * c, dv)[:, :, :length]
     return out, final.reshape(b, h, dk, dv)
 
 
-def _call(q, k, v, beta, g_cum, runs, state, *, c: int, backend: str):
-    """``pallas_call`` over the ``[b * h]`` heads: ``(out [bh, n*c, dv], final [bh, dk, dv])``."""
-    bh, tokens, dk = q.shape
-    dv = v.shape[-1]
-    spec = lambda *shape: pl.BlockSpec((None, *shape), lambda i: (i,) + (0,) * len(shape))
-    options = {}
+def _on_backend(call, *args, **options):
+    """``call(*args, backend=..., **options)`` for the platform it runs on."""
+    on = lambda backend: functools.partial(call, backend=backend, **options)
+    return jax.lax.platform_dependent(
+        *args, cpu=on("interpret"), cuda=on("triton"), rocm=on("triton"), tpu=on("tpu")
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunks(c, q, k, v, beta, g_cum, runs, state):
+    """The kernel over ``[b * h]`` heads of whole chunks: ``(out [bh, n*c, dv], final
+    [bh, dk, dv])``; its gradient is the backward kernel."""
+    return _on_backend(_forward_call, q, k, v, beta, g_cum, runs, state, c=c)[:2]
+
+
+def _chunks_fwd(c, q, k, v, beta, g_cum, runs, state):
+    out, final, states = _on_backend(_forward_call, q, k, v, beta, g_cum, runs, state, c=c)
+    return (out, final), (q, k, v, beta, g_cum, runs, states)
+
+
+def _chunks_bwd(c, residuals, cotangents):
+    q, k, v, beta, g_cum, runs, states = residuals
+    d_out, d_final = cotangents
+    grads = _on_backend(_backward_call, q, k, v, beta, g_cum, runs, states, d_out, d_final, c=c)
+    d_q, d_k, d_v, d_beta, d_g, d_state = grads
+    return d_q, d_k, d_v, d_beta, d_g, jnp.zeros_like(runs), d_state
+
+
+_chunks.defvjp(_chunks_fwd, _chunks_bwd)
+
+
+def _options(backend: str) -> dict:
     if backend == "interpret":
-        options["interpret"] = True
-    elif backend == "triton":
+        return {"interpret": True}
+    if backend == "triton":
         from jax.experimental.pallas import triton as pl_triton
 
-        options["compiler_params"] = pl_triton.CompilerParams(num_warps=4, num_stages=1)
-    kernel = functools.partial(_kernel, c=c, n=tokens // c)
+        return {"compiler_params": pl_triton.CompilerParams(num_warps=4, num_stages=1)}
+    return {}
+
+
+def _spec(*shape):
+    """One head's whole ``shape`` block (the head axis squeezed) of ``[bh, *shape]``."""
+    return pl.BlockSpec((None, *shape), lambda i: (i,) + (0,) * len(shape))
+
+
+def _forward_call(q, k, v, beta, g_cum, runs, state, *, c: int, backend: str):
+    """The forward ``pallas_call``: ``(out [bh, n*c, dv], final [bh, dk, dv], the state
+    entering each chunk [bh, n*dk, dv])``."""
+    bh, tokens, dk = q.shape
+    dv, n = v.shape[-1], tokens // c
+    shapes = [(tokens, dv), (dk, dv), (n * dk, dv)]
     return pl.pallas_call(
-        kernel,
+        functools.partial(_forward_kernel, c=c, n=n),
         grid=(bh,),
-        in_specs=[
-            spec(tokens, dk),
-            spec(tokens, dk),
-            spec(tokens, dv),
-            spec(tokens, 1),
-            spec(tokens, 1),
-            spec(tokens, 1),
-            spec(dk, dv),
-        ],
-        out_specs=[spec(tokens, dv), spec(dk, dv)],
-        out_shape=[
-            jax.ShapeDtypeStruct((bh, tokens, dv), state.dtype),
-            jax.ShapeDtypeStruct((bh, dk, dv), state.dtype),
-        ],
+        in_specs=[_spec(*x.shape[1:]) for x in (q, k, v, beta, g_cum, runs, state)],
+        out_specs=[_spec(*shape) for shape in shapes],
+        out_shape=[jax.ShapeDtypeStruct((bh, *shape), state.dtype) for shape in shapes],
         name="delta_rule_chunked_fwd",
-        **options,
+        **_options(backend),
     )(q, k, v, beta, g_cum, runs, state)
+
+
+def _backward_call(q, k, v, beta, g_cum, runs, states, d_out, d_final, *, c: int, backend: str):
+    """The backward ``pallas_call``: the cotangents of q, k, v, beta, the cumulative
+    log-gates and the initial state."""
+    bh, tokens, dk = q.shape
+    dv, n = v.shape[-1], tokens // c
+    ins = (q, k, v, beta, g_cum, runs, states, d_out, d_final)
+    shapes = [(tokens, dk), (tokens, dk), (tokens, dv), (tokens, 1), (tokens, 1), (dk, dv)]
+    return pl.pallas_call(
+        functools.partial(_backward_kernel, c=c, n=n, dk=dk),
+        grid=(bh,),
+        in_specs=[_spec(*x.shape[1:]) for x in ins],
+        out_specs=[_spec(*shape) for shape in shapes],
+        out_shape=[jax.ShapeDtypeStruct((bh, *shape), q.dtype) for shape in shapes],
+        name="delta_rule_chunked_bwd",
+        **_options(backend),
+    )(*ins)
 
 
 def _dot(a, b, contract=(1, 0)):
@@ -185,29 +221,37 @@ def _as_row(col: Array, eye: Array) -> Array:
     return jnp.sum(jnp.where(eye, col, 0.0), axis=0, keepdims=True)
 
 
-def _kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, run_ref, s0_ref, o_ref, s_ref, *, c, n):
-    dtype = s0_ref.dtype
-    rows = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    eye = rows == cols
-    last = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
+def _as_col(row: Array, eye: Array) -> Array:
+    """A ``[1, c]`` row as a ``[c, 1]`` column (as ``_as_row``)."""
+    return jnp.sum(jnp.where(eye, row, 0.0), axis=1, keepdims=True)
 
-    def chunk(i, s):
-        at = pl.ds(pl.multiple_of(i * c, c), c)
-        q, k, v = q_ref[at, :], k_ref[at, :], v_ref[at, :]
-        beta, g, run = beta_ref[at, :], g_ref[at, :], run_ref[at, :]
+
+def _rowsum(x: Array) -> Array:
+    return jnp.sum(x, axis=1, keepdims=True)
+
+
+class _Chunk:
+    """One chunk's pieces, from its inputs (``[c, .]`` tiles) and the state entering it."""
+
+    def __init__(self, q, k, v, beta, g, run, s, *, c: int):
+        rows = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+        cols = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+        self.eye = eye = rows == cols
+        self.last = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
         g_row, run_row, beta_row = (_as_row(x, eye) for x in (g, run, beta))
-        g_last = jnp.sum(jnp.where(last, g, 0.0), axis=0, keepdims=True)  # [1, 1]
-        run_last = jnp.sum(jnp.where(last, run, 0.0), axis=0, keepdims=True)
+        g_last = jnp.sum(jnp.where(self.last, g, 0.0), axis=0, keepdims=True)  # [1, 1]
+        run_last = jnp.sum(jnp.where(self.last, run, 0.0), axis=0, keepdims=True)
         same = run == run_row  # [c, c]: tokens i and j in one run between resets
         # D[i, j] = exp(G_i - G_j) for j <= i in one run, 0 elsewhere: masked before exp.
         below = (rows >= cols) & same
-        decay = jnp.where(below, jnp.exp(jnp.where(below, g - g_row, 0.0)), 0.0)
+        self.decay = jnp.where(below, jnp.exp(jnp.where(below, g - g_row, 0.0)), 0.0)
+        self.strict = jnp.where(rows > cols, self.decay, 0.0)
         # The lower factor transposed, Lt[j, i] = L[i, j] = beta_i (k_i . k_j) D[i, j],
         # built directly (K K^T is symmetric), so that the substitution reads columns.
         above = (cols > rows) & same
         decay_t = jnp.where(above, jnp.exp(jnp.where(above, g_row - g, 0.0)), 0.0)
-        lower_t = _dot(k, k, (1, 1)) * decay_t * beta_row
+        self.kk = _dot(k, k, (1, 1))
+        lower_t = self.kk * decay_t * beta_row
 
         # T = (I + L)^{-1} by forward substitution: T_i = e_i - sum_{j<i} L_ij T_j.
         def substitute(row, t):
@@ -215,15 +259,84 @@ def _kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, run_ref, s0_ref, o_ref, s_ref,
             t_i = jnp.where(cols == row, 1.0, 0.0) - jnp.sum(l_i * t, axis=0, keepdims=True)
             return jnp.where(rows == row, t_i, t)
 
-        inv = jax.lax.fori_loop(1, c, substitute, eye.astype(dtype))
-        into = jnp.where(run == 0.0, jnp.exp(g), 0.0)  # [c, 1]: decay from the chunk's start
-        out_of = jnp.where(run == run_last, jnp.exp(g_last - g), 0.0)  # to the chunk's end
-        across = jnp.where(run_last == 0.0, jnp.exp(g_last), 0.0)  # [1, 1]
-        u = _dot(inv, beta * v)
-        w = _dot(inv, beta * into * k)
-        u = u - _dot(w, s)  # each token's write, given the state entering the chunk
-        scores = _dot(q, k, (1, 1)) * decay
-        o_ref[at, :] = _dot(into * q, s) + _dot(scores, u)
-        return across * s + _dot(out_of * k, u, (0, 0))
+        self.inv = jax.lax.fori_loop(1, c, substitute, eye.astype(s.dtype))
+        # Decays from the chunk's start, to its end, and across it ([c, 1], [c, 1], [1, 1]).
+        self.into = jnp.where(run == 0.0, jnp.exp(g), 0.0)
+        self.out_of = jnp.where(run == run_last, jnp.exp(g_last - g), 0.0)
+        self.across = jnp.where(run_last == 0.0, jnp.exp(g_last), 0.0)
+        self.w = _dot(self.inv, beta * self.into * k)
+        # Each token's write, given the state entering the chunk.
+        self.u = _dot(self.inv, beta * v) - _dot(self.w, s)
+        self.qk = _dot(q, k, (1, 1))
+        self.scores = self.qk * self.decay
+
+    def out(self, q, s):
+        return _dot(self.into * q, s) + _dot(self.scores, self.u)
+
+    def next_state(self, k, s):
+        return self.across * s + _dot(self.out_of * k, self.u, (0, 0))
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, run_ref, s0_ref, *refs, c, n):
+    o_ref, s_ref, states_ref = refs
+    dk = s0_ref.shape[0]
+
+    def chunk(i, s):
+        at = pl.ds(pl.multiple_of(i * c, c), c)
+        q, k = q_ref[at, :], k_ref[at, :]
+        x = _Chunk(q, k, v_ref[at, :], beta_ref[at, :], g_ref[at, :], run_ref[at, :], s, c=c)
+        states_ref[pl.ds(pl.multiple_of(i * dk, dk), dk), :] = s
+        o_ref[at, :] = x.out(q, s)
+        return x.next_state(k, s)
 
     s_ref[...] = jax.lax.fori_loop(0, n, chunk, s0_ref[...])
+
+
+def _backward_kernel(*refs, c, n, dk):
+    q_ref, k_ref, v_ref, beta_ref, g_ref, run_ref, states_ref, do_ref, ds_ref = refs[:9]
+    dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, ds0_ref = refs[9:]
+
+    def chunk(j, d_next):
+        i = n - 1 - j
+        at = pl.ds(pl.multiple_of(i * c, c), c)
+        q, k, v = q_ref[at, :], k_ref[at, :], v_ref[at, :]
+        beta, g = beta_ref[at, :], g_ref[at, :]
+        s = states_ref[pl.ds(pl.multiple_of(i * dk, dk), dk), :]
+        x = _Chunk(q, k, v, beta, g, run_ref[at, :], s, c=c)
+        d_o = do_ref[at, :]
+        q_in, k_out = x.into * q, x.out_of * k
+        # The outputs and the next state, transposed.
+        d_u = _dot(x.scores, d_o, (0, 0)) + _dot(k_out, d_next)
+        d_scores = _dot(d_o, x.u, (1, 1))
+        d_q_in = _dot(d_o, s, (1, 1))
+        d_k_out = _dot(x.u, d_next, (1, 1))
+        d_across = jnp.sum(jnp.sum(d_next * s, axis=1, keepdims=True), axis=0, keepdims=True)
+        d_prev = x.across * d_next + _dot(q_in, d_o, (0, 0)) - _dot(x.w, d_u, (0, 0))
+        d_w = -_dot(d_u, s, (1, 1))
+        # U0 = T diag(beta) V and W = T diag(beta) (into * K), T = (I + L)^{-1}.
+        b_v, b_k = beta * v, beta * x.into * k
+        d_inv = _dot(d_u, b_v, (1, 1)) + _dot(d_w, b_k, (1, 1))
+        d_bv, d_bk = _dot(x.inv, d_u, (0, 0)), _dot(x.inv, d_w, (0, 0))
+        d_lower = -_dot(_dot(x.inv, d_inv, (0, 0)), x.inv, (1, 1))
+        d_lower = jnp.where(x.strict != 0.0, d_lower, 0.0)  # L_ij = beta_i KK_ij D_ij, i > j
+        d_kk = d_lower * beta * x.strict
+        d_beta = _rowsum(d_lower * x.kk * x.strict)
+        d_decay = d_lower * beta * x.kk + d_scores * x.qk
+        d_qk = d_scores * x.decay
+        d_q = _dot(d_qk, k) + x.into * d_q_in
+        d_k = _dot(d_qk, q, (0, 0)) + _dot(d_kk, k) + _dot(d_kk, k, (0, 0))
+        d_k = d_k + beta * x.into * d_bk + x.out_of * d_k_out
+        d_beta = d_beta + _rowsum(d_bv * v) + _rowsum(d_bk * x.into * k)
+        d_into = _rowsum(d_q_in * q) + _rowsum(d_bk * beta * k)
+        d_out_of = _rowsum(d_k_out * k)
+        # The decays are exp of differences of G: D_ij moves G_i up and G_j down.
+        e = d_decay * x.decay
+        d_g = _rowsum(e) - _as_col(jnp.sum(e, axis=0, keepdims=True), x.eye)
+        d_g = d_g + d_into * x.into - d_out_of * x.out_of
+        d_g_last = jnp.sum(d_out_of * x.out_of, axis=0, keepdims=True) + d_across * x.across
+        d_g = d_g + jnp.where(x.last, d_g_last, 0.0)
+        dq_ref[at, :], dk_ref[at, :], dv_ref[at, :] = d_q, d_k, beta * d_bv
+        dbeta_ref[at, :], dg_ref[at, :] = d_beta, d_g
+        return d_prev
+
+    ds0_ref[...] = jax.lax.fori_loop(0, n, chunk, ds_ref[...])
