@@ -25,7 +25,8 @@ kernel is plain array code: ``jnp.dot``, ``exp``, ``where``, reductions; Mosaic 
 warpgroup model would need a rewrite); on TPU Mosaic TPU; on CPU the Pallas interpreter
 (slow: for tests, the XLA ``"chunked"`` form is the one to use there). Checked here by
 the interpreter against the chunked form and by ``jax.export`` lowering for ``cuda`` and
-``tpu``; not yet compiled or timed on a GPU or TPU (no device was lent).
+``tpu``; not yet compiled or timed on a GPU or TPU (no device was lent). JAX 0.11
+deprecates the Triton backend (it warns when lowering) for Mosaic GPU, the port to come.
 
 The gradient (``jax.custom_vjp`` on the kernel): the forward kernel also writes the state
 entering each chunk (``[n, dk, dv]`` per head: O((t / C) dk dv), never a state per token),
