@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from linattn_jax.ops import delta
+from linattn_jax.ops.delta import pallas
 from tests.helpers import assert_close_normwise
 
 B, T, H, HV, D, DV = (
@@ -80,10 +81,14 @@ def _value_and_grads(method):
 @pytest.fixture(scope="module")
 def gated():
     """Gated DeltaNet with an initial state, grouped value heads, a -inf gate, segment
-    resets, key-mask padding holding NaN and inf, and a length of 2.5 chunks: the kernel's
+    resets, key-mask padding holding NaN and inf, a length of 2.5 chunks and the value
+    columns split over two kernel programs per head: the kernel's
     and the chunked form's ``(key_mask, ((out, state), grads), ((out, state), grads))``."""
     x = _inputs()
-    pallas_run, chunked_run = (_value_and_grads(m)(*x) for m in ("pallas", "chunked"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pallas, "VALUE_BLOCK", DV // 2)  # two value blocks per head
+        pallas_run = _value_and_grads("pallas")(*x)
+    chunked_run = _value_and_grads("chunked")(*x)
     return x[-2], (pallas_run[0][1], pallas_run[1]), (chunked_run[0][1], chunked_run[1])
 
 

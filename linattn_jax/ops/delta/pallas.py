@@ -1,8 +1,12 @@
 """The delta rule and Gated DeltaNet as a Pallas kernel: ``causal(..., method="pallas")``.
 
-One kernel program per (batch, value head) walks that head's chunks in order with the
-state ``S [dk, dv]`` in float32 in registers (or VMEM). Inside a chunk of C tokens it does
-what ``chunked.py`` does for every chunk at once, the gated UT transform:
+One kernel program per (batch and value head, block of value columns) walks that head's
+chunks in order with its columns of the state ``S [dk, dv]`` in float32 in registers (or
+VMEM): the state's columns evolve independently (``T``, ``W`` and the decays never read V),
+so the value width splits over a second grid axis (``VALUE_BLOCK`` columns on GPU, all of
+them on TPU), at the price of each block recomputing the chunk's ``[C, C]`` pieces. Inside a
+chunk of C tokens it does what ``chunked.py`` does for every chunk at once, the gated UT
+transform:
 
 * the decays from the chunk's cumulative log-gates ``G`` and its runs between resets
   (``r``, the resets so far inside the chunk), masked before ``exp``;
@@ -35,7 +39,9 @@ float32, recomputing each chunk's pieces (decays, ``T``, ``U``, ``W``) from its 
 stored state, then transposing the outputs, the state update, the two products with ``T``,
 the inverse (``dL = -T^T dT T^T``, strictly lower), ``K K^T`` and ``Q K^T`` and the
 decays (``dG`` from ``dD * D``, row sums minus column sums). The XLA wrapper's padding,
-masking, cumulative sums and head repetition are differentiated by XLA.
+masking, cumulative sums and head repetition are differentiated by XLA. The cotangents
+of q, k, beta and the gates gather over the value columns: each value block writes its
+partial ones and XLA sums them (``[bh, nv, t, .]``, nv = dv / VALUE_BLOCK).
 
 Numerics: every product is float32 (bfloat16 and float16 inputs are upcast first: unlike the
 chunked form, no product reads bfloat16 operands), and there is no blocked substitution: the
@@ -59,6 +65,9 @@ from linattn_jax.typing import Array
 # dots, Mosaic TPU multiples of 8 on the sublane axis.
 CHUNK_SIZES = (16, 32, 64, 128)
 CHUNK_SIZE = 64
+# Value columns per kernel program on GPU (``value_block``): the state block [dk, 32] in
+# float32 is 32 registers a thread at dk = 128 and 4 warps.
+VALUE_BLOCK = 32
 
 
 def check_supported(*, chunk_size, gate_channels: int, dtype, dk: int, dv: int) -> int:
@@ -169,22 +178,42 @@ def _options(backend: str) -> dict:
     return {}
 
 
-def _spec(*shape):
-    """One head's whole ``shape`` block (the head axis squeezed) of ``[bh, *shape]``."""
-    return pl.BlockSpec((None, *shape), lambda i: (i,) + (0,) * len(shape))
+def value_block(dv: int, backend: str) -> int:
+    """The value columns one kernel program carries (``VALUE_BLOCK``, at most ``dv``): the
+    delta rule's state columns evolve independently (``T``, ``W`` and the decays do not read
+    V), so the heads' value widths split over a second grid axis. On TPU one block (Mosaic
+    wants whole 128-lane tiles)."""
+    return dv if backend == "tpu" else min(dv, VALUE_BLOCK)
+
+
+def _spec(*shape, partial: bool = False):
+    """``[bh, *shape]`` cut per (head i, value block j): the head axis squeezed, block ``j``
+    of width ``shape[-1]`` on the last axis; with ``partial``, ``[bh, nv, *shape]``: each
+    value block's own partial result (summed after the kernel)."""
+    if partial:
+        return pl.BlockSpec((None, None, *shape), lambda i, j: (i, j) + (0,) * len(shape))
+    return pl.BlockSpec((None, *shape), lambda i, j: (i,) + (0,) * (len(shape) - 1) + (j,))
+
+
+def _whole(*shape):
+    """``[bh, *shape]`` with every value block reading the head's whole block."""
+    return pl.BlockSpec((None, *shape), lambda i, j: (i,) + (0,) * len(shape))
 
 
 def _forward_call(q, k, v, beta, g_cum, runs, state, *, c: int, backend: str):
-    """The forward ``pallas_call``: ``(out [bh, n*c, dv], final [bh, dk, dv], the state
-    entering each chunk [bh, n*dk, dv])``."""
+    """The forward ``pallas_call`` over (head, value block): ``(out [bh, n*c, dv], final
+    [bh, dk, dv], the state entering each chunk [bh, n*dk, dv])``."""
     bh, tokens, dk = q.shape
     dv, n = v.shape[-1], tokens // c
+    bv = value_block(dv, backend)
     shapes = [(tokens, dv), (dk, dv), (n * dk, dv)]
+    keys = [_whole(*x.shape[1:]) for x in (q, k)]
+    columns = [_whole(tokens, 1)] * 3
     return pl.pallas_call(
         functools.partial(_forward_kernel, c=c, n=n),
-        grid=(bh,),
-        in_specs=[_spec(*x.shape[1:]) for x in (q, k, v, beta, g_cum, runs, state)],
-        out_specs=[_spec(*shape) for shape in shapes],
+        grid=(bh, dv // bv),
+        in_specs=[*keys, _spec(tokens, bv), *columns, _spec(dk, bv)],
+        out_specs=[_spec(tokens, bv), _spec(dk, bv), _spec(n * dk, bv)],
         out_shape=[jax.ShapeDtypeStruct((bh, *shape), state.dtype) for shape in shapes],
         name="delta_rule_chunked_fwd",
         **_options(backend),
@@ -192,21 +221,33 @@ def _forward_call(q, k, v, beta, g_cum, runs, state, *, c: int, backend: str):
 
 
 def _backward_call(q, k, v, beta, g_cum, runs, states, d_out, d_final, *, c: int, backend: str):
-    """The backward ``pallas_call``: the cotangents of q, k, v, beta, the cumulative
-    log-gates and the initial state."""
+    """The backward ``pallas_call`` over (head, value block): the cotangents of q, k, v,
+    beta, the cumulative log-gates and the initial state (those of q, k, beta and the gates
+    summed over the value blocks' partial ones)."""
     bh, tokens, dk = q.shape
     dv, n = v.shape[-1], tokens // c
+    bv = value_block(dv, backend)
+    nv = dv // bv
     ins = (q, k, v, beta, g_cum, runs, states, d_out, d_final)
-    shapes = [(tokens, dk), (tokens, dk), (tokens, dv), (tokens, 1), (tokens, 1), (dk, dv)]
-    return pl.pallas_call(
+    partial = [(tokens, dk), (tokens, dk), (tokens, 1), (tokens, 1)]
+    in_specs = [_whole(tokens, dk)] * 2 + [_spec(tokens, bv)] + [_whole(tokens, 1)] * 3
+    in_specs += [_spec(n * dk, bv), _spec(tokens, bv), _spec(dk, bv)]
+    out_shape = [jax.ShapeDtypeStruct((bh, nv, *shape), q.dtype) for shape in partial]
+    out_shape += [jax.ShapeDtypeStruct((bh, tokens, dv), q.dtype)]
+    out_shape += [jax.ShapeDtypeStruct((bh, dk, dv), q.dtype)]
+    out_specs = [_spec(*shape, partial=True) for shape in partial]
+    out_specs += [_spec(tokens, bv), _spec(dk, bv)]
+    d_q, d_k, d_beta, d_g, d_v, d_state = pl.pallas_call(
         functools.partial(_backward_kernel, c=c, n=n, dk=dk),
-        grid=(bh,),
-        in_specs=[_spec(*x.shape[1:]) for x in ins],
-        out_specs=[_spec(*shape) for shape in shapes],
-        out_shape=[jax.ShapeDtypeStruct((bh, *shape), q.dtype) for shape in shapes],
+        grid=(bh, nv),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         name="delta_rule_chunked_bwd",
         **_options(backend),
     )(*ins)
+    d_q, d_k, d_beta, d_g = (jnp.sum(x, axis=1) for x in (d_q, d_k, d_beta, d_g))
+    return d_q, d_k, d_v, d_beta, d_g, d_state
 
 
 def _dot(a, b, contract=(1, 0)):
@@ -295,7 +336,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, run_ref, s0_ref, *refs
 
 def _backward_kernel(*refs, c, n, dk):
     q_ref, k_ref, v_ref, beta_ref, g_ref, run_ref, states_ref, do_ref, ds_ref = refs[:9]
-    dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, ds0_ref = refs[9:]
+    dq_ref, dk_ref, dbeta_ref, dg_ref, dv_ref, ds0_ref = refs[9:]
 
     def chunk(j, d_next):
         i = n - 1 - j
