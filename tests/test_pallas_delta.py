@@ -82,18 +82,19 @@ def _value_and_grads(method):
 def gated():
     """Gated DeltaNet with an initial state, grouped value heads, a -inf gate, segment
     resets, key-mask padding holding NaN and inf, a length of 2.5 chunks and the value
-    columns split over two kernel programs per head: the kernel's
-    and the chunked form's ``(key_mask, ((out, state), grads), ((out, state), grads))``."""
+    columns split over two kernel programs per head: ``(inputs, ((out, state), grads) of
+    the kernels, the same of the chunked form)``."""
     x = _inputs()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(pallas, "VALUE_BLOCK", DV // 2)  # two value blocks per head
         pallas_run = _value_and_grads("pallas")(*x)
     chunked_run = _value_and_grads("chunked")(*x)
-    return x[-2], (pallas_run[0][1], pallas_run[1]), (chunked_run[0][1], chunked_run[1])
+    return x, (pallas_run[0][1], pallas_run[1]), (chunked_run[0][1], chunked_run[1])
 
 
 def test_gated_forward_matches_chunked(gated):
-    key_mask, ((out, state), _), ((ref_out, ref_state), _) = gated
+    x, ((out, state), _), ((ref_out, ref_state), _) = gated
+    key_mask = x[-2]
     assert np.all(np.asarray(out)[~np.asarray(key_mask)] == 0.0)  # padding outputs 0
     assert_close_normwise(out, ref_out)
     assert_close_normwise(state, ref_state)
@@ -103,6 +104,16 @@ def test_gated_gradients_match_chunked(gated):
     _, (_, grads), (_, ref_grads) = gated
     for g in grads:
         assert np.all(np.isfinite(np.asarray(g)))
+    assert_close_normwise(grads, ref_grads)
+
+
+def test_tpu_kernels_match_chunked(gated):
+    # TPU's kernels (a grid over heads and chunks, the state in VMEM scratch), interpreted.
+    x, _, ((ref_out, ref_state), ref_grads) = gated
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pallas, "CPU_BACKEND", "interpret-tpu")
+        (_, (out, state)), grads = _value_and_grads("pallas")(*x)
+    assert_close_normwise((out, state), (ref_out, ref_state))
     assert_close_normwise(grads, ref_grads)
 
 

@@ -1,12 +1,14 @@
 """The delta rule and Gated DeltaNet as a Pallas kernel: ``causal(..., method="pallas")``.
 
-One kernel program per (batch and value head, block of value columns) walks that head's
-chunks in order with its columns of the state ``S [dk, dv]`` in float32 in registers (or
-VMEM): the state's columns evolve independently (``T``, ``W`` and the decays never read V),
-so the value width splits over a second grid axis (``VALUE_BLOCK`` columns on GPU, all of
-them on TPU), at the price of each block recomputing the chunk's ``[C, C]`` pieces. Inside a
-chunk of C tokens it does what ``chunked.py`` does for every chunk at once, the gated UT
-transform:
+On GPU one kernel program per (batch and value head, block of value columns) walks that
+head's chunks in order with its columns of the state ``S [dk, dv]`` in float32 in registers:
+the state's columns evolve independently (``T``, ``W`` and the decays never read V), so the
+value width splits over a second grid axis (``VALUE_BLOCK`` columns), at the price of each
+block recomputing the chunk's ``[C, C]`` pieces. On TPU the grid is (batch and value head,
+chunk): the chunk axis runs in order ("arbitrary") with the state in VMEM scratch between
+its steps, so only one chunk's tiles sit in VMEM at a time (Pallas pipelines their copies),
+whatever the length. Inside a chunk of C tokens both do what ``chunked.py`` does for every
+chunk at once, the gated UT transform (one shared code, ``_Chunk`` and ``_chunk_grads``):
 
 * the decays from the chunk's cumulative log-gates ``G`` and its runs between resets
   (``r``, the resets so far inside the chunk), masked before ``exp``;
@@ -26,8 +28,9 @@ per chunk and the reset runs, so that the kernel reads two ``[C, 1]`` columns pe
 
 Backends (``jax.lax.platform_dependent``): on GPU the Triton lowering of Pallas (the
 kernel is plain array code: ``jnp.dot``, ``exp``, ``where``, reductions; Mosaic GPU's
-warpgroup model would need a rewrite); on TPU Mosaic TPU; on CPU the Pallas interpreter
-(slow: for tests, the XLA ``"chunked"`` form is the one to use there). Checked here by
+warpgroup model would need a rewrite); on TPU Mosaic TPU; on CPU the Pallas interpreter of
+the GPU kernels (``CPU_BACKEND``; ``"interpret-tpu"`` interprets the TPU ones; slow: for
+tests, the XLA ``"chunked"`` form is the one to use there). Checked here by
 the interpreter against the chunked form and by ``jax.export`` lowering for ``cuda`` and
 ``tpu``; not yet compiled or timed on a GPU or TPU (no device was lent). JAX 0.11
 deprecates the Triton backend (it warns when lowering) for Mosaic GPU, the port to come.
@@ -68,6 +71,8 @@ CHUNK_SIZE = 64
 # Value columns per kernel program on GPU (``value_block``): the state block [dk, 32] in
 # float32 is 32 registers a thread at dk = 128 and 4 warps.
 VALUE_BLOCK = 32
+# What runs on CPU: the GPU kernels interpreted; "interpret-tpu": the TPU ones (tests).
+CPU_BACKEND = "interpret"
 
 
 def check_supported(*, chunk_size, gate_channels: int, dtype, dk: int, dv: int) -> int:
@@ -141,7 +146,7 @@ def _on_backend(call, *args, **options):
     """``call(*args, backend=..., **options)`` for the platform it runs on."""
     on = lambda backend: functools.partial(call, backend=backend, **options)
     return jax.lax.platform_dependent(
-        *args, cpu=on("interpret"), cuda=on("triton"), rocm=on("triton"), tpu=on("tpu")
+        *args, cpu=on(CPU_BACKEND), cuda=on("triton"), rocm=on("triton"), tpu=on("tpu")
     )
 
 
@@ -169,7 +174,7 @@ _chunks.defvjp(_chunks_fwd, _chunks_bwd)
 
 
 def _options(backend: str) -> dict:
-    if backend == "interpret":
+    if backend.startswith("interpret"):
         return {"interpret": True}
     if backend == "triton":
         from jax.experimental.pallas import triton as pl_triton
@@ -179,11 +184,11 @@ def _options(backend: str) -> dict:
 
 
 def value_block(dv: int, backend: str) -> int:
-    """The value columns one kernel program carries (``VALUE_BLOCK``, at most ``dv``): the
-    delta rule's state columns evolve independently (``T``, ``W`` and the decays do not read
-    V), so the heads' value widths split over a second grid axis. On TPU one block (Mosaic
-    wants whole 128-lane tiles)."""
-    return dv if backend == "tpu" else min(dv, VALUE_BLOCK)
+    """The value columns one GPU kernel program carries (``VALUE_BLOCK``, at most ``dv``):
+    the delta rule's state columns evolve independently (``T``, ``W`` and the decays do not
+    read V), so the heads' value widths split over a second grid axis."""
+    del backend
+    return min(dv, VALUE_BLOCK)
 
 
 def _spec(*shape, partial: bool = False):
@@ -203,6 +208,8 @@ def _whole(*shape):
 def _forward_call(q, k, v, beta, g_cum, runs, state, *, c: int, backend: str):
     """The forward ``pallas_call`` over (head, value block): ``(out [bh, n*c, dv], final
     [bh, dk, dv], the state entering each chunk [bh, n*dk, dv])``."""
+    if backend in ("tpu", "interpret-tpu"):
+        return _forward_chunk_grid(q, k, v, beta, g_cum, runs, state, c=c, backend=backend)
     bh, tokens, dk = q.shape
     dv, n = v.shape[-1], tokens // c
     bv = value_block(dv, backend)
@@ -224,11 +231,13 @@ def _backward_call(q, k, v, beta, g_cum, runs, states, d_out, d_final, *, c: int
     """The backward ``pallas_call`` over (head, value block): the cotangents of q, k, v,
     beta, the cumulative log-gates and the initial state (those of q, k, beta and the gates
     summed over the value blocks' partial ones)."""
+    ins = (q, k, v, beta, g_cum, runs, states, d_out, d_final)
+    if backend in ("tpu", "interpret-tpu"):
+        return _backward_chunk_grid(*ins, c=c, backend=backend)
     bh, tokens, dk = q.shape
     dv, n = v.shape[-1], tokens // c
     bv = value_block(dv, backend)
     nv = dv // bv
-    ins = (q, k, v, beta, g_cum, runs, states, d_out, d_final)
     partial = [(tokens, dk), (tokens, dk), (tokens, 1), (tokens, 1)]
     in_specs = [_whole(tokens, dk)] * 2 + [_spec(tokens, bv)] + [_whole(tokens, 1)] * 3
     in_specs += [_spec(n * dk, bv), _spec(tokens, bv), _spec(dk, bv)]
@@ -247,6 +256,75 @@ def _backward_call(q, k, v, beta, g_cum, runs, states, d_out, d_final, *, c: int
         **_options(backend),
     )(*ins)
     d_q, d_k, d_beta, d_g = (jnp.sum(x, axis=1) for x in (d_q, d_k, d_beta, d_g))
+    return d_q, d_k, d_v, d_beta, d_g, d_state
+
+
+def _per_chunk(rows: int, width: int, reverse: int | None = None):
+    """``[bh, n*rows, width]`` cut per (head i, chunk j): block ``j`` of ``rows`` rows, or
+    block ``reverse - 1 - j`` (the chunks from the last)."""
+    if reverse is None:
+        return pl.BlockSpec((None, rows, width), lambda i, j: (i, j, 0))
+    return pl.BlockSpec((None, rows, width), lambda i, j: (i, reverse - 1 - j, 0))
+
+
+def _per_head(*shape):
+    """``[bh, *shape]``: the head's whole block at every chunk."""
+    return pl.BlockSpec((None, *shape), lambda i, j: (i,) + (0,) * len(shape))
+
+
+def _grid_options(backend: str) -> dict:
+    if backend == "interpret-tpu":
+        return {"interpret": True}
+    from jax.experimental.pallas import tpu as pltpu
+
+    semantics = ("parallel", "arbitrary")  # the chunks in order, the heads in any
+    return {"compiler_params": pltpu.CompilerParams(dimension_semantics=semantics)}
+
+
+def _scratch(dk: int, dv: int):
+    from jax.experimental.pallas import tpu as pltpu
+
+    return [pltpu.VMEM((dk, dv), jnp.float32)]
+
+
+def _forward_chunk_grid(q, k, v, beta, g_cum, runs, state, *, c: int, backend: str):
+    """``_forward_call`` on a (head, chunk) grid (TPU): one chunk's tiles in VMEM at a
+    time, not the head's whole sequence."""
+    bh, tokens, dk = q.shape
+    dv, n = v.shape[-1], tokens // c
+    in_specs = [_per_chunk(c, w) for w in (dk, dk, dv, 1, 1, 1)] + [_per_head(dk, dv)]
+    out_specs = [_per_chunk(c, dv), _per_head(dk, dv), _per_chunk(dk, dv)]
+    shapes = [(tokens, dv), (dk, dv), (n * dk, dv)]
+    return pl.pallas_call(
+        functools.partial(_forward_chunk_kernel, c=c, n=n),
+        grid=(bh, n),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=[jax.ShapeDtypeStruct((bh, *shape), state.dtype) for shape in shapes],
+        scratch_shapes=_scratch(dk, dv),
+        name="delta_rule_chunked_fwd",
+        **_grid_options(backend),
+    )(q, k, v, beta, g_cum, runs, state)
+
+
+def _backward_chunk_grid(q, k, v, beta, g_cum, runs, states, d_out, d_final, *, c, backend):
+    """``_backward_call`` on a (head, chunk) grid (TPU), the chunks from the last."""
+    bh, tokens, dk = q.shape
+    dv, n = v.shape[-1], tokens // c
+    chunks = [_per_chunk(c, w, n) for w in (dk, dk, dv, 1, 1, 1)]
+    in_specs = chunks + [_per_chunk(dk, dv, n), _per_chunk(c, dv, n), _per_head(dk, dv)]
+    out_specs = [_per_chunk(c, w, n) for w in (dk, dk, dv, 1, 1)] + [_per_head(dk, dv)]
+    shapes = [(tokens, dk), (tokens, dk), (tokens, dv), (tokens, 1), (tokens, 1), (dk, dv)]
+    d_q, d_k, d_v, d_beta, d_g, d_state = pl.pallas_call(
+        functools.partial(_backward_chunk_kernel, c=c, n=n),
+        grid=(bh, n),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=[jax.ShapeDtypeStruct((bh, *shape), q.dtype) for shape in shapes],
+        scratch_shapes=_scratch(dk, dv),
+        name="delta_rule_chunked_bwd",
+        **_grid_options(backend),
+    )(q, k, v, beta, g_cum, runs, states, d_out, d_final)
     return d_q, d_k, d_v, d_beta, d_g, d_state
 
 
@@ -334,6 +412,44 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, run_ref, s0_ref, *refs
     s_ref[...] = jax.lax.fori_loop(0, n, chunk, s0_ref[...])
 
 
+def _chunk_grads(q, k, v, beta, g, run, s, d_o, d_next, *, c: int):
+    """One chunk's transpose: ``(d S entering it, (d q, d k, d v, d beta, d G))`` from the
+    cotangents of its outputs ``d_o`` and of the state after it ``d_next``."""
+    x = _Chunk(q, k, v, beta, g, run, s, c=c)
+    q_in, k_out = x.into * q, x.out_of * k
+    # The outputs and the next state, transposed.
+    d_u = _dot(x.scores, d_o, (0, 0)) + _dot(k_out, d_next)
+    d_scores = _dot(d_o, x.u, (1, 1))
+    d_q_in = _dot(d_o, s, (1, 1))
+    d_k_out = _dot(x.u, d_next, (1, 1))
+    d_across = jnp.sum(jnp.sum(d_next * s, axis=1, keepdims=True), axis=0, keepdims=True)
+    d_prev = x.across * d_next + _dot(q_in, d_o, (0, 0)) - _dot(x.w, d_u, (0, 0))
+    d_w = -_dot(d_u, s, (1, 1))
+    # U0 = T diag(beta) V and W = T diag(beta) (into * K), T = (I + L)^{-1}.
+    b_v, b_k = beta * v, beta * x.into * k
+    d_inv = _dot(d_u, b_v, (1, 1)) + _dot(d_w, b_k, (1, 1))
+    d_bv, d_bk = _dot(x.inv, d_u, (0, 0)), _dot(x.inv, d_w, (0, 0))
+    d_lower = -_dot(_dot(x.inv, d_inv, (0, 0)), x.inv, (1, 1))
+    d_lower = jnp.where(x.strict != 0.0, d_lower, 0.0)  # L_ij = beta_i KK_ij D_ij, i > j
+    d_kk = d_lower * beta * x.strict
+    d_beta = _rowsum(d_lower * x.kk * x.strict)
+    d_decay = d_lower * beta * x.kk + d_scores * x.qk
+    d_qk = d_scores * x.decay
+    d_q = _dot(d_qk, k) + x.into * d_q_in
+    d_k = _dot(d_qk, q, (0, 0)) + _dot(d_kk, k) + _dot(d_kk, k, (0, 0))
+    d_k = d_k + beta * x.into * d_bk + x.out_of * d_k_out
+    d_beta = d_beta + _rowsum(d_bv * v) + _rowsum(d_bk * x.into * k)
+    d_into = _rowsum(d_q_in * q) + _rowsum(d_bk * beta * k)
+    d_out_of = _rowsum(d_k_out * k)
+    # The decays are exp of differences of G: D_ij moves G_i up and G_j down.
+    e = d_decay * x.decay
+    d_g = _rowsum(e) - _as_col(jnp.sum(e, axis=0, keepdims=True), x.eye)
+    d_g = d_g + d_into * x.into - d_out_of * x.out_of
+    d_g_last = jnp.sum(d_out_of * x.out_of, axis=0, keepdims=True) + d_across * x.across
+    d_g = d_g + jnp.where(x.last, d_g_last, 0.0)
+    return d_prev, (d_q, d_k, beta * d_bv, d_beta, d_g)
+
+
 def _backward_kernel(*refs, c, n, dk):
     q_ref, k_ref, v_ref, beta_ref, g_ref, run_ref, states_ref, do_ref, ds_ref = refs[:9]
     dq_ref, dk_ref, dbeta_ref, dg_ref, dv_ref, ds0_ref = refs[9:]
@@ -341,44 +457,55 @@ def _backward_kernel(*refs, c, n, dk):
     def chunk(j, d_next):
         i = n - 1 - j
         at = pl.ds(pl.multiple_of(i * c, c), c)
-        q, k, v = q_ref[at, :], k_ref[at, :], v_ref[at, :]
-        beta, g = beta_ref[at, :], g_ref[at, :]
+        x = [ref[at, :] for ref in (q_ref, k_ref, v_ref, beta_ref, g_ref, run_ref)]
         s = states_ref[pl.ds(pl.multiple_of(i * dk, dk), dk), :]
-        x = _Chunk(q, k, v, beta, g, run_ref[at, :], s, c=c)
-        d_o = do_ref[at, :]
-        q_in, k_out = x.into * q, x.out_of * k
-        # The outputs and the next state, transposed.
-        d_u = _dot(x.scores, d_o, (0, 0)) + _dot(k_out, d_next)
-        d_scores = _dot(d_o, x.u, (1, 1))
-        d_q_in = _dot(d_o, s, (1, 1))
-        d_k_out = _dot(x.u, d_next, (1, 1))
-        d_across = jnp.sum(jnp.sum(d_next * s, axis=1, keepdims=True), axis=0, keepdims=True)
-        d_prev = x.across * d_next + _dot(q_in, d_o, (0, 0)) - _dot(x.w, d_u, (0, 0))
-        d_w = -_dot(d_u, s, (1, 1))
-        # U0 = T diag(beta) V and W = T diag(beta) (into * K), T = (I + L)^{-1}.
-        b_v, b_k = beta * v, beta * x.into * k
-        d_inv = _dot(d_u, b_v, (1, 1)) + _dot(d_w, b_k, (1, 1))
-        d_bv, d_bk = _dot(x.inv, d_u, (0, 0)), _dot(x.inv, d_w, (0, 0))
-        d_lower = -_dot(_dot(x.inv, d_inv, (0, 0)), x.inv, (1, 1))
-        d_lower = jnp.where(x.strict != 0.0, d_lower, 0.0)  # L_ij = beta_i KK_ij D_ij, i > j
-        d_kk = d_lower * beta * x.strict
-        d_beta = _rowsum(d_lower * x.kk * x.strict)
-        d_decay = d_lower * beta * x.kk + d_scores * x.qk
-        d_qk = d_scores * x.decay
-        d_q = _dot(d_qk, k) + x.into * d_q_in
-        d_k = _dot(d_qk, q, (0, 0)) + _dot(d_kk, k) + _dot(d_kk, k, (0, 0))
-        d_k = d_k + beta * x.into * d_bk + x.out_of * d_k_out
-        d_beta = d_beta + _rowsum(d_bv * v) + _rowsum(d_bk * x.into * k)
-        d_into = _rowsum(d_q_in * q) + _rowsum(d_bk * beta * k)
-        d_out_of = _rowsum(d_k_out * k)
-        # The decays are exp of differences of G: D_ij moves G_i up and G_j down.
-        e = d_decay * x.decay
-        d_g = _rowsum(e) - _as_col(jnp.sum(e, axis=0, keepdims=True), x.eye)
-        d_g = d_g + d_into * x.into - d_out_of * x.out_of
-        d_g_last = jnp.sum(d_out_of * x.out_of, axis=0, keepdims=True) + d_across * x.across
-        d_g = d_g + jnp.where(x.last, d_g_last, 0.0)
-        dq_ref[at, :], dk_ref[at, :], dv_ref[at, :] = d_q, d_k, beta * d_bv
-        dbeta_ref[at, :], dg_ref[at, :] = d_beta, d_g
+        d_prev, grads = _chunk_grads(*x, s, do_ref[at, :], d_next, c=c)
+        for ref, grad in zip((dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref), grads, strict=True):
+            ref[at, :] = grad
         return d_prev
 
     ds0_ref[...] = jax.lax.fori_loop(0, n, chunk, ds_ref[...])
+
+
+def _forward_chunk_kernel(*refs, c: int, n: int):
+    """The forward on a (head, chunk) grid (TPU): the chunk axis runs in order and the
+    state waits in VMEM scratch between its steps."""
+    q_ref, k_ref, v_ref, beta_ref, g_ref, run_ref, s0_ref = refs[:7]
+    o_ref, s_ref, states_ref, carry_ref = refs[7:]
+    j = pl.program_id(1)
+
+    @pl.when(j == 0)
+    def _():
+        carry_ref[...] = s0_ref[...]
+
+    s = carry_ref[...]
+    q, k = q_ref[...], k_ref[...]
+    x = _Chunk(q, k, v_ref[...], beta_ref[...], g_ref[...], run_ref[...], s, c=c)
+    states_ref[...] = s
+    o_ref[...] = x.out(q, s)
+    carry_ref[...] = x.next_state(k, s)
+
+    @pl.when(j == n - 1)
+    def _():
+        s_ref[...] = carry_ref[...]
+
+
+def _backward_chunk_kernel(*refs, c: int, n: int):
+    """The backward on a (head, chunk) grid (TPU), the chunks from the last (the index maps
+    reverse them), ``dS`` waiting in VMEM scratch."""
+    ins, outs, carry_ref = refs[:9], refs[9:15], refs[15]
+    j = pl.program_id(1)
+
+    @pl.when(j == 0)
+    def _():
+        carry_ref[...] = ins[8][...]
+
+    x = [ref[...] for ref in ins[:8]]
+    d_prev, grads = _chunk_grads(*x, carry_ref[...], c=c)
+    for ref, grad in zip(outs[:5], grads, strict=True):
+        ref[...] = grad
+    carry_ref[...] = d_prev
+
+    @pl.when(j == n - 1)
+    def _():
+        outs[5][...] = carry_ref[...]
