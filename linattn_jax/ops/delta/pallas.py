@@ -183,11 +183,10 @@ def _options(backend: str) -> dict:
     return {}
 
 
-def value_block(dv: int, backend: str) -> int:
+def value_block(dv: int) -> int:
     """The value columns one GPU kernel program carries (``VALUE_BLOCK``, at most ``dv``):
     the delta rule's state columns evolve independently (``T``, ``W`` and the decays do not
     read V), so the heads' value widths split over a second grid axis."""
-    del backend
     return min(dv, VALUE_BLOCK)
 
 
@@ -212,7 +211,7 @@ def _forward_call(q, k, v, beta, g_cum, runs, state, *, c: int, backend: str):
         return _forward_chunk_grid(q, k, v, beta, g_cum, runs, state, c=c, backend=backend)
     bh, tokens, dk = q.shape
     dv, n = v.shape[-1], tokens // c
-    bv = value_block(dv, backend)
+    bv = value_block(dv)
     shapes = [(tokens, dv), (dk, dv), (n * dk, dv)]
     keys = [_whole(*x.shape[1:]) for x in (q, k)]
     columns = [_whole(tokens, 1)] * 3
@@ -236,7 +235,7 @@ def _backward_call(q, k, v, beta, g_cum, runs, states, d_out, d_final, *, c: int
         return _backward_chunk_grid(*ins, c=c, backend=backend)
     bh, tokens, dk = q.shape
     dv, n = v.shape[-1], tokens // c
-    bv = value_block(dv, backend)
+    bv = value_block(dv)
     nv = dv // bv
     partial = [(tokens, dk), (tokens, dk), (tokens, 1), (tokens, 1)]
     in_specs = [_whole(tokens, dk)] * 2 + [_spec(tokens, bv)] + [_whole(tokens, 1)] * 3
