@@ -49,7 +49,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from linattn_jax.ops import checks, chunking, feature_maps
-from linattn_jax.ops.delta import chunked, recurrent
+from linattn_jax.ops.delta import chunked, pallas, recurrent
 from linattn_jax.ops.delta.state import (
     State,
     as_internal,
@@ -60,7 +60,7 @@ from linattn_jax.ops.delta.state import (
 )
 from linattn_jax.typing import Array, Float
 
-METHODS = ("chunked", "scan")
+METHODS = ("chunked", "scan", "pallas")
 
 
 def causal(
@@ -89,7 +89,11 @@ def causal(
         32 value heads over 16 key heads; q and k are repeated one block of tokens at a
         time, never over the whole sequence).
       beta: writing strengths ``[b, t, hv]``, in [0, 2] (usually [0, 1]).
-      method: ``"chunked"`` (default, fast) or ``"scan"`` (one step per token).
+      method: ``"chunked"`` (default, fast), ``"scan"`` (one step per token) or
+        ``"pallas"`` (opt-in: the chunked form as one Pallas kernel per batch and head,
+        Triton on GPU, Mosaic on TPU, interpreted on CPU; no gate or a gate per head,
+        power-of-two head widths >= 16, ``chunk_size`` in ``pallas.CHUNK_SIZES`` (None:
+        64); forward and backward kernels; ``linattn_jax.ops.delta.pallas``).
       chunk_size: tokens per chunk (``"chunked"``) or per recomputed block of the
         backward pass (``"scan"``); any length works. None: 16 with a per-channel gate
         (whose ``[c, c, f]`` relative decays grow with the chunk); else for ``"chunked"``
@@ -129,12 +133,23 @@ def causal(
     dtype, out_dtype = feature_maps.accumulation_dtype(q.dtype), v.dtype
     operands = chunking.operand_dtype(q.dtype)
     g = checks.log_decay(decay, gate, b, t, hv, dtype, channels=dk, key_mask=key_mask)
+    if method == "pallas":
+        chunk_size = pallas.check_supported(
+            chunk_size=chunk_size,
+            gate_channels=1 if g is None else g.shape[-1],
+            dtype=q.dtype,
+            dk=dk,
+            dv=v.shape[-1],
+        )
     resets = None if segment_ids is None else checks.segment_resets(segment_ids, b, t, dtype)
     q, k, v, beta = (checks.where_token(key_mask, x) for x in (q, k, v, beta))
     heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
     q, k, v, beta = (heads_first(x.astype(dtype)) for x in (q * scale, k, v, beta))
     state = as_internal(initial_state, b, hv, dk, v.shape[-1], dtype)
-    if method == "scan":
+    if method == "pallas":
+        xs = (q, k, v, beta, g, resets)
+        out, state = pallas.causal_chunks(xs, state, chunk_size, t, groups=hv // h)
+    elif method == "scan":
         chunk_size = checks.default_chunk_size(chunk_size, g)
         body = recurrent.scan_body
         if hv != h:
