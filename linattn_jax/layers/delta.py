@@ -103,8 +103,8 @@ class DeltaRuleAttention(nnx.Module):
       causal: True for decoders. The delta rule is a recurrence with no
         non-causal form: with False (an encoder, such as ``SequenceClassifier``'s)
         the layer still reads left to right, and refuses decoding.
-      method: ``"chunked"`` (default) or ``"scan"``, as in
-        ``linattn_jax.ops.delta.causal``.
+      method: ``"chunked"`` (default), ``"scan"`` or ``"pallas"`` (the opt-in Pallas
+        kernels, no per-channel gate), as in ``linattn_jax.ops.delta.causal``.
       chunk_size: tokens per chunk; None (default): the family's default
         (``linattn_jax.ops.checks.default_chunk_size``: 64, 16 for KDA's per-channel gate).
       sequence_axis: a mesh axis that splits full-sequence forwards along their
