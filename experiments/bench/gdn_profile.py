@@ -110,6 +110,20 @@ def pieces(c: int):
         x, vjp = jax.vjp(chunked.unit_lower_solve, lower, rhs)
         return vjp(x)
 
+    def direct(q, k, v, beta, g, s):
+        return chunked.chunk_body(s, (q, k, v, beta, g, None), c=c, groups=1)
+
+    def direct_bwd(q, k, v, beta, g, s):
+        return chunked.chunk_body_bwd(s, (s, (q, k, v, beta, g, None), v, v), c=c, groups=1)
+
+    def local_vjp(q, k, v, beta, g):
+        local = functools.partial(chunked._chunk_local, c=c, groups=1)
+        p, vjp = jax.vjp(local, (q, k, v, beta, g, None))
+        return vjp(jax.tree.map(jnp.ones_like, p))
+
+    def local(q, k, v, beta, g):
+        return chunked._chunk_local((q, k, v, beta, g, None), c=c, groups=1)
+
     five, six = (0, 1, 2, 3, 4), (0, 1, 2, 3, 4, 5)
     return {
         "decays, Q K^T, K K^T (masked)": (scores, five),
@@ -122,6 +136,10 @@ def pieces(c: int):
         "group_body_bwd (one chunk)": (body_bwd, six),
         "  vjp of chunk_parts (fwd + bwd)": (parts_vjp, five),
         "  solve fwd + bwd": (solve_bwd, five),
+        "chunk_body (one chunk, direct update)": (direct, six),
+        "  _chunk_local (scores, decays, solve)": (local, five),
+        "chunk_body_bwd (one chunk)": (direct_bwd, six),
+        "  vjp of _chunk_local (fwd + bwd)": (local_vjp, five),
     }
 
 

@@ -14,7 +14,10 @@ product per chunk), and the outputs of all its chunks follow, batched, from the 
 entering them (``chunk_outputs``). On GPU and TPU a group is ``chunking.GROUP_TOKENS`` tokens
 (every chunk of a shorter sequence), so the chunk-local work is a few large batched
 products, not one chunk's small ones at a time; on CPU a group is one chunk (measured:
-batching gains nothing there and costs cache, docs/benchmarks.md).
+batching gains nothing there and costs cache, docs/benchmarks.md), and a group of one chunk
+updates its state directly, ``S_next = a S + K_out^T (U - W S)`` (``chunk_body``): the
+write ``U - W S`` is the outputs' own, and ``M``, ``B`` and ``M S`` would cost more than
+all the chunk's other products at C = 32 < dk.
 
 Memory and recompute: ``linattn_jax.ops.chunking.scan`` stores the state entering each
 group; the backward (``group_body_bwd``, hand-written) recomputes the group's
