@@ -14,7 +14,10 @@ product per chunk), and the outputs of all its chunks follow, batched, from the 
 entering them (``chunk_outputs``). On GPU and TPU a group is ``chunking.GROUP_TOKENS`` tokens
 (every chunk of a shorter sequence), so the chunk-local work is a few large batched
 products, not one chunk's small ones at a time; on CPU a group is one chunk (measured:
-batching gains nothing there and costs cache, docs/benchmarks.md).
+batching gains nothing there and costs cache, docs/benchmarks.md), and a group of one chunk
+updates its state directly, ``S_next = a S + K_out^T (U - W S)`` (``chunk_body``): the
+write ``U - W S`` is the outputs' own, and ``M``, ``B`` and ``M S`` would cost more than
+all the chunk's other products at C = 32 < dk.
 
 Memory and recompute: ``linattn_jax.ops.chunking.scan`` stores the state entering each
 group; the backward (``group_body_bwd``, hand-written) recomputes the group's
@@ -98,8 +101,10 @@ def causal_chunks(
     c, n = chunking.chunk_count(chunk_size, length)
     per_group = chunking.chunks_per_group(c, n, group_tokens, math.prod(state.shape[2:]))
     options = dict(c=c, groups=groups, dtype=dtype)
-    body = functools.partial(group_body, **options)
-    body_bwd = functools.partial(group_body_bwd, **options)
+    # One chunk per group (CPU): its state update directly, no transition in state space.
+    one = per_group == 1
+    body = functools.partial(chunk_body if one else group_body, **options)
+    body_bwd = functools.partial(chunk_body_bwd if one else group_body_bwd, **options)
     xs, first_v = _finite_inputs(xs, groups)
     out, final = chunking.scan(body, state, xs, per_group * c, length, body_bwd=body_bwd)
     # What a non-finite input reaches is NaN from its token on, as in the per-token
@@ -259,6 +264,71 @@ def group_body_bwd(d_final: Array, inputs, *, c: int, groups: int, dtype=None):
             d_across = jnp.sum(d_across, axis=-1, keepdims=True)
     (d_x,) = vjp(((d_across, d_m, d_next), (d_q_in, d_qk, d_w, d_u)))
     return d_state, d_x
+
+
+def _chunk_local(x, *, c: int, groups: int, dtype=None):
+    """What one chunk's update and outputs read, besides the state: ``(across [b,hv,1|dk] |
+    None, Q_in, K_out [b,hv,c,dk], scores [b,hv,c,c], W [b,hv,c,dk], U [b,hv,c,dv])`` for
+    ``x`` as ``causal_chunks``' xs cut to one chunk (padded to ``c`` tokens)."""
+    q, k, v, beta, g, r = x
+    q, k = (repeat_heads(y, groups, 1) for y in (q, k))
+    h = v.shape[1]
+    q, k, v, beta, g, r = (chunking.fold(y, c, h) for y in (q, k, v, beta, g, r))
+    dv = v.shape[-1]
+    dec = chunking.decays(g, r, q.shape[:3], q.dtype)
+    if dec is None or dec.log_cum.shape[-1] != 1:
+        qk = chunking.decayed_scores(q, k, dec, diagonal=True, dtype=dtype)
+        kk = chunking.decayed_scores(k, k, dec, diagonal=False)
+    else:  # per-head decays: one [c, c] decay serves both scores
+        mask = jnp.tril(jnp.ones((1, 1, c, c), bool))
+        decay = jnp.exp(chunking._masked_diff(dec.log_cum, dec.run, mask)[..., 0])
+        qk = chunking.einsum("bhif,bhjf->bhij", q, k, dtype=dtype) * decay
+        strict = jnp.tril(jnp.ones((c, c), bool), -1)
+        kk = jnp.where(strict, jnp.einsum("bhif,bhjf->bhij", k, k) * decay, 0.0)
+    if dec is None:
+        q_in, k_in, k_out, across = q, k, k, None
+    else:
+        q_in, k_in, k_out, across = q * dec.into, k * dec.into, k * dec.out_of, dec.across
+    rhs = beta[..., None] * jnp.concatenate([v, k_in], axis=-1)
+    uw = unit_lower_solve(beta[..., None] * kk, rhs)
+    return across, q_in, k_out, qk, uw[..., dv:], uw[..., :dv]
+
+
+def chunk_body(s: Array, x, *, c: int, groups: int, dtype=None) -> tuple[Array, Array]:
+    """``group_body`` for a group of one chunk: ``S_next = a S + K_out^T (U - W S)``, the
+    write ``U - W S`` shared with the outputs (no ``M = K_out^T W`` and ``M S``: with
+    C < dk they cost more than the chunk's other products together, measured in
+    docs/benchmarks.md)."""
+    across, q_in, k_out, qk, w, u = _chunk_local(x, c=c, groups=groups, dtype=dtype)
+    out, u = chunk_outputs((q_in, qk, w, u), s, dtype=dtype)
+    s_next = _decay(across, s) + jnp.einsum("bmck,bmcv->bmkv", k_out, u)
+    return s_next, chunking.unfold(out, s.shape[1], x[2].shape[2])
+
+
+def chunk_body_bwd(d_next: Array, inputs, *, c: int, groups: int, dtype=None):
+    """The transpose of ``chunk_body`` (``chunking.scan``'s ``body_bwd``), recomputing the
+    chunk's pieces from the state entering it: ``(d S entering, d x)`` for ``inputs =
+    (S, x, out, d out [b, hv, c, dv])`` and ``d_next``, the cotangent of the state after."""
+    s, x, _, d_out = inputs
+    local, vjp = jax.vjp(functools.partial(_chunk_local, c=c, groups=groups, dtype=dtype), x)
+    across, q_in, k_out, qk, w, u = local
+    u = u - jnp.einsum("bmck,bmkv->bmcv", w, s)
+    d_out = chunking.fold(d_out, c, s.shape[1])
+    mixed = functools.partial(chunking.einsum, dtype=dtype)
+    d_u = mixed("bmij,bmiv->bmjv", qk, d_out) + jnp.einsum("bmck,bmkv->bmcv", k_out, d_next)
+    d_qk = mixed("bmiv,bmjv->bmij", d_out, u)
+    d_q_in = mixed("bmiv,bmkv->bmik", d_out, s)
+    d_k_out = jnp.einsum("bmcv,bmkv->bmck", u, d_next)
+    d_w = -jnp.einsum("bmcv,bmkv->bmck", d_u, s)
+    d_s = _decay(across, d_next) + mixed("bmck,bmcv->bmkv", q_in, d_out)
+    d_s = d_s - jnp.einsum("bmck,bmcv->bmkv", w, d_u)
+    d_across = None
+    if across is not None:
+        d_across = jnp.sum(d_next * s, axis=-1)
+        if across.shape[-1] == 1:
+            d_across = jnp.sum(d_across, axis=-1, keepdims=True)
+    (d_x,) = vjp((d_across, d_q_in, d_k_out, d_qk, d_w, d_u))
+    return d_s, d_x
 
 
 def unit_lower_solve(lower: Array, rhs: Array) -> Array:
