@@ -1,0 +1,337 @@
+"""Pallas kernels for the additive rule's chunked form: ``causal(..., method="pallas")``.
+
+One kernel program per (batch row, head) walks the chunks in order with a
+``lax.fori_loop``, carrying the state ``S [f, v]`` (and ``Z [f]`` when a denominator or
+the state is needed) in float32: for each chunk the masked ``[c, c]`` scores (per-head
+decays ``exp(G_i - G_j)``, or per-channel ones formed as a ``[c, c, f]`` relative decay
+masked before ``exp``), ``num = P V + Q_in S``, ``den = rowsum P + Q_in Z``, and the
+update ``S <- a S + K_out^T V``. It writes the state entering each chunk (O((t / c) f v)
+per head, as ``chunking.scan`` keeps per group), which the backward kernel reads in a
+reverse loop: ``dS <- a dS + Q_in^T dNum``, and every transposed product of the chunk.
+
+What is elementwise and cheap stays in XLA around the kernels (``run``): the feature
+map, padding and masks (``inputs.features``), the NaN-causality (``chunked._finite_inputs``
+before, ``chunking.nan_from`` after), the chunk's cumulative log-decays, resets and the
+decay factors (``chunking.decays``), ``Q_in = phi(q) * into`` and ``K_out = phi(k) *
+out_of``, and the division by the denominator; autodiff carries their gradients, and the
+kernels' own ``jax.custom_vjp`` returns the cotangents of their inputs (the cumulative
+log-decays' from the scores alone: ``dG = phi(q) dq - phi(k) dk`` of the intra-chunk
+products).
+
+Lowering: on GPU with Triton (``jax.experimental.pallas.triton``), on TPU with Mosaic
+TPU, on CPU in interpret mode (``lax.platform_dependent``); Triton wants power-of-two
+chunk, feature and value widths. No timing on a device exists yet: the XLA ``"chunked"``
+form stays the default.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from linattn_jax.ops import chunking
+from linattn_jax.ops.additive.chunked import _finite_inputs
+from linattn_jax.ops.additive.inputs import divisor
+from linattn_jax.typing import Array
+
+
+def run(
+    phi_q: Array,
+    phi_k: Array,
+    v: Array,
+    g: Array | None,
+    resets: Array | None,
+    state: tuple[Array, Array | None],
+    chunk_size: int,
+    *,
+    eps: float | None,
+):
+    """The additive recurrence through the Pallas kernels, heads-first layout.
+
+    Args:
+      phi_q: query features ``[b, h, t, f]`` (float32 or float64; masked tokens zero).
+      phi_k: key features ``[b, h, t, f]``.
+      v: values ``[b, h, t, v]``.
+      g: log-decays ``[b, h, t, 1|f]`` or None.
+      resets: segment resets ``[b, 1, t, 1]`` or None.
+      state: ``(S [b, h, f, v], Z [b, h, f] | None)`` before the first token.
+      chunk_size: tokens per chunk.
+      eps: None (return the numerator) or divide by ``denominator + eps`` (needs Z).
+
+    Returns:
+      ``(out [b, h, t, v], final (S, Z | None))``.
+    """
+    b, h, t, f = phi_q.shape
+    dtype = phi_q.dtype
+    xs, first_v, first = _finite_inputs((phi_q, phi_k, v, g, resets), None, 2)
+    phi_q, phi_k, v, g, resets = xs
+    c, n = chunking.chunk_count(chunk_size, t)
+    fold = lambda x: chunking.fold(x, c, h)
+    unfold = lambda x: chunking.unfold(x, h, n * c)
+    dec = chunking.decays(fold(g), fold(resets), (b, h * n, c), dtype)
+    per_channel = g is not None and g.shape[-1] != 1
+    q, k, v = (fold(x) for x in (phi_q, phi_k, v))
+    if dec is None:
+        log_cum = jnp.zeros((b, h * n, c, 1), dtype)
+        q_in, k_out, across, run_ = q, k, jnp.ones((b, h * n, 1), dtype), None
+    else:
+        log_cum, run_ = dec.log_cum, dec.run
+        q_in, k_out, across = q * dec.into, k * dec.out_of, dec.across
+    q, k, q_in, k_out, v = (unfold(x) for x in (q, k, q_in, k_out, v))
+    log_cum = unfold(log_cum)
+    across = across.reshape(b, h, n, -1)
+    if not per_channel:
+        log_cum, across = log_cum[..., 0], across[..., 0]
+    if run_ is not None:  # per channel where a huge per-channel gate reset one channel
+        run_ = unfold(jnp.broadcast_to(run_, (b, h * n, c, f if per_channel else 1)))
+        run_ = run_ if per_channel else run_[..., 0]
+    s0, z0 = state
+    (num, den), (s, z) = _chunks(q, k, q_in, k_out, v, log_cum, across, s0, z0, run_, c)
+    num = num[:, :, :t]
+    if den is not None:
+        den = den[:, :, :t]
+    num, den = chunking.nan_from(first_v, num, 2), chunking.nan_from(first, den, 2)
+    s = jnp.where(first_v < t, jnp.full((), jnp.nan, s.dtype), s)
+    if z is not None:
+        z = jnp.where(first < t, jnp.full((), jnp.nan, z.dtype), z)
+    if eps is not None:
+        num = num / divisor(den, eps)[..., None]
+    return num, (s, z)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _chunks(q, k, q_in, k_out, v, log_cum, across, s0, z0, run_, c):
+    """The forward kernel: ``((num [b,h,T,v], den [b,h,T] | None), (S, Z | None))``."""
+    return _chunks_fwd(q, k, q_in, k_out, v, log_cum, across, s0, z0, run_, c)[0]
+
+
+def _chunks_fwd(q, k, q_in, k_out, v, log_cum, across, s0, z0, run_, c):
+    b, h, total, f = q.shape
+    dv = v.shape[-1]
+    n = total // c
+    with_z = z0 is not None
+    dtype = q.dtype
+    ins = [q, k, q_in, k_out, v, log_cum, across, s0] + [x for x in (z0, run_) if x is not None]
+    outs = [
+        jax.ShapeDtypeStruct((b, h, total, dv), dtype),  # numerator
+        jax.ShapeDtypeStruct((b, h, n, f, dv), dtype),  # the state entering each chunk
+        jax.ShapeDtypeStruct((b, h, f, dv), dtype),  # the final state
+    ]
+    if with_z:
+        outs += [
+            jax.ShapeDtypeStruct((b, h, total), dtype),  # denominator
+            jax.ShapeDtypeStruct((b, h, n, f), dtype),
+            jax.ShapeDtypeStruct((b, h, f), dtype),
+        ]
+    kernel = functools.partial(
+        _fwd_kernel,
+        c=c,
+        n=n,
+        per_channel=log_cum.ndim == 4,
+        with_z=with_z,
+        with_run=run_ is not None,
+    )
+    res = _call(kernel, ins, outs, (b, h))
+    num, states, s = res[:3]
+    den, z_states, z = res[3:] if with_z else (None, None, None)
+    residuals = (q, k, q_in, k_out, v, log_cum, across, run_, states, z_states)
+    return ((num, den), (s, z)), residuals
+
+
+def _chunks_bwd(c, residuals, cotangents):
+    q, k, q_in, k_out, v, log_cum, across, run_, states, z_states = residuals
+    (d_num, d_den), (d_s, d_z) = cotangents
+    b, h, total, f = q.shape
+    dv = v.shape[-1]
+    n = total // c
+    with_z = z_states is not None
+    per_channel = log_cum.ndim == 4
+    dtype = q.dtype
+    ins = [q, k, q_in, k_out, v, log_cum, across, states, d_num, d_s]
+    if with_z:
+        ins += [z_states, d_den, d_z]
+    if run_ is not None:
+        ins.append(run_)
+    like = lambda x: jax.ShapeDtypeStruct(x.shape, dtype)
+    outs = [like(q), like(k), like(q_in), like(k_out), like(v), like(across)]
+    outs += [jax.ShapeDtypeStruct((b, h, f, dv), dtype)]
+    if with_z:
+        outs += [jax.ShapeDtypeStruct((b, h, f), dtype)]
+    kernel = functools.partial(
+        _bwd_kernel, c=c, n=n, per_channel=per_channel, with_z=with_z, with_run=run_ is not None
+    )
+    res = _call(kernel, ins, outs, (b, h))
+    dq, dk, d_q_in, d_k_out, d_v, d_across, d_s0 = res[:7]
+    d_z0 = res[7] if with_z else None
+    # The scores' cotangent to the cumulative log-decays: P_ij depends on G_i - G_j, and
+    # q_i . dq_i (k_j . dk_j) sums dP_ij P_ij over j (over i).
+    d_log = q * dq - k * dk
+    d_log = d_log if per_channel else jnp.sum(d_log, axis=-1)
+    d_run = None if run_ is None else jnp.zeros_like(run_)
+    return dq, dk, d_q_in, d_k_out, d_v, d_log, d_across, d_s0, d_z0, d_run
+
+
+_chunks.defvjp(_chunks_fwd, _chunks_bwd)
+
+
+def _call(kernel, ins, outs, grid):
+    """``pallas_call`` of ``kernel`` with one program per (batch row, head), each seeing
+    its whole ``[b, h, ...]`` slice: Triton on GPU, Mosaic on TPU, interpreted on CPU."""
+
+    def spec(x):
+        rest = x.shape[2:]
+        return pl.BlockSpec((None, None) + rest, lambda i, j: (i, j) + (0,) * len(rest))
+
+    def call(params, interpret):
+        fn = pl.pallas_call(
+            kernel,
+            out_shape=outs,
+            grid=grid,
+            in_specs=[spec(x) for x in ins],
+            out_specs=[spec(x) for x in outs],
+            interpret=interpret,
+            compiler_params=params,
+            name="linear_attention_chunks",
+        )
+        return lambda *xs: fn(*xs)
+
+    triton = call(pltriton.CompilerParams(num_warps=4, num_stages=1), False)
+    return jax.lax.platform_dependent(
+        *ins, cpu=call(None, True), cuda=triton, rocm=triton, default=call(None, False)
+    )
+
+
+def _mm(a, b, *, ta: bool = False, tb: bool = False):
+    """``a @ b`` (``a^T`` with ``ta``, ``b^T`` with ``tb``) of 2-d arrays, float32 or wider."""
+    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=a.dtype)
+
+
+def _decay_mask(log_cum, run_, c: int, per_channel: bool):
+    """The chunk's relative decays ``exp(G_i - G_j)`` for ``j <= i`` in the same run between
+    resets, 0 elsewhere (masked before ``exp``): ``[c, c]``, or ``[c, c, f]`` per channel."""
+    row = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    mask = row >= col
+    if per_channel:
+        mask = mask[:, :, None]
+        if run_ is not None:
+            mask = mask & (run_[:, None, :] == run_[None, :, :])
+        diff = log_cum[:, None, :] - log_cum[None, :, :]
+        return jnp.exp(jnp.where(mask, diff, -jnp.inf))
+    if run_ is not None:
+        mask = mask & (run_[:, None] == run_[None, :])
+    return jnp.exp(jnp.where(mask, log_cum[:, None] - log_cum[None, :], -jnp.inf))
+
+
+def _scores(q, k, decay, per_channel: bool):
+    """``P [c, c]``: ``sum_f q_if k_jf decay_ij(f)``."""
+    if per_channel:
+        return jnp.sum(q[:, None, :] * k[None, :, :] * decay, axis=2)
+    return _mm(q, k, tb=True) * decay
+
+
+def _decayed(a, x, per_channel: bool, column: bool):
+    """``a`` (a scalar, or ``[f]`` per channel) times ``x`` (``[f, v]`` with ``column``, else
+    ``[f]``)."""
+    if per_channel and column:
+        return a[:, None] * x
+    return a * x
+
+
+def _fwd_kernel(*refs, c, n, per_channel, with_z, with_run):
+    q_ref, k_ref, qi_ref, ko_ref, v_ref, g_ref, a_ref, s0_ref = refs[:8]
+    rest = list(refs[8:])
+    z0_ref = rest.pop(0) if with_z else None
+    run_ref = rest.pop(0) if with_run else None
+    num_ref, states_ref, s_ref = rest[:3]
+    den_ref, z_states_ref, z_ref = rest[3:] if with_z else (None, None, None)
+
+    def body(i, carry):
+        s, z = carry
+        tokens = pl.ds(i * c, c)
+        q, k, q_in, k_out, v = (r[tokens, :] for r in (q_ref, k_ref, qi_ref, ko_ref, v_ref))
+        log_cum = g_ref[tokens, :] if per_channel else g_ref[tokens]
+        run_ = (run_ref[tokens, :] if per_channel else run_ref[tokens]) if with_run else None
+        a = a_ref[i, :] if per_channel else a_ref[i]
+        states_ref[i] = s
+        p = _scores(q, k, _decay_mask(log_cum, run_, c, per_channel), per_channel)
+        num_ref[tokens, :] = _mm(p, v) + _mm(q_in, s)
+        s_next = _decayed(a, s, per_channel, True) + _mm(k_out, v, ta=True)
+        if not with_z:
+            return s_next, z
+        z_states_ref[i] = z
+        den_ref[tokens] = jnp.sum(p, axis=1) + jnp.sum(q_in * z[None, :], axis=1)
+        return s_next, _decayed(a, z, per_channel, False) + jnp.sum(k_out, axis=0)
+
+    z0 = z0_ref[...] if with_z else jnp.zeros((), s0_ref.dtype)
+    s, z = jax.lax.fori_loop(0, n, body, (s0_ref[...], z0))
+    s_ref[...] = s
+    if with_z:
+        z_ref[...] = z
+
+
+def _bwd_kernel(*refs, c, n, per_channel, with_z, with_run):
+    q_ref, k_ref, qi_ref, ko_ref, v_ref, g_ref, a_ref, states_ref, dnum_ref, ds_ref = refs[:10]
+    rest = list(refs[10:])
+    z_states_ref, dden_ref, dz_ref = (rest.pop(0) for _ in range(3)) if with_z else (None,) * 3
+    run_ref = rest.pop(0) if with_run else None
+    dq_ref, dk_ref, dqi_ref, dko_ref, dv_ref, da_ref, ds0_ref = rest[:7]
+    dz0_ref = rest[7] if with_z else None
+
+    def body(step, carry):
+        d_s, d_z = carry  # the cotangent of the state after chunk i
+        i = n - 1 - step
+        tokens = pl.ds(i * c, c)
+        q, k, q_in, k_out, v = (r[tokens, :] for r in (q_ref, k_ref, qi_ref, ko_ref, v_ref))
+        log_cum = g_ref[tokens, :] if per_channel else g_ref[tokens]
+        run_ = (run_ref[tokens, :] if per_channel else run_ref[tokens]) if with_run else None
+        a = a_ref[i, :] if per_channel else a_ref[i]
+        s = states_ref[i]
+        d_num = dnum_ref[tokens, :]
+        decay = _decay_mask(log_cum, run_, c, per_channel)
+        p = _scores(q, k, decay, per_channel)
+        d_p = _mm(d_num, v, tb=True)
+        d_q_in = _mm(d_num, s, tb=True)
+        d_k_out = _mm(v, d_s, tb=True)
+        d_a = d_s * s
+        if with_z:
+            z = z_states_ref[i]
+            d_den = dden_ref[tokens]
+            d_p = d_p + d_den[:, None]
+            d_q_in = d_q_in + d_den[:, None] * z[None, :]
+            d_k_out = d_k_out + d_z[None, :]
+        dv_ref[tokens, :] = _mm(p, d_num, ta=True) + _mm(k_out, d_s)
+        dqi_ref[tokens, :] = d_q_in
+        dko_ref[tokens, :] = d_k_out
+        if per_channel:
+            w = d_p[:, :, None] * decay
+            dq_ref[tokens, :] = jnp.sum(w * k[None, :, :], axis=1)
+            dk_ref[tokens, :] = jnp.sum(w * q[:, None, :], axis=0)
+            d_a = jnp.sum(d_a, axis=1)
+            if with_z:
+                d_a = d_a + d_z * z
+            da_ref[i, :] = d_a
+        else:
+            w = d_p * decay
+            dq_ref[tokens, :] = _mm(w, k)
+            dk_ref[tokens, :] = _mm(w, q, ta=True)
+            d_a = jnp.sum(d_a)
+            if with_z:
+                d_a = d_a + jnp.sum(d_z * z)
+            da_ref[i] = d_a
+        d_s_prev = _decayed(a, d_s, per_channel, True) + _mm(q_in, d_num, ta=True)
+        if not with_z:
+            return d_s_prev, d_z
+        d_z_prev = _decayed(a, d_z, per_channel, False) + jnp.sum(d_den[:, None] * q_in, axis=0)
+        return d_s_prev, d_z_prev
+
+    d_z = dz_ref[...] if with_z else jnp.zeros((), ds_ref.dtype)
+    d_s, d_z = jax.lax.fori_loop(0, n, body, (ds_ref[...], d_z))
+    ds0_ref[...] = d_s
+    if with_z:
+        dz0_ref[...] = d_z
