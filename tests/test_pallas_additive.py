@@ -166,3 +166,18 @@ def test_pallas_lowers_for_cuda(per_channel):
             )
         text = exported.mlir_module()
         assert text.count("__gpu$xla.gpu.triton") == kernels
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_pallas_lowers_for_tpu(per_channel):
+    """Forward and gradient lower for ``tpu`` (Mosaic TPU kernels). Mosaic compiles them
+    further only on a TPU, which this does not reach."""
+    x = jax.ShapeDtypeStruct((1, 32, 1, 16), jnp.float32)
+    gate = jax.ShapeDtypeStruct((1, 32, 1, 16) if per_channel else (1, 32, 1), jnp.float32)
+    fwd = lambda q, k, v, g: la.causal_linear_attention(
+        q, k, v, gate=g, method="pallas", chunk_size=16
+    )
+    grad = jax.grad(lambda *xs: jnp.sum(fwd(*xs)), argnums=(0, 1, 2, 3))
+    for fn, kernels in ((fwd, 1), (grad, 2)):
+        text = jax.export.export(jax.jit(fn), platforms=["tpu"])(x, x, x, gate).mlir_module()
+        assert text.count("custom_call @tpu_custom_call") == kernels

@@ -18,10 +18,13 @@ kernels' own ``jax.custom_vjp`` returns the cotangents of their inputs (the cumu
 log-decays' from the scores alone: ``dG = phi(q) dq - phi(k) dk`` of the intra-chunk
 products).
 
-Lowering: on GPU with Triton (``jax.experimental.pallas.triton``), on TPU with Mosaic
-TPU, on CPU in interpret mode (``lax.platform_dependent``); Triton wants power-of-two
-chunk, feature and value widths. No timing on a device exists yet: the XLA ``"chunked"``
-form stays the default.
+Lowering: on GPU with Triton (``jax.experimental.pallas.triton``; deprecated in jax
+0.11), on TPU with Mosaic TPU, on CPU in interpret mode (``lax.platform_dependent``).
+Triton wants power-of-two chunk, feature and value widths; for Mosaic TPU every array
+keeps its last two axes whole, so per-token scalars travel as ``[T, 1]`` columns (and, per
+head, as ``[n, c]`` rows of each chunk). Both lowerings are tested from CPU
+(``jax.export``); no device has run or timed the kernels yet, so the XLA ``"chunked"`` form
+stays the default.
 """
 
 from __future__ import annotations
@@ -81,16 +84,24 @@ def run(
     else:
         log_cum, run_ = dec.log_cum, dec.run
         q_in, k_out, across = q * dec.into, k * dec.out_of, dec.across
-    q, k, q_in, k_out, v = (unfold(x) for x in (q, k, q_in, k_out, v))
-    log_cum = unfold(log_cum)
-    across = across.reshape(b, h, n, -1)
-    if not per_channel:
-        log_cum, across = log_cum[..., 0], across[..., 0]
+    q, k, q_in, k_out, v, log_cum = (unfold(x) for x in (q, k, q_in, k_out, v, log_cum))
+    g_width = log_cum.shape[-1]
+    # Every kernel array keeps its last two axes whole (Mosaic TPU's tiling rule): per-token
+    # scalars as [T, 1] columns, and per head also as [n, c] rows of each chunk; the decay
+    # across each chunk as a column (for S) and a row (for Z).
+    across = across.reshape(b, h, n, g_width)
+    a_s, a_z = across[..., :, None], across[..., None, :]
+    g_row = None if per_channel else log_cum.reshape(b, h, n, c)
+    run_row = None
     if run_ is not None:  # per channel where a huge per-channel gate reset one channel
-        run_ = unfold(jnp.broadcast_to(run_, (b, h * n, c, f if per_channel else 1)))
-        run_ = run_ if per_channel else run_[..., 0]
+        run_ = unfold(jnp.broadcast_to(run_, (b, h * n, c, g_width)))
+        run_row = None if per_channel else run_.reshape(b, h, n, c)
     s0, z0 = state
-    (num, den), (s, z) = _chunks(q, k, q_in, k_out, v, log_cum, across, s0, z0, run_, c)
+    z0 = None if z0 is None else z0[:, :, None, :]
+    rows = (g_row, run_row)
+    (num, den), (s, z) = _chunks(q, k, q_in, k_out, v, log_cum, a_s, a_z, s0, z0, run_, rows, c)
+    den = None if den is None else den[..., 0]
+    z = None if z is None else z[:, :, 0]
     num = num[:, :, :t]
     if den is not None:
         den = den[:, :, :t]
@@ -103,76 +114,69 @@ def run(
     return num, (s, z)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
-def _chunks(q, k, q_in, k_out, v, log_cum, across, s0, z0, run_, c):
-    """The forward kernel: ``((num [b,h,T,v], den [b,h,T] | None), (S, Z | None))``."""
-    return _chunks_fwd(q, k, q_in, k_out, v, log_cum, across, s0, z0, run_, c)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(12,))
+def _chunks(q, k, q_in, k_out, v, log_cum, a_s, a_z, s0, z0, run_, rows, c):
+    """The forward kernel: ``((num [b,h,T,v], den [b,h,T,1] | None), (S, Z [b,h,1,f] |
+    None))``; ``rows`` are the per-head log-decays and runs as ``[b, h, n, c]`` rows (None
+    per channel, or without resets), the same values as ``log_cum`` and ``run_``."""
+    return _chunks_fwd(q, k, q_in, k_out, v, log_cum, a_s, a_z, s0, z0, run_, rows, c)[0]
 
 
-def _chunks_fwd(q, k, q_in, k_out, v, log_cum, across, s0, z0, run_, c):
+def _options(c, n, log_cum, z, run_):
+    return dict(
+        c=c, n=n, per_channel=log_cum.shape[-1] != 1, with_z=z is not None,
+        with_run=run_ is not None,
+    )  # fmt: skip
+
+
+def _chunks_fwd(q, k, q_in, k_out, v, log_cum, a_s, a_z, s0, z0, run_, rows, c):
     b, h, total, f = q.shape
     dv = v.shape[-1]
     n = total // c
     with_z = z0 is not None
     dtype = q.dtype
-    ins = [q, k, q_in, k_out, v, log_cum, across, s0] + [x for x in (z0, run_) if x is not None]
-    outs = [
-        jax.ShapeDtypeStruct((b, h, total, dv), dtype),  # numerator
-        jax.ShapeDtypeStruct((b, h, n, f, dv), dtype),  # the state entering each chunk
-        jax.ShapeDtypeStruct((b, h, f, dv), dtype),  # the final state
-    ]
+    g_row, run_row = rows
+    ins = [q, k, q_in, k_out, v, log_cum, a_s, s0]
+    ins += [] if z0 is None else [a_z, z0]
+    ins += [] if g_row is None else [g_row]
+    ins += [] if run_ is None else [run_] + ([] if run_row is None else [run_row])
+    shape = lambda *s: jax.ShapeDtypeStruct((b, h) + s, dtype)
+    outs = [shape(total, dv), shape(n, f, dv), shape(f, dv)]  # num, entering states, final
     if with_z:
-        outs += [
-            jax.ShapeDtypeStruct((b, h, total), dtype),  # denominator
-            jax.ShapeDtypeStruct((b, h, n, f), dtype),
-            jax.ShapeDtypeStruct((b, h, f), dtype),
-        ]
-    kernel = functools.partial(
-        _fwd_kernel,
-        c=c,
-        n=n,
-        per_channel=log_cum.ndim == 4,
-        with_z=with_z,
-        with_run=run_ is not None,
-    )
+        outs += [shape(total, 1), shape(n, 1, f), shape(1, f)]  # den, Z entering, final
+    kernel = functools.partial(_fwd_kernel, **_options(c, n, log_cum, z0, run_))
     res = _call(kernel, ins, outs, (b, h))
     num, states, s = res[:3]
     den, z_states, z = res[3:] if with_z else (None, None, None)
-    residuals = (q, k, q_in, k_out, v, log_cum, across, run_, states, z_states)
+    residuals = (q, k, q_in, k_out, v, log_cum, a_s, a_z, run_, rows, states, z_states)
     return ((num, den), (s, z)), residuals
 
 
 def _chunks_bwd(c, residuals, cotangents):
-    q, k, q_in, k_out, v, log_cum, across, run_, states, z_states = residuals
+    q, k, q_in, k_out, v, log_cum, a_s, a_z, run_, rows, states, z_states = residuals
     (d_num, d_den), (d_s, d_z) = cotangents
     b, h, total, f = q.shape
-    dv = v.shape[-1]
     n = total // c
     with_z = z_states is not None
-    per_channel = log_cum.ndim == 4
-    dtype = q.dtype
-    ins = [q, k, q_in, k_out, v, log_cum, across, states, d_num, d_s]
-    if with_z:
-        ins += [z_states, d_den, d_z]
-    if run_ is not None:
-        ins.append(run_)
-    like = lambda x: jax.ShapeDtypeStruct(x.shape, dtype)
-    outs = [like(q), like(k), like(q_in), like(k_out), like(v), like(across)]
-    outs += [jax.ShapeDtypeStruct((b, h, f, dv), dtype)]
-    if with_z:
-        outs += [jax.ShapeDtypeStruct((b, h, f), dtype)]
-    kernel = functools.partial(
-        _bwd_kernel, c=c, n=n, per_channel=per_channel, with_z=with_z, with_run=run_ is not None
-    )
+    g_row, run_row = rows
+    ins = [q, k, q_in, k_out, v, log_cum, a_s, states, d_num, d_s]
+    ins += [] if not with_z else [a_z, z_states, d_den, d_z]
+    ins += [] if g_row is None else [g_row]
+    ins += [] if run_ is None else [run_] + ([] if run_row is None else [run_row])
+    like = lambda x: jax.ShapeDtypeStruct(x.shape, q.dtype)
+    outs = [like(x) for x in (q, k, q_in, k_out, v, a_s, states[:, :, 0])]
+    outs += [like(a_z), like(z_states[:, :, 0])] if with_z else []
+    kernel = functools.partial(_bwd_kernel, **_options(c, n, log_cum, z_states, run_))
     res = _call(kernel, ins, outs, (b, h))
-    dq, dk, d_q_in, d_k_out, d_v, d_across, d_s0 = res[:7]
-    d_z0 = res[7] if with_z else None
+    dq, dk, d_q_in, d_k_out, d_v, d_a_s, d_s0 = res[:7]
+    d_a_z, d_z0 = res[7:] if with_z else (jnp.zeros_like(a_z), None)
     # The scores' cotangent to the cumulative log-decays: P_ij depends on G_i - G_j, and
     # q_i . dq_i (k_j . dk_j) sums dP_ij P_ij over j (over i).
     d_log = q * dq - k * dk
-    d_log = d_log if per_channel else jnp.sum(d_log, axis=-1)
-    d_run = None if run_ is None else jnp.zeros_like(run_)
-    return dq, dk, d_q_in, d_k_out, d_v, d_log, d_across, d_s0, d_z0, d_run
+    d_log = d_log if log_cum.shape[-1] != 1 else jnp.sum(d_log, axis=-1, keepdims=True)
+    zeros = lambda x: None if x is None else jnp.zeros_like(x)
+    d_rows = (zeros(g_row), zeros(run_row))
+    return (dq, dk, d_q_in, d_k_out, d_v, d_log, d_a_s, d_a_z, d_s0, d_z0, zeros(run_), d_rows)
 
 
 _chunks.defvjp(_chunks_fwd, _chunks_bwd)
@@ -211,21 +215,22 @@ def _mm(a, b, *, ta: bool = False, tb: bool = False):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=a.dtype)
 
 
-def _decay_mask(log_cum, run_, c: int, per_channel: bool):
+def _decay_mask(g_col, g_row, run_col, run_row, c: int, per_channel: bool):
     """The chunk's relative decays ``exp(G_i - G_j)`` for ``j <= i`` in the same run between
-    resets, 0 elsewhere (masked before ``exp``): ``[c, c]``, or ``[c, c, f]`` per channel."""
+    resets, 0 elsewhere (masked before ``exp``): ``[c, c]`` from the log-decays' column
+    ``[c, 1]`` and row ``[1, c]``, or per channel ``[c, c, f]`` from ``g_col [c, f]``."""
     row = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
     mask = row >= col
     if per_channel:
         mask = mask[:, :, None]
-        if run_ is not None:
-            mask = mask & (run_[:, None, :] == run_[None, :, :])
-        diff = log_cum[:, None, :] - log_cum[None, :, :]
+        if run_col is not None:
+            mask = mask & (run_col[:, None, :] == run_col[None, :, :])
+        diff = g_col[:, None, :] - g_col[None, :, :]
         return jnp.exp(jnp.where(mask, diff, -jnp.inf))
-    if run_ is not None:
-        mask = mask & (run_[:, None] == run_[None, :])
-    return jnp.exp(jnp.where(mask, log_cum[:, None] - log_cum[None, :], -jnp.inf))
+    if run_col is not None:
+        mask = mask & (run_col == run_row)
+    return jnp.exp(jnp.where(mask, g_col - g_row, -jnp.inf))
 
 
 def _scores(q, k, decay, per_channel: bool):
@@ -235,38 +240,53 @@ def _scores(q, k, decay, per_channel: bool):
     return _mm(q, k, tb=True) * decay
 
 
-def _decayed(a, x, per_channel: bool, column: bool):
-    """``a`` (a scalar, or ``[f]`` per channel) times ``x`` (``[f, v]`` with ``column``, else
-    ``[f]``)."""
-    if per_channel and column:
-        return a[:, None] * x
-    return a * x
+def _chunk(refs, i, c: int, per_channel: bool, with_run: bool):
+    """Chunk ``i``'s ``(q, k, q_in, k_out, v, decays)`` from their refs."""
+    q_ref, k_ref, qi_ref, ko_ref, v_ref, g_ref, g_row_ref, run_ref, run_row_ref = refs
+    tokens = pl.ds(pl.multiple_of(i * c, c), c)
+    x = tuple(r[tokens, :] for r in (q_ref, k_ref, qi_ref, ko_ref, v_ref))
+    g_col = g_ref[tokens, :]
+    g_row = None if per_channel else g_row_ref[pl.ds(i, 1), :]
+    run_col = run_ref[tokens, :] if with_run else None
+    run_row = run_row_ref[pl.ds(i, 1), :] if with_run and not per_channel else None
+    return x + (_decay_mask(g_col, g_row, run_col, run_row, c, per_channel),)
+
+
+def _split(refs: list, with_z: bool, per_channel: bool, with_run: bool, z_count: int):
+    """The optional refs after the fixed ones: ``(z refs (z_count of them, or Nones), g_row,
+    run, run_row)``, in ``_chunks_fwd``'s order; ``refs`` keeps what follows them."""
+    take = lambda cond: refs.pop(0) if cond else None
+    z_refs = tuple(take(with_z) for _ in range(z_count))
+    g_row = take(not per_channel)
+    run_ = take(with_run)
+    run_row = take(with_run and not per_channel)
+    return z_refs, g_row, run_, run_row
 
 
 def _fwd_kernel(*refs, c, n, per_channel, with_z, with_run):
-    q_ref, k_ref, qi_ref, ko_ref, v_ref, g_ref, a_ref, s0_ref = refs[:8]
+    q_ref, k_ref, qi_ref, ko_ref, v_ref, g_ref, as_ref, s0_ref = refs[:8]
     rest = list(refs[8:])
-    z0_ref = rest.pop(0) if with_z else None
-    run_ref = rest.pop(0) if with_run else None
+    (az_ref, z0_ref), g_row_ref, run_ref, run_row_ref = _split(
+        rest, with_z, per_channel, with_run, 2
+    )
     num_ref, states_ref, s_ref = rest[:3]
     den_ref, z_states_ref, z_ref = rest[3:] if with_z else (None, None, None)
+    ins = (q_ref, k_ref, qi_ref, ko_ref, v_ref, g_ref, g_row_ref, run_ref, run_row_ref)
 
     def body(i, carry):
         s, z = carry
-        tokens = pl.ds(i * c, c)
-        q, k, q_in, k_out, v = (r[tokens, :] for r in (q_ref, k_ref, qi_ref, ko_ref, v_ref))
-        log_cum = g_ref[tokens, :] if per_channel else g_ref[tokens]
-        run_ = (run_ref[tokens, :] if per_channel else run_ref[tokens]) if with_run else None
-        a = a_ref[i, :] if per_channel else a_ref[i]
+        tokens = pl.ds(pl.multiple_of(i * c, c), c)
+        q, k, q_in, k_out, v, decay = _chunk(ins, i, c, per_channel, with_run)
         states_ref[i] = s
-        p = _scores(q, k, _decay_mask(log_cum, run_, c, per_channel), per_channel)
+        p = _scores(q, k, decay, per_channel)
         num_ref[tokens, :] = _mm(p, v) + _mm(q_in, s)
-        s_next = _decayed(a, s, per_channel, True) + _mm(k_out, v, ta=True)
+        s_next = as_ref[i] * s + _mm(k_out, v, ta=True)
         if not with_z:
             return s_next, z
         z_states_ref[i] = z
-        den_ref[tokens] = jnp.sum(p, axis=1) + jnp.sum(q_in * z[None, :], axis=1)
-        return s_next, _decayed(a, z, per_channel, False) + jnp.sum(k_out, axis=0)
+        den = jnp.sum(p, axis=1, keepdims=True) + jnp.sum(q_in * z, axis=1, keepdims=True)
+        den_ref[tokens, :] = den
+        return s_next, az_ref[i] * z + jnp.sum(k_out, axis=0, keepdims=True)
 
     z0 = z0_ref[...] if with_z else jnp.zeros((), s0_ref.dtype)
     s, z = jax.lax.fori_loop(0, n, body, (s0_ref[...], z0))
@@ -276,35 +296,36 @@ def _fwd_kernel(*refs, c, n, per_channel, with_z, with_run):
 
 
 def _bwd_kernel(*refs, c, n, per_channel, with_z, with_run):
-    q_ref, k_ref, qi_ref, ko_ref, v_ref, g_ref, a_ref, states_ref, dnum_ref, ds_ref = refs[:10]
+    q_ref, k_ref, qi_ref, ko_ref, v_ref, g_ref, as_ref, states_ref, dnum_ref, ds_ref = refs[:10]
     rest = list(refs[10:])
-    z_states_ref, dden_ref, dz_ref = (rest.pop(0) for _ in range(3)) if with_z else (None,) * 3
-    run_ref = rest.pop(0) if with_run else None
-    dq_ref, dk_ref, dqi_ref, dko_ref, dv_ref, da_ref, ds0_ref = rest[:7]
-    dz0_ref = rest[7] if with_z else None
+    (az_ref, z_states_ref, dden_ref, dz_ref), g_row_ref, run_ref, run_row_ref = _split(
+        rest, with_z, per_channel, with_run, 4
+    )
+    dq_ref, dk_ref, dqi_ref, dko_ref, dv_ref, das_ref, ds0_ref = rest[:7]
+    daz_ref, dz0_ref = rest[7:] if with_z else (None, None)
+    ins = (q_ref, k_ref, qi_ref, ko_ref, v_ref, g_ref, g_row_ref, run_ref, run_row_ref)
 
     def body(step, carry):
         d_s, d_z = carry  # the cotangent of the state after chunk i
         i = n - 1 - step
-        tokens = pl.ds(i * c, c)
-        q, k, q_in, k_out, v = (r[tokens, :] for r in (q_ref, k_ref, qi_ref, ko_ref, v_ref))
-        log_cum = g_ref[tokens, :] if per_channel else g_ref[tokens]
-        run_ = (run_ref[tokens, :] if per_channel else run_ref[tokens]) if with_run else None
-        a = a_ref[i, :] if per_channel else a_ref[i]
+        tokens = pl.ds(pl.multiple_of(i * c, c), c)
+        q, k, q_in, k_out, v, decay = _chunk(ins, i, c, per_channel, with_run)
         s = states_ref[i]
         d_num = dnum_ref[tokens, :]
-        decay = _decay_mask(log_cum, run_, c, per_channel)
         p = _scores(q, k, decay, per_channel)
         d_p = _mm(d_num, v, tb=True)
         d_q_in = _mm(d_num, s, tb=True)
         d_k_out = _mm(v, d_s, tb=True)
-        d_a = d_s * s
+        d_a = jnp.sum(d_s * s, axis=1, keepdims=True)  # [f, 1]
+        das_ref[i] = d_a if per_channel else jnp.sum(d_a, axis=0, keepdims=True)
         if with_z:
             z = z_states_ref[i]
-            d_den = dden_ref[tokens]
-            d_p = d_p + d_den[:, None]
-            d_q_in = d_q_in + d_den[:, None] * z[None, :]
-            d_k_out = d_k_out + d_z[None, :]
+            d_den = dden_ref[tokens, :]
+            d_p = d_p + d_den
+            d_q_in = d_q_in + d_den * z
+            d_k_out = d_k_out + d_z
+            d_a_z = d_z * z  # [1, f]
+            daz_ref[i] = d_a_z if per_channel else jnp.sum(d_a_z, axis=1, keepdims=True)
         dv_ref[tokens, :] = _mm(p, d_num, ta=True) + _mm(k_out, d_s)
         dqi_ref[tokens, :] = d_q_in
         dko_ref[tokens, :] = d_k_out
@@ -312,22 +333,14 @@ def _bwd_kernel(*refs, c, n, per_channel, with_z, with_run):
             w = d_p[:, :, None] * decay
             dq_ref[tokens, :] = jnp.sum(w * k[None, :, :], axis=1)
             dk_ref[tokens, :] = jnp.sum(w * q[:, None, :], axis=0)
-            d_a = jnp.sum(d_a, axis=1)
-            if with_z:
-                d_a = d_a + d_z * z
-            da_ref[i, :] = d_a
         else:
             w = d_p * decay
             dq_ref[tokens, :] = _mm(w, k)
             dk_ref[tokens, :] = _mm(w, q, ta=True)
-            d_a = jnp.sum(d_a)
-            if with_z:
-                d_a = d_a + jnp.sum(d_z * z)
-            da_ref[i] = d_a
-        d_s_prev = _decayed(a, d_s, per_channel, True) + _mm(q_in, d_num, ta=True)
+        d_s_prev = as_ref[i] * d_s + _mm(q_in, d_num, ta=True)
         if not with_z:
             return d_s_prev, d_z
-        d_z_prev = _decayed(a, d_z, per_channel, False) + jnp.sum(d_den[:, None] * q_in, axis=0)
+        d_z_prev = az_ref[i] * d_z + jnp.sum(d_den * q_in, axis=0, keepdims=True)
         return d_s_prev, d_z_prev
 
     d_z = dz_ref[...] if with_z else jnp.zeros((), ds_ref.dtype)
