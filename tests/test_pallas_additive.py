@@ -147,9 +147,10 @@ def test_pallas_is_opt_in():
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_pallas_lowers_for_cuda(per_channel):
-    """Forward and gradient lower for ``cuda`` (Triton kernels, power-of-two widths)."""
-    x = jax.ShapeDtypeStruct((1, 32, 1, 16), jnp.float32)
-    gate = jax.ShapeDtypeStruct((1, 32, 1, 16) if per_channel else (1, 32, 1), jnp.float32)
+    """Forward and gradient lower for ``cuda`` (Triton kernels): widths and a length that are
+    no power of two (padded to one for Triton's products)."""
+    x = jax.ShapeDtypeStruct((1, 40, 1, 12), jnp.float32)
+    gate = jax.ShapeDtypeStruct((1, 40, 1, 12) if per_channel else (1, 40, 1), jnp.float32)
     fwd = lambda q, k, v, g: la.causal_linear_attention(
         q, k, v, gate=g, method="pallas", chunk_size=16
     )

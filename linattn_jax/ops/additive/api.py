@@ -152,7 +152,8 @@ def causal(
       method: ``"chunked"`` (default, fast), ``"scan"`` (one step per token) or
         ``"quadratic"`` (masked ``t x t``, for short inputs). All give the same result.
         ``"pallas"`` opts in to the Pallas kernels of the chunked form (``pallas.py``:
-        Triton on GPU, Mosaic on TPU, interpreted on CPU); untimed on a device so far.
+        Triton on GPU, Mosaic on TPU, interpreted on CPU; the chunk rounded up to a
+        power of two of at least 16); untimed on a device so far.
       chunk_size: tokens per chunk (``"chunked"``) or per recomputed block of the
         backward pass (``"scan"``); any length works. None: 64, or 16 with a
         per-channel gate (whose ``[c, c, f]`` relative decays grow with the chunk).

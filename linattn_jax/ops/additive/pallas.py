@@ -2,7 +2,7 @@
 
 One kernel program per (batch row, head) walks the chunks in order with a
 ``lax.fori_loop``, carrying the state ``S [f, v]`` (and ``Z [f]`` when a denominator or
-the state is needed) in float32: for each chunk the masked ``[c, c]`` scores (per-head
+the state is needed) in float32 (float64 for float64 inputs): for each chunk the masked ``[c, c]`` scores (per-head
 decays ``exp(G_i - G_j)``, or per-channel ones formed as a ``[c, c, f]`` relative decay
 masked before ``exp``), ``num = P V + Q_in S``, ``den = rowsum P + Q_in Z``, and the
 update ``S <- a S + K_out^T V``. It writes the state entering each chunk (O((t / c) f v)
@@ -20,9 +20,12 @@ products).
 
 Lowering: on GPU with Triton (``jax.experimental.pallas.triton``; deprecated in jax
 0.11), on TPU with Mosaic TPU, on CPU in interpret mode (``lax.platform_dependent``).
-Triton wants power-of-two chunk, feature and value widths; for Mosaic TPU every array
-keeps its last two axes whole, so per-token scalars travel as ``[T, 1]`` columns (and, per
-head, as ``[n, c]`` rows of each chunk). Both lowerings are tested from CPU
+Triton wants power-of-two product sides of at least 16: on every platform the chunk is
+rounded up to one and the feature and value widths are padded with zeros (``_width``,
+outside the kernels). For Mosaic TPU every array keeps its last two axes whole, so
+per-token scalars travel as ``[T, 1]`` columns (and, per head, as ``[n, c]`` rows of each
+chunk). Untuned: the per-channel scores form a ``[c, c, f]`` block per chunk in one
+program (the XLA form splits it into sub-chunks of 16). Both lowerings are tested from CPU
 (``jax.export``); no device has run or timed the kernels yet, so the XLA ``"chunked"`` form
 stays the default.
 """
@@ -72,7 +75,10 @@ def run(
     dtype = phi_q.dtype
     xs, first_v, first = _finite_inputs((phi_q, phi_k, v, g, resets), None, 2)
     phi_q, phi_k, v, g, resets = xs
-    c, n = chunking.chunk_count(chunk_size, t)
+    # Triton's products want power-of-two sides of at least 16: the chunk is rounded up
+    # (any chunk gives the same result) and the feature and value widths padded with zeros.
+    c = _width(min(chunk_size, max(t, 1)))
+    n = max(1, -(-t // c))
     fold = lambda x: chunking.fold(x, c, h)
     unfold = lambda x: chunking.unfold(x, h, n * c)
     dec = chunking.decays(fold(g), fold(resets), (b, h * n, c), dtype)
@@ -98,10 +104,18 @@ def run(
         run_row = None if per_channel else run_.reshape(b, h, n, c)
     s0, z0 = state
     z0 = None if z0 is None else z0[:, :, None, :]
+    v_width = v.shape[-1]
+    fp, vp = _width(f), _width(v_width)
+    q, k, q_in, k_out, z0 = (_pad(x, -1, fp) for x in (q, k, q_in, k_out, z0))
+    v, s0 = _pad(v, -1, vp), _pad(_pad(s0, -1, vp), -2, fp)
+    if per_channel:  # padded channels: no decay, no reset (their state stays zero)
+        log_cum, run_, a_z = (_pad(x, -1, fp) for x in (log_cum, run_, a_z))
+        a_s = _pad(a_s, -2, fp)
     rows = (g_row, run_row)
     (num, den), (s, z) = _chunks(q, k, q_in, k_out, v, log_cum, a_s, a_z, s0, z0, run_, rows, c)
+    num, s = num[..., :v_width], s[:, :, :f, :v_width]
     den = None if den is None else den[..., 0]
-    z = None if z is None else z[:, :, 0]
+    z = None if z is None else z[:, :, 0, :f]
     num = num[:, :, :t]
     if den is not None:
         den = den[:, :, :t]
@@ -180,6 +194,20 @@ def _chunks_bwd(c, residuals, cotangents):
 
 
 _chunks.defvjp(_chunks_fwd, _chunks_bwd)
+
+
+def _width(x: int) -> int:
+    """The power of two at least ``x`` and 16 (Triton's smallest product side)."""
+    return max(16, 1 << (x - 1).bit_length())
+
+
+def _pad(x: Array | None, axis: int, width: int) -> Array | None:
+    """``x`` padded with zeros to ``width`` along ``axis`` (None stays None)."""
+    if x is None or x.shape[axis] == width:
+        return x
+    pads = [(0, 0)] * x.ndim
+    pads[axis] = (0, width - x.shape[axis])
+    return jnp.pad(x, pads)
 
 
 def _call(kernel, ins, outs, grid):
