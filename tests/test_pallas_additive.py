@@ -16,7 +16,9 @@ import pytest
 import linattn_jax as la
 from linattn_jax.ops.additive import KERNEL_METHODS, METHODS, State
 
-B, T, H, D = 2, 20, 2, 8  # 20 tokens: chunks of 8 leave the last one padded
+# 36 tokens: the kernels' chunks of 16 (8 rounded up) leave the third one ragged, and widths
+# of 8 are padded to 16.
+B, T, H, D = 1, 36, 2, 8
 CHUNK = 8
 
 
@@ -26,13 +28,13 @@ def _inputs(seed: int, *, per_channel: bool, padded: bool):
     gate_shape = (B, T, H, D) if per_channel else (B, T, H)
     gate = -rng.uniform(0.0, 1.5, size=gate_shape).astype(np.float32)
     mask = np.ones((B, T), bool)
-    if padded:  # the second row ends in padding holding NaN and inf, in q, k, v and gate
-        mask[1, 13:] = False
+    if padded:  # the row ends in padding holding NaN and inf, in q, k, v and gate
+        mask[0, 21:] = False
         for x in (q, k, v):
-            x[1, 13:15] = np.nan
-            x[1, 15:17] = np.inf
-            x[1, 17:] = -np.inf
-        gate[1, 13:] = np.nan
+            x[0, 21:23] = np.nan
+            x[0, 23:25] = np.inf
+            x[0, 25:] = -np.inf
+        gate[0, 21:] = np.nan
     state = State(
         rng.normal(size=(B, H, D, D)).astype(np.float32),
         rng.uniform(0.5, 2.0, size=(B, H, D)).astype(np.float32),
@@ -122,7 +124,7 @@ def test_pallas_matches_chunked(case):
     q, k, v, gate, mask, state = _inputs(len(case), **input_options)
     options = dict(options)
     if options.pop("segments", False):
-        options["segment_ids"] = jnp.asarray(np.repeat([[0] * 5 + [1] * 9 + [2] * 6], B, 0))
+        options["segment_ids"] = jnp.asarray(np.repeat([[0] * 5 + [1] * 14 + [2] * 17], B, 0))
     if input_options["padded"]:
         options["key_mask"] = jnp.asarray(mask)
     res = _both(options)(q, k, v, gate, state)
