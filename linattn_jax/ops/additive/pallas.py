@@ -2,15 +2,16 @@
 
 One kernel program per (batch row, head) walks the chunks in order with a
 ``lax.fori_loop``, carrying the state ``S [f, v]`` (and ``Z [f]`` when a denominator or
-the state is needed) in float32 (float64 for float64 inputs): for each chunk the masked ``[c, c]`` scores (per-head
-decays ``exp(G_i - G_j)``, or per-channel ones formed as a ``[c, c, f]`` relative decay
-masked before ``exp``), ``num = P V + Q_in S``, ``den = rowsum P + Q_in Z``, and the
-update ``S <- a S + K_out^T V``. It writes the state entering each chunk (O((t / c) f v)
-per head, as ``chunking.scan`` keeps per group), which the backward kernel reads in a
-reverse loop: ``dS <- a dS + Q_in^T dNum``, and every transposed product of the chunk.
+the state is needed) in float32 (float64 for float64 inputs): for each chunk the masked
+``[c, c]`` scores (per-head decays ``exp(G_i - G_j)``, or per-channel ones formed as a
+``[c, c, f]`` relative decay masked before ``exp``), ``num = P V + Q_in S``, ``den =
+rowsum P + Q_in Z``, and the update ``S <- a S + K_out^T V``. It writes the state
+entering each chunk (O((t / c) f v) per head, as ``chunking.scan`` keeps per group),
+which the backward kernel reads in a reverse loop: ``dS <- a dS + Q_in^T dNum``, and
+every transposed product of the chunk.
 
 What is elementwise and cheap stays in XLA around the kernels (``run``): the feature
-map, padding and masks (``inputs.features``), the NaN-causality (``chunked._finite_inputs``
+map, padding and masks (``inputs.features``), the NaN-causality (``_finite_inputs``
 before, ``chunking.nan_from`` after), the chunk's cumulative log-decays, resets and the
 decay factors (``chunking.decays``), ``Q_in = phi(q) * into`` and ``K_out = phi(k) *
 out_of``, and the division by the denominator; autodiff carries their gradients, and the
@@ -40,7 +41,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from linattn_jax.ops import chunking
-from linattn_jax.ops.additive.chunked import _finite_inputs
 from linattn_jax.ops.additive.inputs import divisor
 from linattn_jax.typing import Array
 
@@ -73,8 +73,7 @@ def run(
     """
     b, h, t, f = phi_q.shape
     dtype = phi_q.dtype
-    xs, first_v, first = _finite_inputs((phi_q, phi_k, v, g, resets), None, 2)
-    phi_q, phi_k, v, g, resets = xs
+    phi_k, v, g, first_v, first = _finite_inputs(phi_k, v, g)
     # Triton's products want power-of-two sides of at least 16: the chunk is rounded up
     # (any chunk gives the same result) and the feature and value widths padded with zeros.
     c = _width(min(chunk_size, max(t, 1)))
@@ -126,6 +125,20 @@ def run(
     if eps is not None:
         num = num / divisor(den, eps)[..., None]
     return num, (s, z)
+
+
+def _finite_inputs(phi_k: Array, v: Array, g: Array | None):
+    """Once per call: ``(phi_k, v, g)`` with their non-finite entries zeroed (a bad key or
+    log-decay zeroes its token's key and log-decay, a bad value its entry; ``-inf`` log-decays
+    are resets and stay), the index of the first spoilt value channel ``[b, h, 1, v]`` and
+    that of the first bad token ``[b, h, 1]``, each ``t`` where there is none: the kernels
+    never meet a non-finite input, and ``chunking.nan_from`` then sets what the per-token
+    recurrence would make NaN (the chunked form's rule, ``docs/design.md``)."""
+    ok = chunking.finite_tokens(phi_k, log_decays=g)
+    phi_k, g = chunking.where_finite(ok, phi_k), chunking.where_finite(ok, g)
+    good_v = ok[..., None] & jnp.isfinite(v)
+    v = chunking.where_finite(good_v, v)
+    return phi_k, v, g, chunking.first_index(~good_v, 2), chunking.first_index(~ok, 2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(12,))
