@@ -5,7 +5,7 @@ One interface shared with ``linattn_jax.ops.delta``: ``State``, ``init_state``,
 names (``causal_linear_attention`` and so on) are the same functions.
 """
 
-from linattn_jax.ops.additive.api import METHODS, causal, noncausal
+from linattn_jax.ops.additive.api import KERNEL_METHODS, METHODS, causal, noncausal
 from linattn_jax.ops.additive.sequence_parallel import sequence_parallel
 from linattn_jax.ops.additive.state import LinearAttentionState, State, init_state
 from linattn_jax.ops.additive.step import step
@@ -16,6 +16,7 @@ causal_linear_attention_step = step
 sequence_parallel_causal_linear_attention = sequence_parallel
 
 __all__ = [
+    "KERNEL_METHODS",
     "METHODS",
     "LinearAttentionState",
     "State",

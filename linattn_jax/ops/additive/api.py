@@ -32,7 +32,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from linattn_jax.ops import checks, chunking, feature_maps
-from linattn_jax.ops.additive import recurrent
+from linattn_jax.ops.additive import pallas, recurrent
 from linattn_jax.ops.additive.chunked import run_chunks
 from linattn_jax.ops.additive.inputs import (
     check_normalize,
@@ -45,6 +45,9 @@ from linattn_jax.ops.additive.state import State, as_internal, zeros
 from linattn_jax.typing import Array, FeatureMap, Float
 
 METHODS = ("chunked", "scan", "quadratic")
+# Opt-in kernels (``pallas.py``), outside METHODS: the XLA forms stay the default, and
+# code that loops over METHODS runs no interpreted kernel on CPU.
+KERNEL_METHODS = ("pallas",)
 
 
 def noncausal(
@@ -148,6 +151,9 @@ def causal(
       v: values ``[b, t, h, v]``.
       method: ``"chunked"`` (default, fast), ``"scan"`` (one step per token) or
         ``"quadratic"`` (masked ``t x t``, for short inputs). All give the same result.
+        ``"pallas"`` opts in to the Pallas kernels of the chunked form (``pallas.py``:
+        Triton on GPU, Mosaic on TPU, interpreted on CPU; the chunk rounded up to a
+        power of two of at least 16); untimed on a device so far.
       chunk_size: tokens per chunk (``"chunked"``) or per recomputed block of the
         backward pass (``"scan"``); any length works. None: 64, or 16 with a
         per-channel gate (whose ``[c, c, f]`` relative decays grow with the chunk).
@@ -185,8 +191,8 @@ def causal(
     """
     b, t, h, _ = checks.check_qkv(q, k, v, causal=True)
     check_options(q, k, normalize=normalize, eps=eps, return_state=return_state, decay=decay)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method not in METHODS + KERNEL_METHODS:
+        raise ValueError(f"method must be one of {METHODS} or 'pallas', got {method!r}")
     if chunk_size is not None:
         checks.check_chunk_size(chunk_size)
     check_normalize(feature_map, normalize)
@@ -199,18 +205,26 @@ def causal(
     # Time-major throughout ([b, t, h, .]): chunking.scan moves each chunk heads first.
     # A registered (parameter-free, per-token) map runs inside the chunks, on raw q and
     # k: no whole-sequence feature arrays, forward or backward.
-    maps_inside = method != "scan" and feature_maps.is_registered(phi)
+    maps_inside = method not in ("scan", "pallas") and feature_maps.is_registered(phi)
     if maps_inside:  # run_chunks' phi_q, phi_k, v are then the raw q, k, v
         f = feature_maps.feature_dim(phi, q.shape[-1], h)
         phi_q, phi_k, v32 = q, k, v
     else:
-        phi_q, phi_k, v32 = features(q, k, v, phi, key_mask, key_mask, positions, heads_first=False)
+        heads_first = method == "pallas"  # the kernels read each head's sequence whole
+        phi_q, phi_k, v32 = features(
+            q, k, v, phi, key_mask, key_mask, positions, heads_first=heads_first
+        )
         f = phi_q.shape[-1]
     dv = v.shape[-1]
     g = checks.log_decay(decay, gate, b, t, h, dtype, channels=f, key_mask=key_mask)
     resets = None if segment_ids is None else checks.segment_resets(segment_ids, b, t, dtype)
     state = as_internal(initial_state, b, h, f, dv, dtype, with_z=normalize or return_state)
     chunk_size = t if method == "quadratic" else checks.default_chunk_size(chunk_size, g)
+    if method == "pallas":
+        eps_ = eps if normalize else None
+        out, state = pallas.run(phi_q, phi_k, v32, g, resets, state, chunk_size, eps=eps_)
+        out = jnp.swapaxes(out, 1, 2).astype(v.dtype)
+        return (out, State(*state)) if return_state else out
     g, resets = (None if x is None else jnp.swapaxes(x, 1, 2) for x in (g, resets))
     xs = (phi_q, phi_k, v32, g, resets, state, chunk_size)
     if method == "scan":
