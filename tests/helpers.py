@@ -104,3 +104,127 @@ def pytest_with_devices(devices: int, *args: str) -> str:
     )
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     return result.stdout
+
+
+# ------------------------------------------------------- checkpoints against transformers
+# (torch is imported inside: these run only in the checkpoint tests, which importorskip it)
+
+
+def from_torch(torch_model, path) -> tuple:
+    """``(our model, our config)`` of ``torch_model`` saved by ``transformers`` to ``path``."""
+    from linattn_jax import hf
+
+    torch_model.save_pretrained(path)
+    return hf.from_pretrained(path)
+
+
+def torch_logits(torch_model, tokens, mask=None) -> np.ndarray:
+    """``torch_model``'s logits of int ``tokens [b, t]`` (any array), under an attention
+    ``mask`` where given."""
+    import torch
+
+    with torch.no_grad():
+        mask = None if mask is None else torch.tensor(np.asarray(mask), dtype=torch.long)
+        return torch_model(torch.tensor(np.asarray(tokens)), attention_mask=mask).logits.numpy()
+
+
+def assert_greedy_tokens_match(model, torch_model, prompt, steps: int = 16) -> None:
+    """Our greedy decoding of ``steps`` tokens after ``prompt [b, t]`` equals
+    ``transformers``' (no early stop), the prompt and every new token."""
+    import torch
+
+    ours = np.asarray(model.generate(jnp.asarray(prompt, jnp.int32), steps, temperature=0.0))
+    with torch.no_grad():
+        theirs = torch_model.generate(
+            torch.tensor(np.asarray(prompt)), max_new_tokens=steps, do_sample=False,
+            min_new_tokens=steps,
+        ).numpy()  # fmt: skip
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def assert_same_params(model, other) -> None:
+    """The two models' parameters: the same paths, bit for bit the same values."""
+    from flax import nnx
+
+    flat = (nnx.to_flat_state(nnx.state(m, nnx.Param)) for m in (model, other))
+    for (path, x), (path_other, y) in zip(*flat, strict=True):
+        assert path == path_other
+        np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]))
+
+
+def assert_same_torch_tensors(torch_model, other) -> None:
+    """Every tensor of ``other``'s state dict (buffers too) is ``torch_model``'s, bit for bit."""
+    state = torch_model.state_dict()
+    for key, value in other.state_dict().items():
+        np.testing.assert_array_equal(state[key].numpy(), value.numpy(), err_msg=key)
+
+
+def assert_save_round_trip(model, config, torch_model, path):
+    """``hf.save_pretrained(model, path, config)`` loads back as ``config`` and the same
+    parameters; returns ``transformers``' model (``torch_model``'s class) read from ``path``."""
+    from linattn_jax import hf
+
+    hf.save_pretrained(model, path, config)
+    again, again_config = hf.from_pretrained(path)
+    assert again_config == config
+    assert_same_params(again, model)
+    return type(torch_model).from_pretrained(path).eval()
+
+
+def load_state_dict(torch_model, path, config_dir):
+    """Our model of ``torch_model``'s in-memory state dict (``transformers``' own names and
+    layout), written to ``path`` as one safetensors file beside ``config_dir``'s config."""
+    import shutil
+
+    import safetensors.torch
+
+    from linattn_jax import hf
+
+    state = {k: v.clone().contiguous() for k, v in torch_model.state_dict().items()}
+    safetensors.torch.save_file(state, str(path / "model.safetensors"))
+    shutil.copy(os.path.join(config_dir, "config.json"), path / "config.json")
+    return hf.from_pretrained(path)[0]
+
+
+def prefill_then_steps(model, tokens, prefill: int, state):
+    """The logits of ``tokens [b, t]`` run as a prefill of the first ``prefill`` from
+    ``state`` and then one decoding step per token (jitted), concatenated over time."""
+    from flax import nnx
+
+    run = nnx.jit(lambda m, t, s: m(t, state=s, return_state=True))
+    logits, state = run(model, jnp.asarray(tokens[:, :prefill], jnp.int32), state)
+    outs = [logits]
+    for i in range(prefill, tokens.shape[1]):
+        logits, state = run(model, jnp.asarray(tokens[:, i : i + 1], jnp.int32), state)
+        outs.append(logits)
+    return jnp.concatenate(outs, 1)
+
+
+def randomized(torch_model, norm_mean: float):
+    """``torch_model`` with random norms (``N(norm_mean, 0.3)``), and its MoE routers and
+    experts, where it has them, far from uniform."""
+    import torch
+
+    with torch.no_grad():
+        for key, p in torch_model.named_parameters():
+            if "norm" in key:
+                p.normal_(norm_mean, 0.3)
+            elif key.endswith("mlp.gate.weight") or key.endswith("experts.gate_up_proj"):
+                p.normal_(0.0, 0.5)
+            elif key.endswith("experts.down_proj"):
+                p.normal_(0.0, 0.1)
+    return torch_model
+
+
+def randomized_mamba(torch_model):
+    """``torch_model`` with random ``A_log``, ``dt_bias``, ``D`` and convolution biases
+    (``N(0, 1)``) and norms (``1 + 0.5 N(0, 1)``), so that a mapping error shows."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in torch_model.named_parameters():
+            if name.endswith(("A_log", "dt_bias", "D", "conv1d.bias")):
+                p.copy_(torch.randn_like(p))
+            elif "norm" in name:
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+    return torch_model

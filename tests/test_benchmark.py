@@ -1,6 +1,7 @@
 """One tiny run of the benchmark code (speed itself is never asserted in tests)."""
 
 import csv
+import json
 import re
 
 import pytest
@@ -155,3 +156,52 @@ def test_recurrences_time_the_ssd_beside_the_additive_form():
         ("ssd", "scan"),
     ]
     assert all(r["fwd_bwd_scratch_mib"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_the_device_suite_runs_its_smallest_setting_and_keeps_to_its_budget(tmp_path):
+    from experiments.bench import device
+
+    argv = ["device", "--smallest", "--families", "additive_decay", "--out", str(tmp_path)]
+    benchmark.main(argv)
+    rows = json.loads((tmp_path / "device.json").read_text())["rows"]
+    ours = [r for r in rows if r["method"] == "ours, XLA chunked"]
+    assert [(r["family"], r["dtype"], r["t"]) for r in ours] == [("additive_decay", "float32", 64)]
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in ours)
+    prefill, decode = rows[-2:]
+    assert prefill["method"] == "prefill" and decode["method"] == "greedy decode, 4 steps"
+    assert prefill["family"].startswith("Qwen3.5-shaped") and decode["tokens"] == 4
+    table = (tmp_path / "device.md").read_text()
+    assert "| additive_decay | ours, XLA chunked | float32 | 64 |" in table
+    pallas = device.accepts_pallas("delta")
+    assert pallas[0] or "Pallas (delta): absent" in table
+    # Over the budget at once: every case skipped, and said so.
+    benchmark.main([*argv[:-2], "--budget-s", "0", "--prefill", "0", "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "device.json").read_text())
+    assert summary["rows"] == []
+    assert any(
+        "skipped: additive_decay ours, XLA chunked float32 t=64" in n for n in summary["notes"]
+    )
+    assert any("the model's decoding" in n for n in summary["notes"])
+
+
+def test_the_device_suite_probes_the_pallas_method_and_keeps_a_failed_row(monkeypatch):
+    from experiments.bench import device
+
+    def absent(method):
+        def fn(q, k, v, gate):
+            raise ValueError(f"method must be one of ('chunked',), got {method!r}")
+
+        return fn
+
+    monkeypatch.setitem(device.OURS, "additive", absent)
+    assert device.accepts_pallas("additive") == (
+        False,
+        "method must be one of ('chunked',), got 'pallas'",
+    )
+    monkeypatch.setitem(device.OURS, "additive", lambda method: lambda q, k, v, gate: v)
+    assert device.accepts_pallas("additive") == (True, "")
+    cases, _ = device.methods(["gla"], on_gpu=False)
+    assert [method for _, method, _ in cases][:2] == ["ours, XLA chunked", "ours, Pallas"]
+    failed = dict(family="gla", method="ours, Pallas", dtype="float32", t=64, error="E: no")
+    assert "| gla | ours, Pallas | float32 | 64 | failed: E: no |" in device.table([failed], "", [])

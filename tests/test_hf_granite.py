@@ -29,14 +29,7 @@ def _granite(seed, **options):
         pad_token_id=0, bos_token_id=0, eos_token_id=1, **options,
     )  # fmt: skip
     torch.manual_seed(seed)
-    model = transformers.GraniteMoeHybridForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias", "D", "conv1d.bias")):
-                p.copy_(torch.randn_like(p))
-            elif "norm" in name:
-                p.copy_(1 + 0.5 * torch.randn_like(p))
-    return model
+    return helpers.randomized_mamba(transformers.GraniteMoeHybridForCausalLM(config).eval())
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +40,7 @@ def moe(tmp_path_factory):
         embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.2,
         logits_scaling=2.5, tie_word_embeddings=False,
     )  # fmt: skip
-    return torch_model, *_ours(torch_model, tmp_path_factory.mktemp("moe"))
+    return torch_model, *helpers.from_torch(torch_model, tmp_path_factory.mktemp("moe"))
 
 
 @pytest.fixture(scope="module")
@@ -58,17 +51,7 @@ def dense(tmp_path_factory):
         residual_multiplier=1.7, attention_multiplier=0.4, logits_scaling=0.8,
         tie_word_embeddings=True,
     )  # fmt: skip
-    return torch_model, *_ours(torch_model, tmp_path_factory.mktemp("dense"))
-
-
-def _ours(torch_model, path):
-    torch_model.save_pretrained(path / "hf")
-    return hf.from_pretrained(path / "hf")
-
-
-def _torch_logits(torch_model, tokens):
-    with torch.no_grad():
-        return torch_model(torch.from_numpy(np.array(tokens))).logits.numpy()
+    return torch_model, *helpers.from_torch(torch_model, tmp_path_factory.mktemp("dense"))
 
 
 @pytest.mark.parametrize(
@@ -78,25 +61,12 @@ def _torch_logits(torch_model, tokens):
 def test_logits_greedy_tokens_and_round_trip_equal_transformers(fixture, request, tmp_path):
     torch_model, model, config = request.getfixturevalue(fixture)
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 13), 2, VOCAB)
-    helpers.assert_close_normwise(model(tokens), _torch_logits(torch_model, tokens))
-    prompt = tokens[:1, :5]
-    ours = model.generate(prompt, 16, temperature=0.0)
-    with torch.no_grad():
-        theirs = torch_model.generate(
-            torch.from_numpy(np.array(prompt)), max_new_tokens=16, do_sample=False,
-            min_new_tokens=16,
-        ).numpy()  # fmt: skip
-    np.testing.assert_array_equal(ours, theirs)
+    helpers.assert_close_normwise(model(tokens), helpers.torch_logits(torch_model, tokens))
+    helpers.assert_greedy_tokens_match(model, torch_model, tokens[:1, :5])
     # Save, load back bit-identical; transformers reads our directory to the same logits.
-    hf.save_pretrained(model, tmp_path / "ours", config)
-    again, config_again = hf.from_pretrained(tmp_path / "ours")
-    assert config_again == config
-    before, after = (nnx.to_flat_state(nnx.state(m, nnx.Param)) for m in (model, again))
-    for (path, x), (path_again, y) in zip(before, after, strict=True):
-        assert path == path_again
-        np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]))
-    theirs = type(torch_model).from_pretrained(tmp_path / "ours").eval()
-    helpers.assert_close_normwise(model(tokens[:1, :7]), _torch_logits(theirs, tokens[:1, :7]))
+    theirs = helpers.assert_save_round_trip(model, config, torch_model, tmp_path / "ours")
+    short = tokens[:1, :7]
+    helpers.assert_close_normwise(model(short), helpers.torch_logits(theirs, short))
     # Without a config, the model's form picks its model type, multipliers and all.
     hf.save_pretrained(model, tmp_path / "bare")
     bare = hf.read_config(tmp_path / "bare")
@@ -111,13 +81,8 @@ def test_prefill_then_decode_steps_and_left_padding(moe):
     _, model, _ = moe
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 9), 2, VOCAB)
     full = model(tokens)
-    logits, state = model(tokens[:, :6], state=model.init_state(2), return_state=True)
-    outs = [logits]
-    step = nnx.jit(lambda m, token, s: m(token, state=s, return_state=True))
-    for i in range(6, 9):
-        logits, state = step(model, tokens[:, i : i + 1], state)
-        outs.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=2e-5, atol=2e-5)
+    steps = helpers.prefill_then_steps(model, tokens, 6, model.init_state(2))
+    np.testing.assert_allclose(steps, full, rtol=2e-5, atol=2e-5)
     mask = jnp.array([[False] * 3 + [True] * 6, [True] * 9])
     padded = tokens.at[0, 3:].set(tokens[0, :6])
     out = model(padded, key_mask=mask)
@@ -163,7 +128,4 @@ def test_init_from_builds_the_checkpoints_model(moe, tmp_path):
     built = trainer.build_model(
         tiny_config("configs/mqar.py:small", f"init_from={tmp_path / 'hf'}")
     )
-    before, after = (nnx.to_flat_state(nnx.state(m, nnx.Param)) for m in (model, built))
-    for (name, x), (name_built, y) in zip(before, after, strict=True):
-        assert name == name_built
-        np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]))
+    helpers.assert_same_params(model, built)

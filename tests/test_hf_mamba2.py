@@ -20,17 +20,6 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 64
 
 
-def _randomize(model):
-    """Random values where the initialisation puts constants (so a mapping error shows)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias", "D", "conv1d.bias")):
-                p.copy_(torch.randn_like(p))
-            elif "norm" in name:
-                p.copy_(1 + 0.5 * torch.randn_like(p))
-    return model
-
-
 @pytest.fixture(scope="module")
 def torch_model():
     config = transformers.Mamba2Config(
@@ -40,7 +29,7 @@ def torch_model():
         eos_token_id=1,
     )  # fmt: skip
     torch.manual_seed(0)
-    return _randomize(transformers.Mamba2ForCausalLM(config).eval())
+    return helpers.randomized_mamba(transformers.Mamba2ForCausalLM(config).eval())
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +41,7 @@ def torch_bamba():
         rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=0, eos_token_id=1,
     )  # fmt: skip
     torch.manual_seed(1)
-    return _randomize(transformers.BambaForCausalLM(config).eval())
+    return helpers.randomized_mamba(transformers.BambaForCausalLM(config).eval())
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +54,7 @@ def torch_nemotron_h():
         pad_token_id=0, bos_token_id=0, eos_token_id=1,
     )  # fmt: skip
     torch.manual_seed(2)
-    return _randomize(transformers.NemotronHForCausalLM(config).eval())
+    return helpers.randomized_mamba(transformers.NemotronHForCausalLM(config).eval())
 
 
 def _ours(torch_model, tmp_path):
@@ -74,17 +63,12 @@ def _ours(torch_model, tmp_path):
     return hf.from_pretrained(tmp_path / "hf")
 
 
-def _torch_logits(torch_model, tokens):
-    with torch.no_grad():
-        return torch_model(torch.from_numpy(np.array(tokens))).logits.numpy()
-
-
 @pytest.mark.parametrize("fixture", ["torch_model", "torch_bamba", "torch_nemotron_h"])
 def test_logits_and_greedy_tokens_equal_transformers(fixture, request, tmp_path):
     torch_model = request.getfixturevalue(fixture)
     model, _ = _ours(torch_model, tmp_path)
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 13), 2, VOCAB)
-    helpers.assert_close_normwise(model(tokens), _torch_logits(torch_model, tokens))
+    helpers.assert_close_normwise(model(tokens), helpers.torch_logits(torch_model, tokens))
     prompt = tokens[:1, :5]
     ours = model.generate(prompt, 16, temperature=0.0)
     with torch.no_grad():
@@ -126,7 +110,7 @@ def test_save_load_round_trip_and_transformers_reads_it(fixture, request, tmp_pa
         np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]))
     theirs = type(torch_model).from_pretrained(tmp_path / "ours").eval()
     tokens = jax.random.randint(jax.random.PRNGKey(2), (1, 7), 2, VOCAB)
-    helpers.assert_close_normwise(model(tokens), _torch_logits(theirs, tokens))
+    helpers.assert_close_normwise(model(tokens), helpers.torch_logits(theirs, tokens))
     # Without a config, the model's form picks its model type.
     hf.save_pretrained(model, tmp_path / "bare")
     assert hf.read_config(tmp_path / "bare")["model_type"] == config["model_type"]

@@ -4,14 +4,9 @@ factors other than 1."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import safetensors.torch
 import torch
 from flax import nnx
 from transformers import MiniMaxConfig, MiniMaxForCausalLM
@@ -19,7 +14,8 @@ from transformers import MiniMaxConfig, MiniMaxForCausalLM
 from linattn_jax import hf
 from linattn_jax.layers import LightningAttention, MoE
 from linattn_jax.models import LanguageModel
-from tests.helpers import assert_close_normwise
+from tests import helpers
+from tests.helpers import assert_close_normwise, torch_logits
 
 LOGITS_RTOL = 1e-5
 CONFIG = dict(
@@ -44,35 +40,16 @@ CONFIG = dict(
 )
 
 
-def randomized(ref):
-    """``ref`` with random norms and routers far from uniform."""
-    with torch.no_grad():
-        for key, p in ref.named_parameters():
-            if "norm" in key:
-                p.normal_(1.0, 0.3)
-            elif key.endswith("mlp.gate.weight") or key.endswith("experts.gate_up_proj"):
-                p.normal_(0.0, 0.5)
-            elif key.endswith("experts.down_proj"):
-                p.normal_(0.0, 0.1)
-    return ref
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """``(torch model, its directory, our model, our config)``."""
     torch.manual_seed(0)
-    ref = randomized(MiniMaxForCausalLM(MiniMaxConfig(**CONFIG)).eval())
+    ref = helpers.randomized(MiniMaxForCausalLM(MiniMaxConfig(**CONFIG)).eval(), 1.0)
     path = str(tmp_path_factory.mktemp("minimax"))
-    ref.save_pretrained(path)
-    return (ref, path, *hf.from_pretrained(path))
+    return (ref, path, *helpers.from_torch(ref, path))
 
 
 forward = nnx.jit(lambda model, tokens, mask: model(tokens, key_mask=mask))
-
-
-def torch_logits(ref, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return ref(torch.tensor(tokens)).logits.numpy()
 
 
 def test_logits_match_transformers(pair):
@@ -91,32 +68,15 @@ def test_prefill_and_decode_equal_the_full_pass_and_greedy_tokens_match(pair):
     ref, _, model, _ = pair
     tokens = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (3, 17))
     ours = forward(model, jnp.asarray(tokens, jnp.int32), jnp.ones(tokens.shape, bool))
-    run = nnx.jit(lambda m, t, s: m(t, state=s, return_state=True))
-    head, state = run(model, jnp.asarray(tokens[:, :12], jnp.int32), model.init_state(3, 17))
-    steps = [head]
-    for i in range(12, 17):
-        logits, state = run(model, jnp.asarray(tokens[:, i : i + 1], jnp.int32), state)
-        steps.append(logits)
-    assert_close_normwise(jnp.concatenate(steps, 1), ours, LOGITS_RTOL)
-    prompt = tokens[:1, :6]
-    out = np.asarray(model.generate(jnp.asarray(prompt, jnp.int32), 16, temperature=0.0))
-    with torch.no_grad():
-        expected = ref.generate(
-            torch.tensor(prompt), max_new_tokens=16, do_sample=False, min_new_tokens=16
-        ).numpy()
-    np.testing.assert_array_equal(out[0, 6:], expected[0, 6:])
+    steps = helpers.prefill_then_steps(model, tokens, 12, model.init_state(3, 17))
+    assert_close_normwise(steps, ours, LOGITS_RTOL)
+    helpers.assert_greedy_tokens_match(model, ref, tokens[:1, :6])
 
 
 def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
     ref, _, model, config = pair
-    hf.save_pretrained(model, tmp_path, config)
-    back = MiniMaxForCausalLM.from_pretrained(tmp_path).eval()
-    for key, value in ref.state_dict().items():  # every tensor (the decay buffers too)
-        np.testing.assert_array_equal(back.state_dict()[key].numpy(), value.numpy(), err_msg=key)
-    again, again_config = hf.from_pretrained(tmp_path)
-    assert again_config == config
-    params = lambda m: nnx.state(m, nnx.Param)
-    jax.tree.map(np.testing.assert_array_equal, params(again), params(model))
+    back = helpers.assert_save_round_trip(model, config, ref, tmp_path)
+    helpers.assert_same_torch_tensors(back, ref)  # every tensor (the decay buffers too)
     hf.save_pretrained(model, tmp_path / "bare", model_type="minimax")
     bare = MiniMaxForCausalLM.from_pretrained(tmp_path / "bare").eval()
     tokens = np.random.default_rng(1).integers(0, CONFIG["vocab_size"], (2, 9))
@@ -126,13 +86,8 @@ def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
 
 def test_the_fused_layout_loads_the_same_and_left_padding_is_each_row_alone(pair, tmp_path):
     ref, path, model, _ = pair
-    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
-    assert "model.layers.0.mlp.experts.gate_up_proj" in state  # transformers' own layout
-    safetensors.torch.save_file(state, str(tmp_path / "model.safetensors"))
-    shutil.copy(os.path.join(path, "config.json"), tmp_path / "config.json")
-    fused, _ = hf.from_pretrained(tmp_path)
-    params = lambda m: nnx.state(m, nnx.Param)
-    jax.tree.map(np.testing.assert_array_equal, params(fused), params(model))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in ref.state_dict()  # transformers' own
+    helpers.assert_same_params(helpers.load_state_dict(ref, tmp_path, path), model)
     tokens = np.random.default_rng(2).integers(0, CONFIG["vocab_size"], (3, 17))
     mask = np.ones((3, 17), bool)
     mask[0, :5] = False

@@ -3,14 +3,9 @@ model, from a tiny random config made here."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import safetensors.torch
 import torch
 from flax import nnx
 from transformers import (
@@ -22,7 +17,8 @@ from transformers import (
 
 from linattn_jax import hf
 from linattn_jax.layers import MoE
-from tests.helpers import assert_close_normwise
+from tests import helpers
+from tests.helpers import assert_close_normwise, torch_logits
 
 LOGITS_RTOL = 1e-5
 CONFIG = dict(
@@ -45,16 +41,8 @@ CONFIG = dict(
 
 
 def randomized(ref):
-    """``ref`` with random norms, and routers far from uniform."""
-    with torch.no_grad():
-        for key, p in ref.named_parameters():
-            if "norm" in key:
-                p.normal_(0.0, 0.3)
-            elif key.endswith("mlp.gate.weight") or key.endswith("experts.gate_up_proj"):
-                p.normal_(0.0, 0.5)
-            elif key.endswith("experts.down_proj"):
-                p.normal_(0.0, 0.1)
-    return ref
+    """``ref`` with random norms (the ``1 + w`` form), and routers far from uniform."""
+    return helpers.randomized(ref, 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -63,17 +51,11 @@ def pair(tmp_path_factory):
     torch.manual_seed(0)
     ref = randomized(Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**CONFIG)).eval())
     path = str(tmp_path_factory.mktemp("qwen3_5_moe"))
-    ref.save_pretrained(path)
-    return (ref, path, *hf.from_pretrained(path))
+    return (ref, path, *helpers.from_torch(ref, path))
 
 
 # Compiled once per model structure and shape.
 forward = nnx.jit(lambda model, tokens, mask: model(tokens, key_mask=mask))
-
-
-def torch_logits(ref, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return ref(torch.tensor(tokens)).logits.numpy()
 
 
 def test_logits_and_greedy_tokens_match_transformers(pair):
@@ -83,25 +65,13 @@ def test_logits_and_greedy_tokens_match_transformers(pair):
     tokens = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (3, 17))
     ours = forward(model, jnp.asarray(tokens, jnp.int32), jnp.ones(tokens.shape, bool))
     assert_close_normwise(ours, torch_logits(ref, tokens), LOGITS_RTOL)
-    prompt = tokens[:1, :6]
-    out = np.asarray(model.generate(jnp.asarray(prompt, jnp.int32), 16, temperature=0.0))
-    with torch.no_grad():
-        expected = ref.generate(
-            torch.tensor(prompt), max_new_tokens=16, do_sample=False, min_new_tokens=16
-        ).numpy()
-    np.testing.assert_array_equal(out[0, 6:], expected[0, 6:])
+    helpers.assert_greedy_tokens_match(model, ref, tokens[:1, :6])
 
 
 def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
     ref, _, model, config = pair
-    hf.save_pretrained(model, tmp_path, config)
-    back = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path).eval()
-    for key, value in ref.state_dict().items():  # every tensor, bit for bit
-        np.testing.assert_array_equal(back.state_dict()[key].numpy(), value.numpy(), err_msg=key)
-    again, again_config = hf.from_pretrained(tmp_path)
-    assert again_config == config
-    params = lambda m: nnx.state(m, nnx.Param)
-    jax.tree.map(np.testing.assert_array_equal, params(again), params(model))
+    back = helpers.assert_save_round_trip(model, config, ref, tmp_path)
+    helpers.assert_same_torch_tensors(back, ref)  # every tensor, bit for bit
     # Without a config: the model's own, which transformers reads alike.
     hf.save_pretrained(model, tmp_path / "bare", model_type="qwen3_5_moe_text")
     bare = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "bare").eval()
@@ -111,14 +81,8 @@ def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
 
 def test_the_fused_layout_loads_the_same_and_left_padding_is_each_row_alone(pair, tmp_path):
     ref, path, model, _ = pair
-    state = {k: v.contiguous() for k, v in ref.state_dict().items() if k != "lm_head.weight"}
-    assert "model.layers.0.mlp.experts.gate_up_proj" in state  # transformers' own layout
-    state["lm_head.weight"] = ref.state_dict()["lm_head.weight"].clone()
-    safetensors.torch.save_file(state, str(tmp_path / "model.safetensors"))
-    shutil.copy(os.path.join(path, "config.json"), tmp_path / "config.json")
-    fused, _ = hf.from_pretrained(tmp_path)
-    params = lambda m: nnx.state(m, nnx.Param)
-    jax.tree.map(np.testing.assert_array_equal, params(fused), params(model))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in ref.state_dict()  # transformers' own
+    helpers.assert_same_params(helpers.load_state_dict(ref, tmp_path, path), model)
     rng = np.random.default_rng(2)
     tokens = rng.integers(0, CONFIG["vocab_size"], (3, 17))  # the logits test's shape
     mask = np.ones((3, 17), bool)
@@ -156,8 +120,7 @@ def test_qwen3_next_matches_transformers_and_round_trips(tmp_path):
     assert_close_normwise(logits, torch_logits(ref, tokens), LOGITS_RTOL)
     hf.save_pretrained(model, tmp_path / "ours", ours)
     back = Qwen3NextForCausalLM.from_pretrained(tmp_path / "ours").eval()
-    for key, value in ref.state_dict().items():
-        np.testing.assert_array_equal(back.state_dict()[key].numpy(), value.numpy(), err_msg=key)
+    helpers.assert_same_torch_tensors(back, ref)
     assert hf.read_config(tmp_path / "ours") == ours
 
 

@@ -4,20 +4,16 @@ negative eigenvalues, OLMo's post-norm attention with QK-norms over all heads.""
 
 from __future__ import annotations
 
-import os
-import shutil
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import safetensors.torch
 import torch
 from flax import nnx
 from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
 
 from linattn_jax import hf
-from tests.helpers import assert_close_normwise
+from tests import helpers
+from tests.helpers import assert_close_normwise, torch_logits
 
 LOGITS_RTOL = 1e-5
 CONFIG = dict(
@@ -38,32 +34,16 @@ CONFIG = dict(
 )
 
 
-def randomized(ref):
-    """``ref`` with random norms (the gated norms too)."""
-    with torch.no_grad():
-        for key, p in ref.named_parameters():
-            if "norm" in key:
-                p.normal_(1.0, 0.3)
-    return ref
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """``(torch model, its directory, our model, our config)``: RoPE on."""
     torch.manual_seed(0)
-    ref = randomized(OlmoHybridForCausalLM(OlmoHybridConfig(**CONFIG)).eval())
+    ref = helpers.randomized(OlmoHybridForCausalLM(OlmoHybridConfig(**CONFIG)).eval(), 1.0)
     path = str(tmp_path_factory.mktemp("olmo_hybrid"))
-    ref.save_pretrained(path)
-    return (ref, path, *hf.from_pretrained(path))
+    return (ref, path, *helpers.from_torch(ref, path))
 
 
 forward = nnx.jit(lambda model, tokens, mask: model(tokens, key_mask=mask))
-
-
-def torch_logits(ref, tokens, mask=None) -> np.ndarray:
-    with torch.no_grad():
-        mask = None if mask is None else torch.tensor(mask, dtype=torch.long)
-        return ref(torch.tensor(tokens), attention_mask=mask).logits.numpy()
 
 
 def test_logits_match_transformers_and_left_padding_is_each_row_alone(pair):
@@ -83,32 +63,15 @@ def test_prefill_and_decode_equal_the_full_pass_and_greedy_tokens_match(pair):
     ref, _, model, _ = pair
     tokens = np.random.default_rng(0).integers(2, CONFIG["vocab_size"], (3, 17))
     full = forward(model, jnp.asarray(tokens, jnp.int32), jnp.ones(tokens.shape, bool))
-    run = nnx.jit(lambda m, t, s: m(t, state=s, return_state=True))
-    head, state = run(model, jnp.asarray(tokens[:, :12], jnp.int32), model.init_state(3, 17))
-    steps = [head]
-    for i in range(12, 17):
-        logits, state = run(model, jnp.asarray(tokens[:, i : i + 1], jnp.int32), state)
-        steps.append(logits)
-    assert_close_normwise(jnp.concatenate(steps, 1), full, LOGITS_RTOL)
-    prompt = tokens[:1, :6]
-    out = np.asarray(model.generate(jnp.asarray(prompt, jnp.int32), 16, temperature=0.0))
-    with torch.no_grad():
-        expected = ref.generate(
-            torch.tensor(prompt), max_new_tokens=16, do_sample=False, min_new_tokens=16
-        ).numpy()
-    np.testing.assert_array_equal(out[0, 6:], expected[0, 6:])
+    steps = helpers.prefill_then_steps(model, tokens, 12, model.init_state(3, 17))
+    assert_close_normwise(steps, full, LOGITS_RTOL)
+    helpers.assert_greedy_tokens_match(model, ref, tokens[:1, :6])
 
 
 def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
     ref, _, model, config = pair
-    hf.save_pretrained(model, tmp_path, config)
-    back = OlmoHybridForCausalLM.from_pretrained(tmp_path).eval()
-    for key, value in ref.state_dict().items():  # every tensor, bit for bit
-        np.testing.assert_array_equal(back.state_dict()[key].numpy(), value.numpy(), err_msg=key)
-    again, again_config = hf.from_pretrained(tmp_path)
-    assert again_config == config
-    params = lambda m: nnx.state(m, nnx.Param)
-    jax.tree.map(np.testing.assert_array_equal, params(again), params(model))
+    back = helpers.assert_save_round_trip(model, config, ref, tmp_path)
+    helpers.assert_same_torch_tensors(back, ref)  # every tensor, bit for bit
     hf.save_pretrained(model, tmp_path / "bare", model_type="olmo_hybrid")
     bare = OlmoHybridForCausalLM.from_pretrained(tmp_path / "bare").eval()
     tokens = np.random.default_rng(1).integers(2, CONFIG["vocab_size"], (2, 9))
@@ -117,13 +80,8 @@ def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
 
 def test_the_in_memory_names_load_the_same_and_nope_matches(pair, tmp_path):
     ref, path, model, config = pair
-    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
-    assert "model.layers.0.linear_attn.conv1d.weight" in state  # transformers' own names
-    safetensors.torch.save_file(state, str(tmp_path / "model.safetensors"))
-    shutil.copy(os.path.join(path, "config.json"), tmp_path / "config.json")
-    memory, _ = hf.from_pretrained(tmp_path)
-    params = lambda m: nnx.state(m, nnx.Param)
-    jax.tree.map(np.testing.assert_array_equal, params(memory), params(model))
+    assert "model.layers.0.linear_attn.conv1d.weight" in ref.state_dict()  # transformers' own
+    helpers.assert_same_params(helpers.load_state_dict(ref, tmp_path, path), model)
     # NoPE (the released checkpoints: no rope_theta): the same weights, no rotation
     nope = OlmoHybridConfig(**CONFIG)
     nope.rope_parameters = {"rope_type": "default", "rope_theta": None}

@@ -1,10 +1,10 @@
 """The command line of ``python -m experiments.benchmark``: one subcommand per suite
 (``forms``, ``recurrences``, ``decode``, ``comm``, ``fsdp``, ``train-step``, ``compile``,
-``hf-load``, ``peers``, ``triangular``, ``moe``), each taking only its own flags, and the flat
-command line without a subcommand, which takes every flag and runs the suite that
+``hf-load``, ``peers``, ``triangular``, ``moe``, ``device``), each taking only its own flags,
+and the flat command line without a subcommand, which takes every flag and runs the suite that
 ``--recurrences``, ``--decode``, ``--comm`` or ``--train-steps`` names (the forms when none
-does; ``compile``, ``fsdp``, ``hf-load``, ``peers``, ``triangular`` and ``moe`` are
-subcommands only).
+does; ``compile``, ``fsdp``, ``hf-load``, ``peers``, ``triangular``, ``moe`` and ``device``
+are subcommands only).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from experiments.bench import (
     comm,
     compile_time,
     decode,
+    device,
     forms,
     fsdp,
     hf_load,
@@ -76,6 +77,11 @@ FLAGS = {
     "--moe-widths": dict(default="256,512,1024", help="moe: the model widths, comma-separated"),
     "--tokens": dict(type=int, default=4096, help="moe: the tokens of each step"),
     "--out": dict(default="bench_out", help="the folder the results are written to"),
+    "--dtypes": dict(default="bfloat16,float32", help="device: the kernels' dtypes"),
+    "--budget-s": dict(
+        type=float, default=200.0, help="device: seconds after which the rest is skipped"
+    ),
+    "--smallest": dict(action="store_true", help="device: every part at toy sizes (CPU)"),
 }
 
 # Subcommand: (its module, what it measures, its flags besides --out).
@@ -167,6 +173,25 @@ SUITES["moe"] = (
     "--moe-widths, its scratch memory, and the dispatch's share",
     ("--moe-widths", "--tokens", "--repeats"),
 )
+SUITES["device"] = (
+    device,
+    "one table for a lent GPU: the additive form (per-head and per-channel gate) and Gated "
+    "DeltaNet, ours in XLA and Pallas (where accepted) and jax-linear-attention's (where "
+    "importable), forward and forward+backward at --lengths and --dtypes, then a "
+    "Qwen3.5-shaped model's prefill and greedy decoding, within --budget-s",
+    (
+        ("--lengths", dict(default="4096,32768")),
+        ("--dtypes", {}),
+        ("--families", dict(help="device: additive_decay, gla, gated_deltanet (default all)")),
+        ("--repeats", dict(default=5)),
+        ("--params", dict(help="device: the model's parameters (Qwen3.5's width 1024)")),
+        ("--prefill", dict(default=8192, help="device: the model's prefill tokens (0: none)")),
+        ("--decode-steps", dict(default=128, help="device: greedy steps timed (0: none)")),
+        ("--decode-batch", dict(help="device: the prefill's and decoding's batch")),
+        "--budget-s",
+        "--smallest",
+    ),
+)
 # The flat command line's suite flags, in the order they win: (attribute, suite).
 PICKS = (("comm", "comm"), ("train_steps", "train-step"), ("recurrences", "recurrences"))
 PICKS += (("decode", "decode"),)
@@ -188,7 +213,8 @@ def make_parser() -> argparse.ArgumentParser:
         epilog="Each suite is also a subcommand with only its own flags: "
         "python -m experiments.benchmark SUITE --help.",
     )
-    _add(parser, [f for f in FLAGS if f not in ("--config", "--out")])
+    own = ("--config", "--out", "--dtypes", "--budget-s", "--smallest")  # not the flat line's
+    _add(parser, [f for f in FLAGS if f not in own])
     for attribute, suite in PICKS:
         flag = "--" + attribute.replace("_", "-")
         if suite == "train-step":

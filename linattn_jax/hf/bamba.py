@@ -49,21 +49,14 @@ BLOCK_RULES = common.rules(
     ("feed_forward.up_proj.weight", "mlp.up_proj.kernel", "linear"),
     ("feed_forward.down_proj.weight", "mlp.down_proj.kernel", "linear"),
 )
-ATTENTION_RULES = common.rules(
-    ("self_attn.q_proj.weight", "attention.q_proj.kernel", "linear"),
-    ("self_attn.k_proj.weight", "attention.k_proj.kernel", "linear"),
-    ("self_attn.v_proj.weight", "attention.v_proj.kernel", "linear"),
-    ("self_attn.o_proj.weight", "attention.out_proj.kernel", "linear"),
-)
+ATTENTION_RULES = common.ATTENTION_RULES
 
 
 def weight_table(config: Mapping[str, Any], prefix: str = PREFIX) -> list[tuple[str, Rule]]:
     """Every tensor of a checkpoint of ``config`` (``normalize_config``'s): ``(its full
     Hugging Face name, the Rule with our full paths)``, in the model's order."""
     rows = [(prefix + r.hf, r) for r in MODEL_RULES]
-    mixer = mamba2.mixer_rules(
-        "mamba.", conv_bias=config["mamba_conv_bias"], bias=config["mamba_proj_bias"]
-    )
+    mixer = mamba2.hybrid_mixer_rules(config)
     for i, layer_type in enumerate(layer_types(config)):
         own = mixer if layer_type == "linear_attention" else ATTENTION_RULES
         rows += common.prefixed(BLOCK_RULES + own, f"{prefix}layers.{i}.", f"blocks.{i}.")
@@ -111,17 +104,11 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             f"config.json: model_type must be one of {MODEL_TYPES}, got {raw.get('model_type')!r}"
         )
     config = {**DEFAULTS, **{k: v for k, v in raw.items() if v is not None or k not in DEFAULTS}}
-    if config.get("num_key_value_heads") is None:  # transformers' backward compatibility
-        config["num_key_value_heads"] = config.get("num_attention_heads")
+    mamba2.hybrid_defaults(config)
     if config["mamba_d_head"] == "auto" and common.is_int(config.get("hidden_size")):
         heads = config["mamba_n_heads"]
         config["mamba_d_head"] = config["mamba_expand"] * config["hidden_size"] // heads
-    config["time_step_limit"] = mamba2.time_step_limit(config["time_step_limit"])
-    rope = dict(config.get("rope_parameters") or {})
-    rope.setdefault("rope_type", "default")
-    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    rope.setdefault("partial_rotary_factor", PARTIAL_ROTARY_FACTOR)
-    config["rope_parameters"] = rope
+    config["rope_parameters"].setdefault("partial_rotary_factor", PARTIAL_ROTARY_FACTOR)
     config.pop("layer_types", None)  # transformers derives it from attn_layer_indices
     check_config(config)
     return config
@@ -173,26 +160,7 @@ def check_config(config: Mapping[str, Any]) -> None:
     for field in ("mamba_conv_bias", "mamba_proj_bias", "tie_word_embeddings"):
         if not isinstance(config[field], bool):
             raise ValueError(f"config.json: {field} must be true or false, got {config[field]!r}")
-    mamba2.check_config(
-        dict(
-            vocab_size=1,
-            hidden_size=1,
-            num_hidden_layers=1,
-            num_heads=1,
-            head_dim=1,
-            state_size=1,
-            n_groups=1,
-            conv_kernel=1,
-            expand=1,
-            hidden_act="silu",
-            use_bias=False,
-            use_conv_bias=False,
-            tie_word_embeddings=False,
-            residual_in_fp32=True,
-            layer_norm_epsilon=config["rms_norm_eps"],
-            time_step_limit=config["time_step_limit"],
-        )
-    )  # fmt: skip  (its epsilon and time-step checks, under Mamba-2's names)
+    mamba2.check_epsilon_and_limit(config["rms_norm_eps"], config["time_step_limit"])
     rope = config["rope_parameters"]
     if rope["rope_type"] != "default" or rope["partial_rotary_factor"] != PARTIAL_ROTARY_FACTOR:
         raise ValueError(
@@ -215,19 +183,7 @@ def model_options(
         num_heads=heads,
         attention=[LAYER_KINDS[t] for t in layer_types(config)],
         kind_options={
-            "mamba2": dict(
-                num_heads=config["mamba_n_heads"],
-                **mamba2.mixer_options(
-                    head_dim=config["mamba_d_head"],
-                    state_dim=config["mamba_d_state"],
-                    n_groups=config["mamba_n_groups"],
-                    conv_size=config["mamba_d_conv"],
-                    use_conv_bias=config["mamba_conv_bias"],
-                    use_bias=config["mamba_proj_bias"],
-                    time_step_limit=config["time_step_limit"],
-                    norm_eps=config["rms_norm_eps"],
-                ),
-            ),
+            "mamba2": mamba2.hybrid_mixer_options(config),
             "softmax": dict(
                 num_heads=heads,
                 num_kv_heads=config["num_key_value_heads"],
@@ -264,12 +220,6 @@ def config_from_model(model) -> dict[str, Any]:
     if model.period is not None:
         raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
     fields: dict[str, Any] = {}
-    renamed = {
-        "num_heads": "mamba_n_heads", "head_dim": "mamba_d_head", "state_size": "mamba_d_state",
-        "n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv",
-        "use_conv_bias": "mamba_conv_bias", "use_bias": "mamba_proj_bias",
-        "time_step_limit": "time_step_limit",
-    }  # fmt: skip
     width = model.embed.features
     for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):
         where = f"blocks[{i}]"
@@ -282,8 +232,7 @@ def config_from_model(model) -> dict[str, Any]:
         common.agree(fields, "intermediate_size", block.mlp.gate_proj.out_features, where)
         a = block.attention
         if kind == "mamba2":
-            for field, value in mamba2.mixer_fields(a).items():
-                common.agree(fields, renamed[field], value, where)
+            mamba2.agree_hybrid_mixer(fields, a, where)
             continue
         llama = a.rotary_dim is not None and a.rotary_dim * 2 == a.head_dim
         llama = llama and not a.output_gate and a.q_norm is None and a.sliding_window is None
@@ -296,12 +245,7 @@ def config_from_model(model) -> dict[str, Any]:
         common.agree(fields, "num_key_value_heads", a.num_kv_heads, where)
         common.agree(fields, "rope_theta", a.rope_theta, where)
     theta = fields.pop("rope_theta", 10000.0)
-    mamba_heads = fields.get("mamba_n_heads")
-    if mamba_heads is None:
-        raise ValueError("Bamba needs at least one mamba2 layer")
-    inner = mamba_heads * fields["mamba_d_head"]
-    if inner % width:
-        raise ValueError(f"mamba heads * head_dim={inner} must be a multiple of the width {width}")
+    expand = mamba2.hybrid_expand(fields, width, "Bamba")
     return {
         "architectures": ["BambaForCausalLM"],
         "model_type": "bamba",
@@ -310,7 +254,7 @@ def config_from_model(model) -> dict[str, Any]:
         "num_hidden_layers": model.depth,
         "attn_layer_indices": [i for i, k in enumerate(model.layout) if k == "softmax"],
         "rms_norm_eps": mamba2.one_epsilon(model),
-        "mamba_expand": inner // width,
+        "mamba_expand": expand,
         "tie_word_embeddings": model.head is None,
         "hidden_act": "silu",
         "attention_bias": False,

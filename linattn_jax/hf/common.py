@@ -96,6 +96,25 @@ def rules(*rows) -> tuple[Rule, ...]:
     )
 
 
+# Llama's rows, which several formats share: the model's (under the format's prefix), the
+# untied head's (no prefix), a block's two norms and its softmax attention (no biases).
+MODEL_RULES = rules(
+    ("embed_tokens.weight", "embed.embedding", "copy"),
+    ("norm.weight", "norm.scale", "copy"),
+)
+HEAD_RULE = Rule("lm_head.weight", ("head.kernel",), "linear")
+NORM_RULES = rules(
+    ("input_layernorm.weight", "attention_norm.scale", "copy"),
+    ("post_attention_layernorm.weight", "mlp_norm.scale", "copy"),
+)
+ATTENTION_RULES = rules(
+    ("self_attn.q_proj.weight", "attention.q_proj.kernel", "linear"),
+    ("self_attn.k_proj.weight", "attention.k_proj.kernel", "linear"),
+    ("self_attn.v_proj.weight", "attention.v_proj.kernel", "linear"),
+    ("self_attn.o_proj.weight", "attention.out_proj.kernel", "linear"),
+)
+
+
 def prefixed(
     rows: Sequence[Rule],
     hf_prefix: str,

@@ -33,7 +33,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
-from flax import nnx
 
 from linattn_jax.hf import bamba, common, mamba2
 from linattn_jax.hf.common import Rule
@@ -63,9 +62,7 @@ def weight_table(config: Mapping[str, Any], prefix: str = PREFIX) -> list[tuple[
     """Every tensor of a checkpoint of ``config`` (``normalize_config``'s): ``(its full
     Hugging Face name, the Rule with our full paths)``, in the model's order."""
     rows = [(prefix + r.hf, r) for r in MODEL_RULES]
-    mixer = mamba2.mixer_rules(
-        "mamba.", conv_bias=config["mamba_conv_bias"], bias=config["mamba_proj_bias"]
-    )
+    mixer = mamba2.hybrid_mixer_rules(config)
     mixer = tuple(
         r.at(r.hf, ["parallel." + p.removeprefix("attention.") for p in r.ours])
         for r in mixer
@@ -131,19 +128,13 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
         )
     keep = lambda k, v: v is not None or k not in DEFAULTS or k == "mamba_d_ssm"
     config = {**DEFAULTS, **{k: v for k, v in raw.items() if keep(k, v)}}
-    if config.get("num_key_value_heads") is None:
-        config["num_key_value_heads"] = config.get("num_attention_heads")
     if config["mamba_d_ssm"] is None and common.is_int(config.get("hidden_size")):
         config["mamba_d_ssm"] = config["mamba_expand"] * config["hidden_size"]
     if config["mamba_d_head"] == "auto" and common.is_int(config.get("mamba_d_ssm")):
         config["mamba_d_head"] = config["mamba_d_ssm"] // config["mamba_n_heads"]
     if config.get("head_dim") is None and common.is_int(config.get("hidden_size")):
         config["head_dim"] = config["hidden_size"] // config.get("num_attention_heads", 1)
-    config["time_step_limit"] = mamba2.time_step_limit(config["time_step_limit"])
-    rope = dict(config.get("rope_parameters") or {})
-    rope.setdefault("rope_type", "default")
-    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    config["rope_parameters"] = rope
+    mamba2.hybrid_defaults(config)
     config.pop("layers_block_type", None)  # every layer is "hybrid"
     check_config(config)
     return config
@@ -191,26 +182,7 @@ def check_config(config: Mapping[str, Any]) -> None:
             "config.json: projectors_bias (out_proj's bias) must equal mamba_proj_bias "
             f"(in_proj's), got {config['projectors_bias']!r} and {config['mamba_proj_bias']!r}"
         )
-    mamba2.check_config(
-        dict(
-            vocab_size=1,
-            hidden_size=1,
-            num_hidden_layers=1,
-            num_heads=1,
-            head_dim=1,
-            state_size=1,
-            n_groups=1,
-            conv_kernel=1,
-            expand=1,
-            hidden_act="silu",
-            use_bias=False,
-            use_conv_bias=False,
-            tie_word_embeddings=False,
-            residual_in_fp32=True,
-            layer_norm_epsilon=config["rms_norm_eps"],
-            time_step_limit=config["time_step_limit"],
-        )
-    )  # fmt: skip  (its epsilon and time-step checks, under Mamba-2's names)
+    mamba2.check_epsilon_and_limit(config["rms_norm_eps"], config["time_step_limit"])
     if config["rope_parameters"]["rope_type"] != "default":
         raise ValueError(
             f"config.json: rope_parameters must have rope_type 'default', got "
@@ -233,19 +205,9 @@ def model_options(
     heads, head_dim = config["num_attention_heads"], config["head_dim"]
     mixer = dict(
         attention="mamba2",
-        num_heads=config["mamba_n_heads"],
         norm=_norm(config),
         projection_multipliers=tuple(float(m) for m in config["ssm_multipliers"]),
-        **mamba2.mixer_options(
-            head_dim=config["mamba_d_head"],
-            state_dim=config["mamba_d_state"],
-            n_groups=config["mamba_n_groups"],
-            conv_size=config["mamba_d_conv"],
-            use_conv_bias=config["mamba_conv_bias"],
-            use_bias=config["mamba_proj_bias"],
-            time_step_limit=config["time_step_limit"],
-            norm_eps=config["rms_norm_eps"],
-        ),
+        **mamba2.hybrid_mixer_options(config),
     )
     softmax = dict(
         num_heads=heads,
@@ -278,11 +240,7 @@ def model_options(
     )
 
 
-def finish(model, config: Mapping[str, Any]) -> None:
-    """Sets the blocks' and the final RMSNorm's epsilon to ``rms_norm_eps``."""
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.RMSNorm):
-            node.epsilon = float(config["rms_norm_eps"])
+finish = bamba.finish  # the blocks' and the final RMSNorm's epsilon: rms_norm_eps
 
 
 def config_from_model(model) -> dict[str, Any]:
@@ -297,12 +255,6 @@ def config_from_model(model) -> dict[str, Any]:
     if model.period is not None:
         raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
     fields: dict[str, Any] = {}
-    renamed = {
-        "num_heads": "mamba_n_heads", "head_dim": "mamba_d_head", "state_size": "mamba_d_state",
-        "n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv",
-        "use_conv_bias": "mamba_conv_bias", "use_bias": "mamba_proj_bias",
-        "time_step_limit": "time_step_limit",
-    }  # fmt: skip
     for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):
         where, a, m = f"blocks[{i}]", block.attention, block.parallel
         if kind != "softmax" or type(m).__name__ != "Mamba2Mixer":
@@ -338,8 +290,7 @@ def config_from_model(model) -> dict[str, Any]:
             ("mamba_norm_before_gate", m.norm is None or not m.norm.gate_first),
         ):
             common.agree(fields, field, value, where)
-        for field, value in mamba2.mixer_fields(m).items():
-            common.agree(fields, renamed[field], value, where)
+        mamba2.agree_hybrid_mixer(fields, m, where)
     theta = fields.pop("rope_theta")
     return {
         "architectures": ["FalconH1ForCausalLM"],

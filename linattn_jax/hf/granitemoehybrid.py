@@ -56,16 +56,8 @@ LAYER_KINDS = {"linear_attention": "mamba2", "full_attention": "softmax"}
 LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
 MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier")
 
-MODEL_RULES = common.rules(
-    ("embed_tokens.weight", "embed.embedding", "copy"),
-    ("norm.weight", "norm.scale", "copy"),
-)
-HEAD_RULE = mamba2.HEAD_RULE
-BLOCK_RULES = common.rules(
-    ("input_layernorm.weight", "attention_norm.scale", "copy"),
-    ("post_attention_layernorm.weight", "mlp_norm.scale", "copy"),
-)
-ATTENTION_RULES = bamba.ATTENTION_RULES
+MODEL_RULES, HEAD_RULE, BLOCK_RULES = common.MODEL_RULES, common.HEAD_RULE, common.NORM_RULES
+ATTENTION_RULES = common.ATTENTION_RULES
 # "experts_gate_up" and "experts_linear" are hf.qwen3_5_moe's conversions (imported above).
 MOE_RULES = common.rules(
     ("block_sparse_moe.router.layer.weight", "mlp.router", "linear"),
@@ -88,9 +80,7 @@ def weight_table(config: Mapping[str, Any], prefix: str = PREFIX) -> list[tuple[
     """Every tensor of a checkpoint of ``config`` (``normalize_config``'s): ``(its full
     Hugging Face name, the Rule with our full paths)``, in the model's order."""
     rows = [(prefix + r.hf, r) for r in MODEL_RULES]
-    mixer = mamba2.mixer_rules(
-        "mamba.", conv_bias=config["mamba_conv_bias"], bias=config["mamba_proj_bias"]
-    )
+    mixer = mamba2.hybrid_mixer_rules(config)
     mlp = MOE_RULES if config["num_local_experts"] else DENSE_RULES
     for i, layer_type in enumerate(config["layer_types"]):
         own = mixer if layer_type == "linear_attention" else ATTENTION_RULES
@@ -147,8 +137,7 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
         )
     keep = lambda k, v: v is not None or k not in DEFAULTS or k == "position_embedding_type"
     config = {**DEFAULTS, **{k: v for k, v in raw.items() if keep(k, v)}}
-    if config.get("num_key_value_heads") is None:
-        config["num_key_value_heads"] = config.get("num_attention_heads")
+    mamba2.hybrid_defaults(config)
     if config["mamba_d_head"] == "auto" and common.is_int(config.get("hidden_size")):
         heads = config["mamba_n_heads"]
         config["mamba_d_head"] = config["mamba_expand"] * config["hidden_size"] // heads
@@ -158,11 +147,6 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
         config["layer_types"] = [LEGACY_LAYER_TYPES.get(t, t) for t in config["layer_types"]]
     if config["layer_types"] is None and common.is_int(config.get("num_hidden_layers")):
         config["layer_types"] = ["linear_attention"] * config["num_hidden_layers"]
-    config["time_step_limit"] = mamba2.time_step_limit(config["time_step_limit"])
-    rope = dict(config.get("rope_parameters") or {})
-    rope.setdefault("rope_type", "default")
-    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    config["rope_parameters"] = rope
     check_config(config)
     return config
 
@@ -265,19 +249,7 @@ def model_options(
         num_heads=heads,
         attention=[LAYER_KINDS[t] for t in config["layer_types"]],
         kind_options={
-            "mamba2": dict(
-                num_heads=config["mamba_n_heads"],
-                **mamba2.mixer_options(
-                    head_dim=config["mamba_d_head"],
-                    state_dim=config["mamba_d_state"],
-                    n_groups=config["mamba_n_groups"],
-                    conv_size=config["mamba_d_conv"],
-                    use_conv_bias=config["mamba_conv_bias"],
-                    use_bias=config["mamba_proj_bias"],
-                    time_step_limit=config["time_step_limit"],
-                    norm_eps=config["rms_norm_eps"],
-                ),
-            ),
+            "mamba2": mamba2.hybrid_mixer_options(config),
             "softmax": softmax,
         },
         tie_embeddings=config["tie_word_embeddings"],
@@ -313,12 +285,6 @@ def config_from_model(model) -> dict[str, Any]:
     if model.period is not None:
         raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
     fields: dict[str, Any] = {}
-    renamed = {
-        "num_heads": "mamba_n_heads", "head_dim": "mamba_d_head", "state_size": "mamba_d_state",
-        "n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv",
-        "use_conv_bias": "mamba_conv_bias", "use_bias": "mamba_proj_bias",
-        "time_step_limit": "time_step_limit",
-    }  # fmt: skip
     width = model.embed.features
     for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):
         where, mlp = f"blocks[{i}]", block.mlp
@@ -351,8 +317,7 @@ def config_from_model(model) -> dict[str, Any]:
             raise ValueError(f"{where}: Granite-4.0-H's blocks have a MoE or a SwiGLU MLP")
         a = block.attention
         if kind == "mamba2":
-            for field, value in mamba2.mixer_fields(a).items():
-                common.agree(fields, renamed[field], value, where)
+            mamba2.agree_hybrid_mixer(fields, a, where)
             continue
         rope = a.rotary_dim is not None
         llama = (not rope or a.rotary_dim == a.head_dim) and not a.output_gate
@@ -371,12 +336,7 @@ def config_from_model(model) -> dict[str, Any]:
         if rope:
             common.agree(fields, "rope_theta", a.rope_theta, where)
     theta = fields.pop("rope_theta", 10000.0)
-    mamba_heads = fields.get("mamba_n_heads")
-    if mamba_heads is None:
-        raise ValueError("Granite-4.0-H needs at least one mamba2 layer")
-    inner = mamba_heads * fields["mamba_d_head"]
-    if inner % width:
-        raise ValueError(f"mamba heads * head_dim={inner} must be a multiple of the width {width}")
+    expand = mamba2.hybrid_expand(fields, width, "Granite-4.0-H")
     if not fields["num_local_experts"]:
         fields.setdefault("intermediate_size", fields["shared_intermediate_size"])
     return {
@@ -387,7 +347,7 @@ def config_from_model(model) -> dict[str, Any]:
         "num_hidden_layers": model.depth,
         "layer_types": [{v: k for k, v in LAYER_KINDS.items()}[k] for k in model.layout],
         "rms_norm_eps": mamba2.one_epsilon(model),
-        "mamba_expand": inner // width,
+        "mamba_expand": expand,
         "tie_word_embeddings": model.head is None,
         "hidden_act": "silu",
         "attention_bias": False,

@@ -42,7 +42,7 @@ MODEL_RULES = common.rules(
     ("embeddings.weight", "embed.embedding", "copy"),
     ("norm_f.weight", "norm.scale", "copy"),
 )
-HEAD_RULE = Rule("lm_head.weight", ("head.kernel",), "linear")  # untied only; no prefix
+HEAD_RULE = common.HEAD_RULE  # untied only; no prefix
 BLOCK_RULES = common.rules(("norm.weight", "attention_norm.scale", "copy"))
 # A Mamba-2 mixer's rows, under its Hugging Face prefix ("mixer.", Bamba's "mamba.") and our
 # "attention." (``mixer_rules``); Bamba and Nemotron-H read them too.
@@ -149,17 +149,21 @@ def check_config(config: Mapping[str, Any]) -> None:
     for field in ("use_bias", "use_conv_bias", "tie_word_embeddings", "residual_in_fp32"):
         if not isinstance(config[field], bool):
             raise ValueError(f"config.json: {field} must be true or false, got {config[field]!r}")
-    eps = config["layer_norm_epsilon"]
+    check_epsilon_and_limit(config["layer_norm_epsilon"], config["time_step_limit"])
+
+
+def check_epsilon_and_limit(eps, limit) -> None:
+    """Raises ``ValueError`` unless ``eps`` (the norms' epsilon, ``layer_norm_epsilon``) is a
+    number in (0, 1) and ``limit`` (``time_step_limit``) is ``[low, high]``, ``0 <= low <=
+    high``: the mixer's own checks, which the hybrids' configs make under other names."""
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1:
         raise ValueError(f"config.json: layer_norm_epsilon must be a number in (0, 1), got {eps!r}")
-    limit = config["time_step_limit"]
     ok = len(limit) == 2 and all(
         isinstance(x, int | float) and not isinstance(x, bool) for x in limit
     )
     if not ok or not 0 <= limit[0] <= limit[1]:
         raise ValueError(
-            f"config.json: time_step_limit must be [low, high] with 0 <= low <= high, got "
-            f"{config['time_step_limit']!r}"
+            f"config.json: time_step_limit must be [low, high] with 0 <= low <= high, got {limit!r}"
         )
 
 
@@ -214,6 +218,78 @@ def mixer_fields(mixer) -> dict[str, Any]:
         "use_bias": mixer.in_proj.use_bias,
         "time_step_limit": list(mixer.time_step_limit),
     }
+
+
+# ------------------------------------------- the hybrids' mixers (Bamba, Granite-4.0-H, Falcon-H1)
+
+# Their config's names of the mixer's fields (Bamba's), by ``mixer_fields``' names.
+HYBRID_FIELDS = {
+    "num_heads": "mamba_n_heads", "head_dim": "mamba_d_head", "state_size": "mamba_d_state",
+    "n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv",
+    "use_conv_bias": "mamba_conv_bias", "use_bias": "mamba_proj_bias",
+    "time_step_limit": "time_step_limit",
+}  # fmt: skip
+
+
+def hybrid_mixer_rules(config: Mapping[str, Any]) -> tuple[Rule, ...]:
+    """A hybrid's mixer rows (``mixer_rules`` under ``mamba.``) for its config's biases."""
+    bias = config["mamba_proj_bias"]
+    return mixer_rules("mamba.", conv_bias=config["mamba_conv_bias"], bias=bias)
+
+
+def hybrid_defaults(config: dict[str, Any]) -> None:
+    """Fills in, in place, what ``transformers`` derives alike for a hybrid's config:
+    ``num_key_value_heads`` (``num_attention_heads`` when absent), ``time_step_limit``
+    decoded (``time_step_limit``), ``rope_parameters``' ``rope_type`` (``"default"``) and
+    ``rope_theta`` (the top-level ``rope_theta``, else 10000)."""
+    if config.get("num_key_value_heads") is None:
+        config["num_key_value_heads"] = config.get("num_attention_heads")
+    config["time_step_limit"] = time_step_limit(config["time_step_limit"])
+    rope = dict(config.get("rope_parameters") or {})
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    config["rope_parameters"] = rope
+
+
+def hybrid_mixer_options(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A hybrid's ``Mamba2Mixer`` options (``num_heads`` and ``mixer_options``), its norms'
+    epsilon ``rms_norm_eps``."""
+    return dict(
+        num_heads=config["mamba_n_heads"],
+        **mixer_options(
+            head_dim=config["mamba_d_head"],
+            state_dim=config["mamba_d_state"],
+            n_groups=config["mamba_n_groups"],
+            conv_size=config["mamba_d_conv"],
+            use_conv_bias=config["mamba_conv_bias"],
+            use_bias=config["mamba_proj_bias"],
+            time_step_limit=config["time_step_limit"],
+            norm_eps=config["rms_norm_eps"],
+        ),
+    )
+
+
+def agree_hybrid_mixer(fields: dict[str, Any], mixer, where: str) -> None:
+    """``common.agree`` on each of ``mixer``'s fields under the hybrids' names."""
+    for field, value in mixer_fields(mixer).items():
+        common.agree(fields, HYBRID_FIELDS[field], value, where)
+
+
+def hybrid_expand(fields: Mapping[str, Any], width: int, name: str) -> int:
+    """``mamba_expand`` of the fields a hybrid read from its mixers: their inner width over
+    ``width``.
+
+    Raises:
+      ValueError: no mixer was read (``name`` needs one) or an inner width not a multiple
+        of ``width``.
+    """
+    heads = fields.get("mamba_n_heads")
+    if heads is None:
+        raise ValueError(f"{name} needs at least one mamba2 layer")
+    inner = heads * fields["mamba_d_head"]
+    if inner % width:
+        raise ValueError(f"mamba heads * head_dim={inner} must be a multiple of the width {width}")
+    return inner // width
 
 
 def one_epsilon(model) -> float:

@@ -93,21 +93,8 @@ INT_FIELDS = (
 )  # fmt: skip
 UNCHECKED = ("architectures", "dtype", "torch_dtype", "transformers_version")
 
-MODEL_RULES = common.rules(
-    ("embed_tokens.weight", "embed.embedding", "copy"),
-    ("norm.weight", "norm.scale", "copy"),
-)
-HEAD_RULE = common.Rule("lm_head.weight", ("head.kernel",), "linear")
-NORM_RULES = common.rules(
-    ("input_layernorm.weight", "attention_norm.scale", "copy"),
-    ("post_attention_layernorm.weight", "mlp_norm.scale", "copy"),
-)
-SOFTMAX_RULES = common.rules(
-    ("self_attn.q_proj.weight", "attention.q_proj.kernel", "linear"),
-    ("self_attn.k_proj.weight", "attention.k_proj.kernel", "linear"),
-    ("self_attn.v_proj.weight", "attention.v_proj.kernel", "linear"),
-    ("self_attn.o_proj.weight", "attention.out_proj.kernel", "linear"),
-)
+MODEL_RULES, HEAD_RULE, NORM_RULES = common.MODEL_RULES, common.HEAD_RULE, common.NORM_RULES
+SOFTMAX_RULES = common.ATTENTION_RULES
 LIGHTNING_RULES = common.rules(
     ("self_attn.output_gate.weight", "attention.output_gate.kernel", "linear"),
     ("self_attn.norm.weight", "attention.norm.scale", "copy"),

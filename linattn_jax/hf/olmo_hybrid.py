@@ -81,11 +81,7 @@ INT_FIELDS = (
 )  # fmt: skip
 UNCHECKED = ("architectures", "dtype", "torch_dtype", "transformers_version")
 
-MODEL_RULES = common.rules(
-    ("embed_tokens.weight", "embed.embedding", "copy"),
-    ("norm.weight", "norm.scale", "copy"),
-)
-HEAD_RULE = common.Rule("lm_head.weight", ("head.kernel",), "linear")
+MODEL_RULES, HEAD_RULE = common.MODEL_RULES, common.HEAD_RULE
 MLP_RULES = common.rules(
     ("mlp.gate_proj.weight", "mlp.gate_proj.kernel", "linear"),
     ("mlp.up_proj.weight", "mlp.up_proj.kernel", "linear"),
@@ -103,11 +99,7 @@ DELTA_RULES = common.rules(
     ("linear_attn.o_norm.weight", "attention.output_norm.scale", "copy"),
     ("linear_attn.o_proj.weight", "attention.out_proj.kernel", "linear"),
 )
-SOFTMAX_RULES = common.rules(
-    ("self_attn.q_proj.weight", "attention.q_proj.kernel", "linear"),
-    ("self_attn.k_proj.weight", "attention.k_proj.kernel", "linear"),
-    ("self_attn.v_proj.weight", "attention.v_proj.kernel", "linear"),
-    ("self_attn.o_proj.weight", "attention.out_proj.kernel", "linear"),
+SOFTMAX_RULES = common.ATTENTION_RULES + common.rules(
     ("self_attn.q_norm.weight", "attention.q_norm.scale", "copy"),
     ("self_attn.k_norm.weight", "attention.k_norm.scale", "copy"),
 )
