@@ -155,3 +155,16 @@ def test_recurrences_time_the_ssd_beside_the_additive_form():
         ("ssd", "scan"),
     ]
     assert all(r["fwd_bwd_scratch_mib"] > 0 for r in rows)
+
+
+def test_the_compile_sweep_of_the_qwen3_5_layout_runs_at_its_smallest(tmp_path):
+    # One Gated DeltaNet layer, width 32, 8 tokens, no generate: the table and CSV appear.
+    benchmark.main(
+        ["compile", "--hf", "--depths", "1", "--width", "32", "--prefill", "8"]
+        + ["--decode-steps", "0", "--out", str(tmp_path)]
+    )
+    with open(tmp_path / "compile_hf.csv") as fh:
+        (row,) = list(csv.DictReader(fh))
+    assert row["depth"] == "1"
+    assert float(row["forward_compile_s"]) > 0 and float(row["forward_ms"]) > 0
+    assert "generate (0 tokens)" in (tmp_path / "compile_hf.md").read_text()
