@@ -205,3 +205,16 @@ def test_the_device_suite_probes_the_pallas_method_and_keeps_a_failed_row(monkey
     assert [method for _, method, _ in cases][:2] == ["ours, XLA chunked", "ours, Pallas"]
     failed = dict(family="gla", method="ours, Pallas", dtype="float32", t=64, error="E: no")
     assert "| gla | ours, Pallas | float32 | 64 | failed: E: no |" in device.table([failed], "", [])
+
+
+def test_the_compile_sweep_of_the_qwen3_5_layout_runs_at_its_smallest(tmp_path):
+    # One Gated DeltaNet layer, width 32, 8 tokens, no generate: the table and CSV appear.
+    benchmark.main(
+        ["compile", "--hf", "--depths", "1", "--width", "32", "--prefill", "8"]
+        + ["--decode-steps", "0", "--out", str(tmp_path)]
+    )
+    with open(tmp_path / "compile_hf.csv") as fh:
+        (row,) = list(csv.DictReader(fh))
+    assert row["depth"] == "1"
+    assert float(row["forward_compile_s"]) > 0 and float(row["forward_ms"]) > 0
+    assert "generate (0 tokens)" in (tmp_path / "compile_hf.md").read_text()

@@ -52,6 +52,12 @@ FLAGS = {
         help=f"the experiment config whose model is timed (default {TRAIN_CONFIG})",
     ),
     "--depths": dict(default="2,4,8,16", help="compile's model depths, comma-separated"),
+    "--hf": dict(
+        action="store_true",
+        help="compile: sweep a Qwen3.5-shaped model (3 Gated DeltaNet : 1 attention, bfloat16) "
+        "over --depths instead: its forward's and generate's compile and step times",
+    ),
+    "--width": dict(type=int, default=256, help="compile --hf: the model width"),
     "--params": dict(type=float, default=0.5e9, help="hf-load: the checkpoint's parameters"),
     "--decode-steps": dict(type=int, default=64, help="hf-load: greedy steps timed (0: none)"),
     "--decode-batch": dict(type=int, default=1, help="hf-load: the decoding batch"),
@@ -157,6 +163,10 @@ SUITES = {
                 dict(default=compile_time.CONFIG, help=f"default {compile_time.CONFIG}"),
             ),
             "--depths",
+            "--hf",
+            "--width",
+            ("--prefill", dict(default=128, help="--hf: the forward's tokens")),
+            ("--decode-steps", dict(default=16, help="--hf: generate's greedy tokens")),
         ),
     ),
     "hf-load": (

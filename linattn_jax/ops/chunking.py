@@ -400,15 +400,31 @@ def decays(g: Array | None, r: Array | None, shape: tuple[int, ...], dtype) -> D
         g = jnp.where(reset, 0.0, g)
         reset = reset.astype(dtype)
         r = reset if r is None else jnp.maximum(r, reset)
-    log_cum = jnp.zeros(shape + (1,), dtype) if g is None else jnp.cumsum(g, axis=2)
+    log_cum = jnp.zeros(shape + (1,), dtype) if g is None else chunk_cumsum(g)
     last = log_cum[:, :, -1:]
     into, out_of = jnp.exp(log_cum), jnp.exp(last - log_cum)  # both exponents <= 0
     run = None
     if r is not None:
-        run = jnp.cumsum(r, axis=2)
+        run = chunk_cumsum(r)
         into = jnp.where(run == 0, into, 0.0)
         out_of = jnp.where(run == run[:, :, -1:], out_of, 0.0)
     return Decays(log_cum, run, into, out_of, into[:, :, -1])
+
+
+def chunk_cumsum(x: Array) -> Array:
+    """``jnp.cumsum(x, axis=2)`` of a chunk ``x [b, h, c, ...]`` as one product with the
+    ``[c, c]`` lower-triangular ones (float32 or wider: exact for the reset counts, the
+    log-decays' rounding that of a sum in another order).
+
+    On CPU XLA lowers ``cumsum`` to a tree of ``reduce_window`` ops whose pieces it fuses
+    with what reads them (the decays' ``exp``) into kernels that LLVM compiles slowly:
+    the two ``exp`` kernels of one Gated DeltaNet layer's decays took 1.3 s of its 5.5 s
+    of kernel compilation (docs/benchmarks.md, "Compile time"); the product is a library
+    call and leaves a plain ``exp``.
+    """
+    c = x.shape[2]
+    lower = jnp.tril(jnp.ones((c, c), x.dtype))
+    return jnp.einsum("ij,bhj...->bhi...", lower, x, precision=jax.lax.Precision.HIGHEST)
 
 
 def decayed_scores(a: Array, b: Array, dec: Decays | None, *, diagonal: bool, dtype=None) -> Array:
