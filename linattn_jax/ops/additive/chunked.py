@@ -333,8 +333,9 @@ def _finite_inputs(xs, phi, time_axis: int, groups: int = 1):
     first = functools.partial(_first_bad, time_axis, groups)
     t = keys.shape[time_axis]
 
-    def clean(*args):
-        return tuple(jnp.full(y.shape, t, y.dtype) for y in jax.eval_shape(first, *args))
+    def clean(*args):  # first_index's shapes: the values' (or their tokens') with t -> 1
+        shape = v.shape[:time_axis] + (1,) + v.shape[time_axis + 1 :]
+        return jnp.full(shape, t, jnp.int32), jnp.full(shape[:3], t, jnp.int32)
 
     return finite, tuple(xs), *chunking.if_not(finite, first, clean, keys, raw_keys, v, log_decays)
 
