@@ -164,19 +164,10 @@ def chunk_parts(x, *, dtype=None):
       and what the outputs read. The inputs are finite (``_finite_inputs``).
     """
     q, k, v, beta, g, r = x
-    dv = v.shape[-1]
     dec = chunking.decays(g, r, q.shape[:3], q.dtype)
     qk = chunking.decayed_scores(q, k, dec, diagonal=True, dtype=dtype)
     kk = chunking.decayed_scores(k, k, dec, diagonal=False)  # float32: it feeds the solve
-    if dec is None:
-        q_in, k_in, k_out, across = q, k, k, None
-    else:
-        q_in, k_in, k_out, across = q * dec.into, k * dec.into, k * dec.out_of, dec.across
-    # (I + diag(beta) KK) [U | W] = diag(beta) [V | K_in], in float32 (the inputs are
-    # float32 here whatever the caller's dtype).
-    rhs = beta[..., None] * jnp.concatenate([v, k_in], axis=-1)
-    uw = unit_lower_solve(beta[..., None] * kk, rhs)
-    u, w = uw[..., :dv], uw[..., dv:]
+    across, q_in, k_out, u, w = _ut_transform(q, k, v, beta, kk, dec)
     # The transition in state space: float32 operands (it is what the state keeps).
     m = jnp.einsum("bmck,bmcl->bmkl", k_out, w)
     b_ = jnp.einsum("bmck,bmcv->bmkv", k_out, u)
@@ -274,7 +265,6 @@ def _chunk_local(x, *, c: int, groups: int, dtype=None):
     q, k = (repeat_heads(y, groups, 1) for y in (q, k))
     h = v.shape[1]
     q, k, v, beta, g, r = (chunking.fold(y, c, h) for y in (q, k, v, beta, g, r))
-    dv = v.shape[-1]
     dec = chunking.decays(g, r, q.shape[:3], q.dtype)
     if dec is None or dec.log_cum.shape[-1] != 1:
         qk = chunking.decayed_scores(q, k, dec, diagonal=True, dtype=dtype)
@@ -285,13 +275,22 @@ def _chunk_local(x, *, c: int, groups: int, dtype=None):
         qk = chunking.einsum("bhif,bhjf->bhij", q, k, dtype=dtype) * decay
         strict = jnp.tril(jnp.ones((c, c), bool), -1)
         kk = jnp.where(strict, jnp.einsum("bhif,bhjf->bhij", k, k) * decay, 0.0)
+    across, q_in, k_out, u, w = _ut_transform(q, k, v, beta, kk, dec)
+    return across, q_in, k_out, qk, w, u
+
+
+def _ut_transform(q, k, v, beta, kk, dec):
+    """A chunk's decayed queries and keys and its UT transform: ``(across | None, Q_in,
+    K_out, U, W)`` with ``(I + diag(beta) KK) [U | W] = diag(beta) [V | K_in]``, in float32
+    (the inputs are float32 here whatever the caller's dtype)."""
     if dec is None:
         q_in, k_in, k_out, across = q, k, k, None
     else:
         q_in, k_in, k_out, across = q * dec.into, k * dec.into, k * dec.out_of, dec.across
     rhs = beta[..., None] * jnp.concatenate([v, k_in], axis=-1)
     uw = unit_lower_solve(beta[..., None] * kk, rhs)
-    return across, q_in, k_out, qk, uw[..., dv:], uw[..., :dv]
+    dv = v.shape[-1]
+    return across, q_in, k_out, uw[..., :dv], uw[..., dv:]
 
 
 def chunk_body(s: Array, x, *, c: int, groups: int, dtype=None) -> tuple[Array, Array]:
