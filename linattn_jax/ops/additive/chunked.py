@@ -199,7 +199,7 @@ def chunk_parts(diagonal: bool, kernel, x, *, dtype=None, phi=None):
       ``(scores [b,h,c,c], phi_q decayed from the chunk's start [b,h,c,f], phi_k decayed
       to the chunk's end [b,h,c,f], the decay across the chunk [b,h,g] | None)``.
     """
-    x = _finite_keys(x, kernel is not None and phi is None)
+    x = _finite_keys(x, _raw_keys(kernel, phi))
     if phi is None:
         q, k, g, r = x[:4]
     else:
@@ -251,7 +251,7 @@ def group_body(state, x, *, c: int, diagonal: bool, kernel=None, dtype=None, eps
     """
     h, length = x[0].shape[1], x[0].shape[2]
     x = _fold(x, c, h)
-    v = _values(x, phi, kernel)
+    v = _values(x, phi, _good_values(x, _raw_keys(kernel, phi)))
     parts = chunk_parts(diagonal, kernel, _without_values(x), dtype=dtype, phi=phi)
     states, final = _states(h, parts[3], _writes(parts, v, state[1] is not None), state)
     num, den = _outputs(parts, v, states, dtype=dtype, eps=eps)
@@ -377,7 +377,8 @@ def group_body_bwd(
     state, raw, (out, _), (d_num, d_den) = inputs
     h = raw[0].shape[1]
     x = _fold(raw, c, h)
-    v = _values(x, phi, kernel)
+    good_v = _good_values(x, _raw_keys(kernel, phi))
+    v = _values(x, phi, good_v)
     parts, vjp = jax.vjp(
         functools.partial(chunk_parts, diagonal, kernel, dtype=dtype, phi=phi),
         _without_values(x),
@@ -415,7 +416,7 @@ def group_body_bwd(
             d_across = d_across + _reduce_to(d_z * z, across.shape)
     (d_x,) = vjp((d_scores, d_q_in, d_k_out, d_across))
     # The raw values' cotangent: none at a dead token or where _values zeroed them.
-    d_v = chunking.where_finite(_good_values(x, kernel is not None and phi is None), d_v)
+    d_v = chunking.where_finite(good_v, d_v)
     if phi is not None:
         d_v = _live(x[-1], d_v)
     d_x = d_x[:2] + (d_v,) + d_x[2:]
@@ -448,19 +449,28 @@ def _unfold_like(d, x, h: int):
     return jnp.sum(d, axis=1, keepdims=True) if x.shape[1] != d.shape[1] else d
 
 
-def _values(x, phi, kernel=None):
+def _values(x, phi, good: Array) -> Array:
     """A chunk's values: as given, or (with ``phi``: raw inputs) upcast and zeroed at
-    the dead tokens of ``live``, x's last entry; zeros where a value, or its token's key
-    or log-decay, is not finite (``_finite_keys``)."""
+    the dead tokens of ``live``, x's last entry; zeros where ``good`` (``_good_values``)
+    is False."""
     v = x[2] if phi is None else _live(x[-1], x[2])
-    return chunking.where_finite(_good_values(x, kernel is not None and phi is None), v)
+    return chunking.where_finite(good, v)
+
+
+def _raw_keys(kernel, phi) -> bool:
+    """Whether a chunk's inputs carry raw keys for a ``kernel`` (``chunk_parts``' x[5])."""
+    return kernel is not None and phi is None
+
+
+def _ok_tokens(x, raw: bool) -> Array:
+    """``[b, h, c]`` bool: the tokens of a chunk (``chunk_parts``' x, no values) whose
+    keys (and raw keys) and log-decays are all finite."""
+    return chunking.finite_tokens(x[1], x[_RAW_KEYS - 1] if raw else None, log_decays=x[2])
 
 
 def _good_values(x, raw: bool) -> Array:
     """``[b, h, c, v]`` bool: the finite values of a chunk's tokens that count."""
-    keys = _without_values(x)
-    ok = chunking.finite_tokens(keys[1], keys[_RAW_KEYS - 1] if raw else None, log_decays=keys[2])
-    return ok[..., None] & jnp.isfinite(x[2])
+    return _ok_tokens(_without_values(x), raw)[..., None] & jnp.isfinite(x[2])
 
 
 def _finite_keys(x, raw: bool):
@@ -469,7 +479,7 @@ def _finite_keys(x, raw: bool):
     matmul never spreads ``0 * NaN`` to earlier tokens (the outputs from there on are
     ``run_chunks``' NaN). Inside the chunk, fused with the ops that read it."""
     x = list(x)
-    ok = chunking.finite_tokens(x[1], x[_RAW_KEYS - 1] if raw else None, log_decays=x[2])
+    ok = _ok_tokens(x, raw)
     for i in (1, 2) + ((_RAW_KEYS - 1,) if raw else ()):
         x[i] = chunking.where_finite(ok, x[i])
     return tuple(x)
