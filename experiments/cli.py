@@ -77,7 +77,8 @@ def add_compilation_cache(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="JAX's persistent compilation cache: programs compiled by an earlier run are "
         f"read back instead of compiled again (default: {default_compilation_cache()}, or "
-        "JAX_COMPILATION_CACHE_DIR where set; '' turns it off)",
+        "JAX_COMPILATION_CACHE_DIR where set; '' or JAX_ENABLE_COMPILATION_CACHE=false turns "
+        "it off)",
     )
 
 
@@ -85,12 +86,16 @@ def use_compilation_cache(directory: str | None = None) -> str | None:
     """Turns on JAX's persistent compilation cache in ``directory`` and returns it.
 
     None: ``JAX_COMPILATION_CACHE_DIR`` (or JAX's ``jax_compilation_cache_dir``) where the
-    caller set one, else ``default_compilation_cache()``; ``""``: off (returns None). Call
-    it before the first compile: JAX opens its cache once per process. Which programs are
-    cached is JAX's choice (those that took over
-    ``jax_persistent_cache_min_compile_time_secs``, 1 s by default, to compile).
+    caller set one, else ``default_compilation_cache()``; ``""``: off (returns None). With
+    None, a cache the caller turned off (``JAX_ENABLE_COMPILATION_CACHE=false``, or JAX's
+    ``jax_enable_compilation_cache`` set False) stays off. Call it before the first
+    compile: JAX opens its cache once per process. Which programs are cached is JAX's
+    choice (those that took over ``jax_persistent_cache_min_compile_time_secs``, 1 s by
+    default, to compile).
     """
     if directory is None:
+        if not jax.config.jax_enable_compilation_cache:
+            return None
         directory = jax.config.jax_compilation_cache_dir or default_compilation_cache()
     if not directory:
         jax.config.update("jax_enable_compilation_cache", False)

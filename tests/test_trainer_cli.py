@@ -71,7 +71,8 @@ def test_help_describes_every_flag(main, flags, capsys):
 
 def test_a_run_writes_the_compilation_cache_by_default(tmp_path):
     """A run without JAX_COMPILATION_CACHE_DIR and without the flag fills the default
-    cache (under XDG_CACHE_HOME); ``--compilation_cache ''`` turns it off."""
+    cache (under XDG_CACHE_HOME); ``--compilation_cache ''`` or the caller's
+    ``JAX_ENABLE_COMPILATION_CACHE=false`` turns it off."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     env |= {"XDG_CACHE_HOME": str(tmp_path / "xdg"), "JAX_PLATFORMS": "cpu"}
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # every program, however quick
@@ -84,8 +85,16 @@ def test_a_run_writes_the_compilation_cache_by_default(tmp_path):
     try:
         assert cli.use_compilation_cache("") is None
         assert not jax.config.jax_enable_compilation_cache
+        # Turned off by the caller (JAX_ENABLE_COMPILATION_CACHE=false): the default stays off.
+        assert cli.use_compilation_cache() is None
+        assert not jax.config.jax_enable_compilation_cache
     finally:
         jax.config.update("jax_enable_compilation_cache", True)
+    # And a run whose caller turned it off writes none.
+    env |= {"JAX_ENABLE_COMPILATION_CACHE": "false", "XDG_CACHE_HOME": str(tmp_path / "off")}
+    subprocess.run([*argv, "--workdir", str(tmp_path / "b")], env=env, cwd=root, check=True)
+    off = tmp_path / "off" / "linattn_jax"
+    assert not off.exists() or not [f for f in off.rglob("*") if f.is_file()]
 
 
 @pytest.mark.parametrize(
