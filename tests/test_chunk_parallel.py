@@ -87,3 +87,15 @@ def test_groups_are_even_and_bounded_by_their_states():
     assert chunking.chunks_per_group(64, 200, 8192, 64 * 64) == 100
     assert chunking.chunks_per_group(64, 200, 8192, 4161 * 64) == 1
     assert chunking.chunks_per_group(16, 200, 1) == 1
+
+
+@pytest.mark.parametrize("shape, product", [((2, 3, 16), True), ((2, 3, 16, 1), True),
+                                            ((2, 3, 16, 8), False)])  # fmt: skip
+def test_a_chunks_cumulative_sum_is_a_product_for_one_channel_only(shape, product):
+    """Per-head log-decays and reset counts sum as one product with the lower-triangular
+    ones (fewer, smaller kernels); per-channel ones keep ``cumsum`` (the product's layout
+    changes made GLA's forward+backward 25% slower: docs/benchmarks.md)."""
+    x = jax.random.normal(jax.random.PRNGKey(7), shape)
+    helpers.assert_close_normwise(chunking.chunk_cumsum(x), jnp.cumsum(x, axis=2))
+    hlo = jax.jit(chunking.chunk_cumsum).lower(x).as_text()
+    assert ("dot_general" in hlo) == product

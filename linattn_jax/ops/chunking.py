@@ -28,6 +28,7 @@ the scan costs more than the chunks' own small ones, which stay in cache.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -421,7 +422,14 @@ def chunk_cumsum(x: Array) -> Array:
     the two ``exp`` kernels of one Gated DeltaNet layer's decays took 1.3 s of its 5.5 s
     of kernel compilation (docs/benchmarks.md, "Compile time"); the product is a library
     call and leaves a plain ``exp``.
+
+    Only for one channel (``[b, h, c]`` or ``[b, h, c, 1]``: per-head log-decays, reset
+    counts). Per-channel inputs ``[b, h, c, f > 1]`` keep ``jnp.cumsum``: there the product
+    and its layout changes cost more than they save at run time (GLA's forward+backward
+    25% slower, KDA's 15%: docs/benchmarks.md, "Per-channel cumulative sums").
     """
+    if math.prod(x.shape[3:]) > 1:
+        return jnp.cumsum(x, axis=2)
     c = x.shape[2]
     lower = jnp.tril(jnp.ones((c, c), x.dtype))
     return jnp.einsum("ij,bhj...->bhi...", lower, x, precision=jax.lax.Precision.HIGHEST)
