@@ -305,7 +305,7 @@ class DeltaRuleTest(chex.TestCase):
             ),
             (dict(gate=-gate), r"gate must be log-decays <= 0"),
             (dict(k=k[..., :4]), r"q and k must agree in head dimension"),
-            (dict(method="fast"), r"method must be one of \('chunked', 'scan', 'pallas'\)"),
+            (dict(method="fast"), r"method must be one of \('chunked', 'scan'\) or 'pallas'"),
             (dict(chunk_size=0), r"chunk_size must be an int >= 1"),
             (
                 dict(initial_state=la.DeltaRuleState(jnp.zeros((B, H, D, D)))),

@@ -7,15 +7,19 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
-from transformers import MiniMaxConfig, MiniMaxForCausalLM
 
 from linattn_jax import hf
 from linattn_jax.layers import LightningAttention, MoE
 from linattn_jax.models import LanguageModel
 from tests import helpers
 from tests.helpers import assert_close_normwise, torch_logits
+
+# The torch reference: these tests skip where torch or transformers is not installed.
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+MiniMaxConfig = transformers.MiniMaxConfig
+MiniMaxForCausalLM = transformers.MiniMaxForCausalLM
 
 LOGITS_RTOL = 1e-5
 CONFIG = dict(

@@ -6,19 +6,20 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
-from transformers import (
-    Qwen3_5MoeForCausalLM,
-    Qwen3_5MoeTextConfig,
-    Qwen3NextConfig,
-    Qwen3NextForCausalLM,
-)
 
 from linattn_jax import hf
 from linattn_jax.layers import MoE
 from tests import helpers
 from tests.helpers import assert_close_normwise, torch_logits
+
+# The torch reference: these tests skip where torch or transformers is not installed.
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+Qwen3_5MoeForCausalLM = transformers.Qwen3_5MoeForCausalLM
+Qwen3_5MoeTextConfig = transformers.Qwen3_5MoeTextConfig
+Qwen3NextConfig = transformers.Qwen3NextConfig
+Qwen3NextForCausalLM = transformers.Qwen3NextForCausalLM
 
 LOGITS_RTOL = 1e-5
 CONFIG = dict(

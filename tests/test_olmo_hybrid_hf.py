@@ -7,13 +7,17 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
-from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
 
 from linattn_jax import hf
 from tests import helpers
 from tests.helpers import assert_close_normwise, torch_logits
+
+# The torch reference: these tests skip where torch or transformers is not installed.
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+OlmoHybridConfig = transformers.OlmoHybridConfig
+OlmoHybridForCausalLM = transformers.OlmoHybridForCausalLM
 
 LOGITS_RTOL = 1e-5
 CONFIG = dict(

@@ -12,9 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import linattn_jax as la
+from linattn_jax.layers import LinearAttention
 from linattn_jax.ops.additive import KERNEL_METHODS, METHODS, State
+from tests.helpers import assert_close_normwise
 
 # 36 tokens: the kernels' chunks of 16 (8 rounded up) leave the third one ragged, and widths
 # of 8 are padded to 16.
@@ -184,3 +187,35 @@ def test_pallas_lowers_for_tpu(per_channel):
     for fn, kernels in ((fwd, 1), (grad, 2)):
         text = jax.export.export(jax.jit(fn), platforms=["tpu"])(x, x, x, gate).mlir_module()
         assert text.count("custom_call @tpu_custom_call") == kernels
+
+
+@pytest.mark.parametrize("gate", [True, "channel"])
+def test_a_layer_takes_the_kernel(gate):
+    """``LinearAttention(method="pallas")``: the kernel behind the layer, against the same
+    layer with ``method="chunked"`` (the same parameters): outputs, decoding states and
+    the gradients with respect to every parameter, with padding holding NaN and inf (the
+    layer's input there, so in q, k and v)."""
+
+    def make(method):
+        return LinearAttention(16, 2, gate=gate, method=method, chunk_size=CHUNK, rngs=nnx.Rngs(0))
+
+    x = np.random.default_rng(0).normal(size=(2, 20, 16)).astype(np.float32)
+    mask = np.ones((2, 20), bool)
+    mask[1, 13:] = False
+    x[1, 13:15], x[1, 15:] = np.nan, np.inf
+
+    def run(method):
+        graphdef, params = nnx.split(make(method))
+
+        def loss(params):
+            y, cache = nnx.merge(graphdef, params)(x, key_mask=mask, return_state=True)
+            y = jnp.where(mask[..., None], y, 0.0)
+            return jnp.sum(y * jnp.linspace(-1, 1, 16)[None, None]), (y, cache.state)
+
+        grad = jax.grad(loss, has_aux=True)
+        kernels = str(jax.make_jaxpr(grad)(params)).count("pallas_call")
+        return jax.jit(grad)(params), kernels
+
+    (got, kernels), (want, none) = run("pallas"), run("chunked")
+    assert kernels > 0 and none == 0  # pallas_calls in the program
+    assert_close_normwise(got, want, 1e-5)

@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from linattn_jax.layers import DeltaRuleAttention
 from linattn_jax.ops import delta
 from linattn_jax.ops.delta import pallas
 from tests.helpers import assert_close_normwise
@@ -173,3 +175,41 @@ def test_lowers_for_gpu_and_tpu(platform):
             text = exported(*args, mask, ids).mlir_module()
         assert re.findall(r"custom_call @([\w$.]+)", text).count(target) == kernels
         assert ("delta_rule_chunked_bwd" in text) == (kernels == 2)
+
+
+def test_the_kernel_is_opt_in():
+    assert "pallas" in delta.KERNEL_METHODS and "pallas" not in delta.METHODS
+    x = jnp.zeros((1, 4, 1, 16))
+    with pytest.raises(ValueError, match=r"method must be one of .* or 'pallas', got 'triton'"):
+        delta.causal(x, x, x, jnp.ones((1, 4, 1)), method="triton")
+
+
+def test_a_layer_takes_the_kernel():
+    """``DeltaRuleAttention(method="pallas")`` (Gated DeltaNet), against the same layer with
+    ``method="chunked"`` (the same parameters): outputs, decoding states and the gradients
+    with respect to every parameter, with padding holding NaN and inf (the layer's input
+    there, so in q, k, v and the gates)."""
+
+    def make(method):
+        return DeltaRuleAttention(32, 2, method=method, chunk_size=CHUNK, rngs=nnx.Rngs(0))
+
+    x = np.random.default_rng(0).normal(size=(2, 24, 32)).astype(np.float32)
+    mask = np.ones((2, 24), bool)
+    mask[1, 17:] = False
+    x[1, 17:19], x[1, 19:] = np.nan, np.inf
+
+    def run(method):
+        graphdef, params = nnx.split(make(method))
+
+        def loss(params):
+            y, cache = nnx.merge(graphdef, params)(x, key_mask=mask, return_state=True)
+            y = jnp.where(mask[..., None], y, 0.0)
+            return jnp.sum(y * jnp.linspace(-1, 1, 32)[None, None]), (y, cache)
+
+        grad = jax.grad(loss, has_aux=True)
+        kernels = str(jax.make_jaxpr(grad)(params)).count("pallas_call")
+        return jax.jit(grad)(params), kernels
+
+    (got, kernels), (want, none) = run("pallas"), run("chunked")
+    assert kernels > 0 and none == 0  # pallas_calls in the program
+    assert_close_normwise(got, want, 1e-5)

@@ -158,8 +158,8 @@ class DeltaRuleAttention(nnx.Module):
         )
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-        if method not in delta.METHODS:
-            raise ValueError(f"method must be one of {delta.METHODS}, got {method!r}")
+        if method not in delta.METHODS + delta.KERNEL_METHODS:
+            raise ValueError(f"method must be one of {delta.METHODS} or 'pallas', got {method!r}")
         if chunk_size is not None:
             checks.check_int("chunk_size", chunk_size, 1)
         checks.check_int("conv_size", conv_size, 0)

@@ -58,7 +58,9 @@ class LinearAttention(nnx.Module):
         ``"hedgehog"`` (learnable; ``hedgehog_form``), ``"cosformer"``
         (``max_length``), or a callable.
       causal: causal (decoder) or non-causal (encoder) attention.
-      method: causal form, ``"chunked"``, ``"scan"`` or ``"quadratic"``.
+      method: causal form, ``"chunked"``, ``"scan"``, ``"quadratic"`` or ``"pallas"`` (the
+        opt-in Pallas kernel of the chunked form, as in ``linattn_jax.ops.additive.causal``;
+        interpreted on CPU); a non-causal layer ignores it.
       chunk_size: tokens per chunk; None (default): the family's default
         (``linattn_jax.ops.checks.default_chunk_size``: 64, 16 with a per-channel gate).
       decay: None, ``"retnet"`` (gamma_h = 1 - 2^(-5-h)), a float or one per head.
@@ -139,8 +141,10 @@ class LinearAttention(nnx.Module):
         checks.check_number("eps", eps, 0)
         if feature_dim is not None:
             checks.check_int("feature_dim", feature_dim, 1)
-        if method not in additive.METHODS:
-            raise ValueError(f"method must be one of {additive.METHODS}, got {method!r}")
+        if method not in additive.METHODS + additive.KERNEL_METHODS:
+            raise ValueError(
+                f"method must be one of {additive.METHODS} or 'pallas', got {method!r}"
+            )
         if not (isinstance(gate, bool) or (isinstance(gate, str) and gate == "channel")):
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         self.width, self.num_heads, self.head_dim = width, num_heads, width // num_heads

@@ -60,7 +60,10 @@ from linattn_jax.ops.delta.state import (
 )
 from linattn_jax.typing import Array, Float
 
-METHODS = ("chunked", "scan", "pallas")
+METHODS = ("chunked", "scan")
+# Opt-in kernels (``pallas.py``), outside METHODS as in ``ops.additive``: the XLA forms stay
+# the default, and code that loops over METHODS runs no interpreted kernel on CPU.
+KERNEL_METHODS = ("pallas",)
 
 
 def causal(
@@ -124,8 +127,8 @@ def causal(
     """
     (b, t, h, dk), hv = check_qkv(q, k, v)
     check_options(q, k, decay=decay, scale=scale, return_state=return_state)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method not in METHODS + KERNEL_METHODS:
+        raise ValueError(f"method must be one of {METHODS} or 'pallas', got {method!r}")
     if chunk_size is not None:
         checks.check_chunk_size(chunk_size)
     key_mask = checks.token_mask("key_mask", key_mask, b, t)
