@@ -69,7 +69,7 @@ def inputs():
     return x, mask
 
 
-@pytest.mark.parametrize("method", ["chunked", "scan"])
+@pytest.mark.parametrize("method", ["chunked", "scan", "pallas"])  # pallas: interpreted
 def test_matches_the_float64_loop(inputs, method):
     x, mask = inputs
     layer = make(method=method)

@@ -70,8 +70,8 @@ class LightningAttention(nnx.Module):
       head_dim: per-head dimension (None: ``width / num_heads``, which must divide).
       layer_index: this layer's index ``l`` in the model (the decays depend on it).
       num_layers: the model's depth ``L``.
-      method: the full-sequence form, ``"chunked"``, ``"scan"`` or ``"quadratic"``
-        (``additive.causal``).
+      method: the full-sequence form, ``"chunked"``, ``"scan"``, ``"quadratic"`` or the
+        opt-in ``"pallas"`` kernel (``additive.causal``).
       chunk_size: tokens per chunk; None: the family's default.
       norm_eps: the output RMSNorm's epsilon (``transformers``' default 1e-6).
       sequence_axis: a mesh axis that splits the sequence (the full-sequence forward runs
@@ -113,8 +113,10 @@ class LightningAttention(nnx.Module):
         self.head_dim = check_head_dim(width, num_heads, head_dim)
         if causal is not True:
             raise ValueError(f"lightning attention is causal: causal must be True, got {causal!r}")
-        if method not in additive.METHODS:
-            raise ValueError(f"method must be one of {additive.METHODS}, got {method!r}")
+        if method not in additive.METHODS + additive.KERNEL_METHODS:
+            raise ValueError(
+                f"method must be one of {additive.METHODS} or 'pallas', got {method!r}"
+            )
         if chunk_size is not None:
             checks.check_int("chunk_size", chunk_size, 1)
         checks.check_number("norm_eps", norm_eps, 0)

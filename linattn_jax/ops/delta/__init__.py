@@ -2,9 +2,9 @@
 
 ``S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T`` (KDA: ``alpha_t`` a
 diagonal matrix). One interface shared with ``linattn_jax.ops.additive``: ``State``,
-``init_state``, ``METHODS`` (and the opt-in ``KERNEL_METHODS``), ``causal``, ``step``, ``sequence_parallel``; ``beta`` is the
-family's one extra input, after ``v``. The long names (``delta_rule`` and so on) are the
-same functions.
+``init_state``, ``METHODS`` (and the opt-in ``KERNEL_METHODS``), ``causal``, ``step``,
+``sequence_parallel``; ``beta`` is the family's one extra input, after ``v``. The long
+names (``delta_rule`` and so on) are the same functions.
 """
 
 from linattn_jax.ops.delta.api import KERNEL_METHODS, METHODS, causal
