@@ -146,24 +146,32 @@ def causal(
         )
     resets = None if segment_ids is None else checks.segment_resets(segment_ids, b, t, dtype)
     q, k, v, beta = (checks.where_token(key_mask, x) for x in (q, k, v, beta))
-    heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
-    q, k, v, beta = (heads_first(x.astype(dtype)) for x in (q * scale, k, v, beta))
+    q, k, v, beta = (x.astype(dtype) for x in (q * scale, k, v, beta))
     state = as_internal(initial_state, b, hv, dk, v.shape[-1], dtype)
-    if method == "pallas":
-        xs = (q, k, v, beta, g, resets)
-        out, state = pallas.causal_chunks(xs, state, chunk_size, t, groups=hv // h)
-    elif method == "scan":
-        chunk_size = checks.default_chunk_size(chunk_size, g)
-        body = recurrent.scan_body
-        if hv != h:
-            body = functools.partial(_grouped, body, hv // h)
-        out, state = chunking.scan(body, state, (q, k, v, beta, g, resets), chunk_size, t)
-    else:
+    if method == "chunked":
+        # Time-major throughout: chunking.scan moves each chunk heads first, so no
+        # whole-sequence transposes of q, k, v, beta and the output (nor of their
+        # cotangents). The log-decays and resets are small ([b, t, h, 1|dk]).
         if chunk_size is None and g is not None and g.shape[-1] > 1:
             chunk_size = checks.default_chunk_size(chunk_size, g)  # per channel: 16
+        g, resets = (None if x is None else jnp.swapaxes(x, 1, 2) for x in (g, resets))
         xs = (q, k, v, beta, g, resets)
-        out, state = chunked.causal_chunks(xs, state, chunk_size, t, groups=hv // h, dtype=operands)
-    out = jnp.swapaxes(out, 1, 2).astype(out_dtype)
+        out, state = chunked.causal_chunks(
+            xs, state, chunk_size, t, groups=hv // h, dtype=operands, time_axis=1
+        )
+    else:  # heads first: the kernels read each head's sequence whole
+        heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
+        xs = tuple(heads_first(x) for x in (q, k, v, beta)) + (g, resets)
+        if method == "pallas":
+            out, state = pallas.causal_chunks(xs, state, chunk_size, t, groups=hv // h)
+        else:
+            chunk_size = checks.default_chunk_size(chunk_size, g)
+            body = recurrent.scan_body
+            if hv != h:
+                body = functools.partial(_grouped, body, hv // h)
+            out, state = chunking.scan(body, state, xs, chunk_size, t)
+        out = jnp.swapaxes(out, 1, 2)
+    out = out.astype(out_dtype)
     return (out, State(state)) if return_state else out
 
 

@@ -59,8 +59,11 @@ def causal_chunks(
     groups: int = 1,
     dtype=None,
     group_tokens: int | None = None,
+    time_axis: int = 2,
 ):
-    """The delta rule over chunks, heads-first layout in and out.
+    """The delta rule over chunks, heads first (``time_axis=2``) or time-major
+    (``time_axis=1``: every ``[b, h, t, .]`` below is ``[b, t, h, .]``, in and out, and the
+    chunks are moved heads first one at a time inside the loop, not the whole sequence).
 
     The chunks run ``group_tokens // chunk_size`` at a time (all of them when the
     sequence is shorter): ``linattn_jax.ops.chunking.scan`` carries the state across
@@ -82,12 +85,15 @@ def causal_chunks(
         (``chunking.operand_dtype``; None: no cast).
       group_tokens: tokens whose chunks run at once (at least one chunk); None: one
         chunk on CPU, ``chunking.GROUP_TOKENS`` on GPU and TPU (``lax.platform_dependent``).
+      time_axis: the token axis of ``xs`` and of the output, 2 or 1.
 
     Returns:
       ``(out [b, hv, t, dv], state after the last token)``.
     """
     if group_tokens is None or chunk_size is None:
-        run = functools.partial(causal_chunks, length=length, groups=groups, dtype=dtype)
+        run = functools.partial(
+            causal_chunks, length=length, groups=groups, dtype=dtype, time_axis=time_axis
+        )
 
         def on(backend):  # the chunk size and group of each backend where not given
             size = CHUNK_SIZE[backend] if chunk_size is None else chunk_size
@@ -105,30 +111,33 @@ def causal_chunks(
     one = per_group == 1
     body = functools.partial(chunk_body if one else group_body, **options)
     body_bwd = functools.partial(chunk_body_bwd if one else group_body_bwd, **options)
-    xs, first_v = _finite_inputs(xs, groups)
-    out, final = chunking.scan(body, state, xs, per_group * c, length, body_bwd=body_bwd)
+    xs, first_v = _finite_inputs(xs, groups, time_axis)
+    out, final = chunking.scan(
+        body, state, xs, per_group * c, length, body_bwd=body_bwd, time_axis=time_axis
+    )
     # What a non-finite input reaches is NaN from its token on, as in the per-token
     # recurrence: the outputs (a value channel, or all of them), the final state's columns.
-    out = chunking.nan_from(first_v, out, 2)
-    return out, jnp.where(first_v < length, jnp.full((), jnp.nan, final.dtype), final)
+    out = chunking.nan_from(first_v, out, time_axis)
+    spoilt = first_v if time_axis == 2 else jnp.swapaxes(first_v, 1, 2)  # [b, hv, 1, dv]
+    return out, jnp.where(spoilt < length, jnp.full((), jnp.nan, final.dtype), final)
 
 
-def _finite_inputs(xs, groups: int):
+def _finite_inputs(xs, groups: int, time_axis: int = 2):
     """Once per call, over the whole sequence (the chunk loop then never meets a
     non-finite input): ``(xs with non-finite keys, values, betas and gates zeroed, the
-    index of the first token whose value channel is spoilt [b, hv, 1, dv], the length
-    where none is)``. Zeros keep the masked products and the solve from spreading
-    ``0 * NaN`` to earlier tokens; every output from a bad token on (a bad key, beta or
-    gate), or one value channel from a non-finite value on (the value channels never
-    mix), is then set to NaN."""
+    index of the first token whose value channel is spoilt [b, hv, 1, dv] (time-major
+    ``[b, 1, hv, dv]``), the length where none is)``. Zeros keep the masked products and
+    the solve from spreading ``0 * NaN`` to earlier tokens; every output from a bad token
+    on (a bad key, beta or gate), or one value channel from a non-finite value on (the
+    value channels never mix), is then set to NaN."""
     q, k, v, beta, g, r = xs
     ok_k = chunking.finite_tokens(k)
     k = chunking.where_finite(ok_k, k)
-    ok = chunking.finite_tokens(beta, log_decays=g) & repeat_heads(ok_k, groups, 1)
+    ok = chunking.finite_tokens(beta, log_decays=g) & repeat_heads(ok_k, groups, 3 - time_axis)
     beta, g = (chunking.where_finite(ok, y) for y in (beta, g))
     good_v = ok[..., None] & jnp.isfinite(v)
     v = chunking.where_finite(good_v, v)
-    return (q, k, v, beta, g, r), chunking.first_index(~good_v, 2)
+    return (q, k, v, beta, g, r), chunking.first_index(~good_v, time_axis)
 
 
 def _group_parts(x, *, c: int, groups: int, dtype=None):
