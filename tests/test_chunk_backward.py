@@ -386,3 +386,14 @@ def test_taylor_kernel_saves_work():
         return jax.jit(fn).lower(q, k, v).compile().cost_analysis()["flops"]
 
     assert flops("taylor") < 0.8 * flops(no_kernel)
+
+
+def test_the_chunks_decays_scale_their_rows_through_scaled():
+    """The additive form's decayed queries and keys come from ``chunking.scaled`` (whose
+    gradient sums each row as a product, tested in test_delta_rule.py), forward and in
+    the hand-written backward's recomputation."""
+    q = jnp.ones((1, 40, 2, 8))
+    gate = -jnp.ones((1, 40, 2))
+    loss = lambda q, k, v, gate: jnp.sum(la.causal_linear_attention(q, k, v, gate=gate))
+    program = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, q, q, gate))
+    assert "name=_scaled" in program

@@ -390,3 +390,38 @@ class GatedLinearAttentionTest(chex.TestCase):
             outs.append(o)
         chex.assert_trees_all_close(jnp.stack(outs, 1), full, **helpers.tol(jnp.float32))
         chex.assert_trees_all_close(state, final, **helpers.tol(jnp.float32))
+
+
+@pytest.mark.parametrize(
+    "x_shape, scale_shape",
+    [((2, 3, 5, 8), (2, 3, 5, 1)), ((2, 3, 5, 8), (2, 1, 5, 1)), ((2, 3, 5, 8), (2, 3, 5, 8))],
+)
+def test_row_scaling_sums_its_gradient_as_a_product(x_shape, scale_shape):
+    """``chunking.scaled``, the chunks' per-token factors (decays, beta): the product and its
+    gradient equal plain broadcasting's, and a factor per row gets its gradient from a
+    ``dot_general`` with ones, not a ``reduce_sum`` (XLA:CPU's YNNPACK ran those row sums
+    an order of magnitude slower inside the chunk loop)."""
+    from linattn_jax.ops import chunking
+
+    x = jax.random.normal(jax.random.PRNGKey(0), x_shape)
+    scale = jax.random.normal(jax.random.PRNGKey(1), scale_shape)
+    weight = jax.random.normal(jax.random.PRNGKey(2), x_shape)
+    loss = lambda fn: lambda x, s: jnp.sum(fn(x, s) * weight)
+    got = jax.grad(loss(chunking.scaled), argnums=(0, 1))(x, scale)
+    want = jax.grad(loss(jnp.multiply), argnums=(0, 1))(x, scale)
+    helpers.assert_close_normwise(got, want, 1e-6)
+    backward = str(jax.make_jaxpr(jax.grad(loss(chunking.scaled), argnums=1))(x, scale))
+    per_row = scale_shape[-1] == 1
+    assert ("dot_general" in backward) == per_row
+    if per_row:  # a sum over leading axes (a factor shared across heads) may remain
+        assert f"axes=({len(x_shape) - 1},)" not in backward
+
+
+def test_the_chunks_scale_their_rows_through_scaled():
+    """Gated DeltaNet's chunk-local pieces (its decays into and out of the chunk, beta on
+    the solve's system and right-hand side) run through ``chunking.scaled``, so their
+    gradient's row sums are products (the test above)."""
+    q, beta, gate = jnp.ones((1, 40, 2, 8)), jnp.full((1, 40, 2), 0.5), -jnp.ones((1, 40, 2))
+    loss = lambda q, k, v, beta, gate: jnp.sum(la.delta_rule(q, k, v, beta, gate=gate))
+    program = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, q, q, beta, gate))
+    assert "name=_scaled" in program

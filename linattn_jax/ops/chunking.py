@@ -316,6 +316,44 @@ def reset_below(dtype) -> float:
     return 2.0 * float(np.log(np.finfo(dtype).eps))
 
 
+def row_sums(x: Array) -> Array:
+    """``x [..., n]`` summed over its last axis as a product with ones (see ``scaled``)."""
+    return jnp.einsum("...n,n->...", x, jnp.ones((x.shape[-1],), x.dtype))
+
+
+def scaled(x: Array, scale: Array) -> Array:
+    """``x [..., n] * scale [..., 1|n]``. For one factor per row (``[..., 1]``) its
+    gradient sums ``d x`` over the row as a product with ones: XLA:CPU's YNNPACK runs
+    such row reductions (``jnp.sum``) an order of magnitude slower inside the chunk loop,
+    which cost Gated DeltaNet a fifth of its forward+backward and the additive form with
+    a decay a sixth (docs/benchmarks.md)."""
+    return _scaled(x, scale) if scale.shape[-1] == 1 else x * scale
+
+
+@jax.custom_vjp
+def _scaled(x: Array, scale: Array) -> Array:
+    return x * scale
+
+
+def _scaled_fwd(x, scale):
+    return x * scale, (x, scale)
+
+
+def _scaled_bwd(residuals, d):
+    x, scale = residuals
+    d_scale = row_sums(d * x)[..., None]
+    d_scale = jnp.sum(d_scale, axis=_broadcast_axes(d_scale.shape, scale.shape), keepdims=True)
+    return (d * scale).astype(x.dtype), d_scale.reshape(scale.shape).astype(scale.dtype)
+
+
+def _broadcast_axes(shape, like) -> tuple[int, ...]:
+    """The axes along which ``like`` (of the same rank) was broadcast to ``shape``."""
+    return tuple(i for i, (n, m) in enumerate(zip(shape, like, strict=True)) if m == 1 and n != 1)
+
+
+_scaled.defvjp(_scaled_fwd, _scaled_bwd)
+
+
 def finite_tokens(*xs: Array | None, log_decays: Array | None = None) -> Array:
     """``[b, h|1, c]`` bool: the tokens whose entries are finite in every ``x [b, h|1, c, ...]``
     and, in ``log_decays``, not NaN or ``+inf`` (``-inf`` is a reset). None entries are

@@ -219,7 +219,7 @@ def chunk_parts(diagonal: bool, kernel, x, *, dtype=None, phi=None):
         scores = chunking.decay_scores(scores, dec, diagonal=diagonal)
     if dec is None:
         return scores, q, k, None
-    return scores, q * dec.into, k * dec.out_of, dec.across
+    return scores, chunking.scaled(q, dec.into), chunking.scaled(k, dec.out_of), dec.across
 
 
 def _live(live: Array | None, x: Array) -> Array:
@@ -499,5 +499,7 @@ def _decay(a: Array | None, x: Array) -> Array:
 
 def _reduce_to(x: Array, shape: tuple[int, ...]) -> Array:
     """``x [b, h, f, ...]`` summed down to ``shape`` ``[b, h, 1|f]``."""
-    x = jnp.sum(x, axis=tuple(range(len(shape), x.ndim)))
-    return jnp.sum(x, axis=-1, keepdims=True) if shape[-1] == 1 else x
+    x = x.reshape(x.shape[: len(shape)] + (-1,))  # the sums as products (chunking.row_sums)
+    if shape[-1] == 1:
+        return chunking.row_sums(x.reshape(x.shape[:-2] + (-1,)))[..., None]
+    return chunking.row_sums(x)

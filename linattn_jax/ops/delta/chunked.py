@@ -257,11 +257,7 @@ def group_body_bwd(d_final: Array, inputs, *, c: int, groups: int, dtype=None):
     d_state, d_next = jax.lax.scan(step, d_final, ys, reverse=True)
     d_next = chunking.head_major(d_next)  # [b, m, dk, dv]: d of the state after each chunk
     d_m = -jnp.einsum("bmkv,bmlv->bmkl", d_next, states)
-    d_across = None
-    if across is not None:
-        d_across = jnp.sum(d_next * states, axis=-1)
-        if across.shape[-1] == 1:
-            d_across = jnp.sum(d_across, axis=-1, keepdims=True)
+    d_across = None if across is None else _d_decay(across, d_next, states)
     (d_x,) = vjp(((d_across, d_m, d_next), (d_q_in, d_qk, d_w, d_u)))
     return d_state, d_x
 
@@ -295,11 +291,22 @@ def _ut_transform(q, k, v, beta, kk, dec):
     if dec is None:
         q_in, k_in, k_out, across = q, k, k, None
     else:
-        q_in, k_in, k_out, across = q * dec.into, k * dec.into, k * dec.out_of, dec.across
-    rhs = beta[..., None] * jnp.concatenate([v, k_in], axis=-1)
-    uw = unit_lower_solve(beta[..., None] * kk, rhs)
+        scaled = chunking.scaled
+        q_in, k_in, k_out = scaled(q, dec.into), scaled(k, dec.into), scaled(k, dec.out_of)
+        across = dec.across
+    rhs = chunking.scaled(jnp.concatenate([v, k_in], axis=-1), beta[..., None])
+    uw = unit_lower_solve(chunking.scaled(kk, beta[..., None]), rhs)
     dv = v.shape[-1]
     return across, q_in, k_out, uw[..., :dv], uw[..., dv:]
+
+
+def _d_decay(a: Array, d_s: Array, s: Array) -> Array:
+    """The cotangent of ``a [..., 1|dk]`` in ``_decay(a, s)``, given that of the product,
+    ``d_s [..., dk, dv]`` (the sums as products with ones, ``chunking.row_sums``)."""
+    prod = d_s * s
+    if a.shape[-1] == 1:
+        return chunking.row_sums(prod.reshape(prod.shape[:-2] + (-1,)))[..., None]
+    return chunking.row_sums(prod)
 
 
 def chunk_body(s: Array, x, *, c: int, groups: int, dtype=None) -> tuple[Array, Array]:
@@ -330,11 +337,7 @@ def chunk_body_bwd(d_next: Array, inputs, *, c: int, groups: int, dtype=None):
     d_w = -jnp.einsum("bmcv,bmkv->bmck", d_u, s)
     d_s = _decay(across, d_next) + mixed("bmck,bmcv->bmkv", q_in, d_out)
     d_s = d_s - jnp.einsum("bmck,bmcv->bmkv", w, d_u)
-    d_across = None
-    if across is not None:
-        d_across = jnp.sum(d_next * s, axis=-1)
-        if across.shape[-1] == 1:
-            d_across = jnp.sum(d_across, axis=-1, keepdims=True)
+    d_across = None if across is None else _d_decay(across, d_next, s)
     (d_x,) = vjp((d_across, d_q_in, d_k_out, d_qk, d_w, d_u))
     return d_s, d_x
 
