@@ -217,4 +217,21 @@ def test_the_compile_sweep_of_the_qwen3_5_layout_runs_at_its_smallest(tmp_path):
         (row,) = list(csv.DictReader(fh))
     assert row["depth"] == "1"
     assert float(row["forward_compile_s"]) > 0 and float(row["forward_ms"]) > 0
+    assert (row["recurrence"], row["scan_layers"]) == ("chunked", "False")
     assert "generate (0 tokens)" in (tmp_path / "compile_hf.md").read_text()
+
+
+def test_the_compile_sweep_builds_the_bound_and_the_scanned_model():
+    # --recurrence scan: every Gated DeltaNet layer runs its per-token scan; --scan-layers:
+    # one stacked block per layer of the period. Both as from_pretrained would build them.
+    from flax import nnx
+
+    from experiments.bench import compile_time
+    from linattn_jax.layers import DeltaRuleAttention
+
+    model = compile_time.hf_model(4, 32, recurrence="scan", scan_layers=True)
+    methods = [n.method for _, n in nnx.iter_graph(model) if isinstance(n, DeltaRuleAttention)]
+    assert methods == ["scan"] * 3 and model.period == 4  # scanned over the 3:1 period
+    plain = compile_time.hf_model(4, 32)
+    methods = [n.method for _, n in nnx.iter_graph(plain) if isinstance(n, DeltaRuleAttention)]
+    assert methods == ["chunked"] * 3 and plain.period is None  # unrolled

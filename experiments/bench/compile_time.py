@@ -11,7 +11,10 @@ unset for these numbers.
 three Gated DeltaNet layers to one attention layer, bfloat16, at ``--width``) over
 ``--depths``: its forward of ``--prefill`` tokens (tracing and lowering, XLA's compile, a
 step) and ``generate`` of ``--decode-steps`` greedy tokens (its compile, the first call less
-the second, and the time per token), unrolled (``measure_hf``).
+the second, and the time per token), unrolled unless ``--scan-layers`` (``measure_hf``).
+``--recurrence scan`` runs the Gated DeltaNet layers' per-token scan instead of their chunked
+form: what the model costs to compile with the simplest recurrence, a bound on what any
+change to the chunked form can save.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ CONFIG = "configs/hybrid.py:small"
 FIELDS = ("depth", "scan_layers", "layers_in_program", "lower_s", "compile_s", "total_s")
 HF_FIELDS = (
     "depth",
+    "recurrence",
+    "scan_layers",
     "forward_lower_s",
     "forward_compile_s",
     "forward_ms",
@@ -135,6 +140,25 @@ def hf_config(depth: int, width: int) -> dict:
     return hf.qwen3_5.normalize_config(raw)
 
 
+def hf_model(depth: int, width: int, recurrence: str = "chunked", scan_layers: bool = False):
+    """The ``LanguageModel`` of ``hf_config(depth, width)`` with random bfloat16 weights, as
+    ``from_pretrained`` builds it, its Gated DeltaNet layers' ``method`` ``recurrence``."""
+    import jax.numpy as jnp
+
+    from linattn_jax.hf import pretrained
+    from linattn_jax.models import LanguageModel
+
+    config = hf_config(depth, width)
+    fmt = pretrained.format_of(config)
+    options = fmt.model_options(config, jnp.bfloat16)
+    kinds = dict(options["kind_options"])
+    kinds["gated_deltanet"] = {**kinds["gated_deltanet"], "method": recurrence}
+    options = {**options, "kind_options": kinds, "scan_layers": scan_layers}
+    model = LanguageModel(**options, rngs=nnx.Rngs(0))
+    fmt.finish(model, config)
+    return model
+
+
 def _median_s(fn, repeats: int = 3) -> float:
     times = []
     for _ in range(repeats):
@@ -144,30 +168,40 @@ def _median_s(fn, repeats: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure_hf(depths, width: int = 256, prefill: int = 128, steps: int = 16) -> list[dict]:
+def measure_hf(
+    depths,
+    width: int = 256,
+    prefill: int = 128,
+    steps: int = 16,
+    recurrence: str = "chunked",
+    scan_layers: bool = False,
+) -> list[dict]:
     """One row per depth (``measure_hf_depth``), printed as it is measured."""
     rows = []
     for depth in depths:
-        rows.append(measure_hf_depth(depth, width, prefill, steps))
+        rows.append(measure_hf_depth(depth, width, prefill, steps, recurrence, scan_layers))
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-def measure_hf_depth(depth: int, width: int, prefill: int, steps: int) -> dict:
+def measure_hf_depth(
+    depth: int,
+    width: int,
+    prefill: int,
+    steps: int,
+    recurrence: str = "chunked",
+    scan_layers: bool = False,
+) -> dict:
     """The Qwen3.5-shaped model of ``depth`` layers (``hf_config``, random bfloat16
-    weights): its forward of ``prefill`` tokens traced and lowered, compiled by XLA and
-    run (the median of 3); ``generate`` of ``steps`` greedy tokens after a 16-token prompt
-    (NaN when ``steps`` is 0): its compile (the first call less the median of 3 more) and
-    time per token. New functions each time: nothing comes from JAX's in-memory caches."""
+    weights; its Gated DeltaNet layers' ``method`` ``recurrence``, its layers scanned with
+    ``scan_layers``): its forward of ``prefill`` tokens traced and lowered, compiled by XLA
+    and run (the median of 3); ``generate`` of ``steps`` greedy tokens after a 16-token
+    prompt (NaN when ``steps`` is 0): its compile (the first call less the median of 3
+    more) and time per token. New functions each time: nothing comes from JAX's in-memory
+    caches."""
     import jax.numpy as jnp
 
-    from linattn_jax.hf import pretrained
-    from linattn_jax.models import LanguageModel
-
-    config = hf_config(depth, width)
-    fmt = pretrained.format_of(config)
-    model = LanguageModel(**fmt.model_options(config, jnp.bfloat16), rngs=nnx.Rngs(0))
-    fmt.finish(model, config)
+    model = hf_model(depth, width, recurrence, scan_layers)
     graphdef, state = nnx.split(model)
     forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
     tokens = jnp.ones((1, prefill), jnp.int32)
@@ -176,7 +210,8 @@ def measure_hf_depth(depth: int, width: int, prefill: int, steps: int) -> dict:
     lowered_at = time.perf_counter()
     compiled = lowered.compile()
     compiled_at = time.perf_counter()
-    row = dict(depth=depth, forward_lower_s=lowered_at - start)
+    row = dict(depth=depth, recurrence=recurrence, scan_layers=scan_layers)
+    row["forward_lower_s"] = lowered_at - start
     row["forward_compile_s"] = compiled_at - lowered_at
     row["forward_ms"] = 1e3 * _median_s(lambda: compiled(state, tokens))
     row |= dict(generate_compile_s=math.nan, decode_ms_per_token=math.nan)
@@ -194,13 +229,14 @@ def measure_hf_depth(depth: int, width: int, prefill: int, steps: int) -> dict:
 def hf_table(rows: list[dict], width: int, prefill: int, steps: int) -> str:
     """``measure_hf``'s rows as a markdown table (ending in a newline)."""
     lines = [
-        f"| depth (3 Gated DeltaNet : 1 attention, width {width}) | forward of {prefill} "
-        f"tokens: trace + lower s | XLA compile s | run ms | generate ({steps} tokens): "
-        "compile s | ms / token |",
-        "|---|---|---|---|---|---|",
+        f"| depth (3 Gated DeltaNet : 1 attention, width {width}) | recurrence | layers "
+        f"| forward of {prefill} tokens: trace + lower s | XLA compile s | run ms "
+        f"| generate ({steps} tokens): compile s | ms / token |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['depth']} | {r['forward_lower_s']:.2f} | {r['forward_compile_s']:.2f} "
+        f"| {r['depth']} | {r['recurrence']} | {'scanned' if r['scan_layers'] else 'unrolled'} "
+        f"| {r['forward_lower_s']:.2f} | {r['forward_compile_s']:.2f} "
         f"| {r['forward_ms']:.1f} | {r['generate_compile_s']:.2f} "
         f"| {r['decode_ms_per_token']:.2f} |"
         for r in rows
@@ -213,7 +249,9 @@ def run(args: argparse.Namespace, command: str) -> None:
     ``measure_hf``), writes to ``args.out``, prints the table."""
     depths = [int(x) for x in args.depths.split(",") if x]
     if args.hf:
-        rows = measure_hf(depths, args.width, args.prefill, args.decode_steps)
+        rows = measure_hf(
+            depths, args.width, args.prefill, args.decode_steps, args.recurrence, args.scan_layers
+        )
         out = Path(args.out)
         text = write_table(
             out, "compile_hf.md", hf_table(rows, args.width, args.prefill, args.decode_steps),
