@@ -151,7 +151,7 @@ def ignored_prefixes(config: Mapping[str, Any]) -> tuple[str, ...]:
         if t == "linear_attention"
         for buffer in BUFFERS
     )
-    return names + (("lm_head.",) if config["tie_word_embeddings"] else ())
+    return names + common.tied_head_ignored(config)
 
 
 def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -161,11 +161,7 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
       ValueError: an unknown ``model_type``, or a field missing, of the wrong type or
         unsupported, named.
     """
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ValueError(
-            f"config.json: model_type must be one of {MODEL_TYPES}, got {raw.get('model_type')!r}"
-        )
-    config = {**DEFAULTS, **{k: v for k, v in raw.items() if v is not None or k not in DEFAULTS}}
+    config = common.with_defaults(raw, MODEL_TYPES, DEFAULTS)
     if config.get("num_key_value_heads") is None:
         config["num_key_value_heads"] = config.get("num_attention_heads")
     if config.get("head_dim") is None and common.is_int(config.get("hidden_size")):
@@ -194,11 +190,7 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     for field in [f for pair in FACTORS.values() for f in pair] + ["rms_norm_eps"]:
         if not common.is_number(config[field]):
             raise ValueError(f"config.json: {field} must be a number, got {config[field]!r}")
-    if not isinstance(config["tie_word_embeddings"], bool):
-        raise ValueError(
-            "config.json: tie_word_embeddings must be true or false, got "
-            f"{config['tie_word_embeddings']!r}"
-        )
+    common.check_bools(config, ("tie_word_embeddings",))
     rope = dict(config.get("rope_parameters") or {})
     rope.setdefault("rope_type", "default")
     rope.setdefault("rope_theta", config.get("rope_theta", 1e6))
@@ -219,10 +211,10 @@ def model_options(
     (the blocks' and the final RMSNorm's epsilon is set by ``finish``)."""
     factors = lambda kind: tuple(float(config[f]) for f in FACTORS[kind])
     heads, head_dim = config["num_attention_heads"], config["head_dim"]
-    return dict(
-        vocab_size=config["vocab_size"],
-        width=config["hidden_size"],
-        depth=config["num_hidden_layers"],
+    return common.language_model_options(
+        config,
+        dtype,
+        param_dtype,
         num_heads=heads,
         attention=[LAYER_KINDS[t] for t in layer_types(config)],
         kind_options={
@@ -235,7 +227,6 @@ def model_options(
                 attention_residual=factors("full_attention"),
             ),
         },
-        tie_embeddings=config["tie_word_embeddings"],
         mlp="moe",
         moe=dict(
             num_experts=config["num_local_experts"],
@@ -245,8 +236,6 @@ def model_options(
         ),
         normed_residual=True,
         mlp_residual=factors("mlp"),
-        dtype=dtype,
-        param_dtype=dtype if param_dtype is None else param_dtype,
     )
 
 
@@ -270,8 +259,7 @@ def config_from_model(model) -> dict[str, Any]:
         ``lightning`` and ``softmax``, blocks without ``normed_residual`` or without a MoE of
         Mixtral's router, layers of one kind with different sizes), naming what differs.
     """
-    if getattr(model, "period", None) is not None:
-        raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
+    common.check_unrolled(model)
     fields: dict[str, Any] = {}
     types, eps = [], None
     for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):

@@ -214,8 +214,7 @@ def config_for_save(model, config: Mapping[str, Any] | None = None) -> dict[str,
             common.agree(fields, field, value, where)
         dense_mlp = SwiGLU(gate_proj=types.SimpleNamespace(out_features=mlp.gate.shape[-1]))
         blocks.append(types.SimpleNamespace(**{**vars(block), "mlp": dense_mlp}))
-    if getattr(model, "period", None) is not None:
-        raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
+    common.check_unrolled(model)
     view = types.SimpleNamespace(
         **{k: getattr(model, k) for k in ("period", "layout", "norm", "vocab_size", "embed",
                                           "depth", "head")},

@@ -71,20 +71,14 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
       ValueError: an unknown ``model_type``, or a field missing, of the wrong type or
         unsupported, named.
     """
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ValueError(
-            f"config.json: model_type must be one of {MODEL_TYPES}, got {raw.get('model_type')!r}"
-        )
+    common.check_model_type(raw, MODEL_TYPES)
     merged = {**NEXT_DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
     config = qwen3_5.normalize_config(dict(merged, model_type="qwen3_5_text"))
     config["model_type"] = "qwen3_next"
     for field in NEXT_DEFAULTS:
         config[field] = merged[field]
     common.check_ints(config, [f for f in NEXT_DEFAULTS if f != "norm_topk_prob"])
-    if not isinstance(config["norm_topk_prob"], bool):
-        raise ValueError(
-            f"config.json: norm_topk_prob must be true or false, got {config['norm_topk_prob']!r}"
-        )
+    common.check_bools(config, ("norm_topk_prob",))
     dense = raw.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(common.is_int(i) for i in dense):
         raise ValueError(f"config.json: mlp_only_layers must be a list of ints, got {dense!r}")
@@ -219,8 +213,7 @@ def config_for_save(model, config: Mapping[str, Any] | None = None) -> dict[str,
         blocks.append(types.SimpleNamespace(**{**vars(block), "mlp": mlp}))
     if "num_experts" not in fields:
         raise ValueError("Qwen3-Next has MoE layers: the model has none")
-    if getattr(model, "period", None) is not None:
-        raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
+    common.check_unrolled(model)
     names = ("period", "layout", "norm", "vocab_size", "embed", "depth", "head")
     view = types.SimpleNamespace(**{k: getattr(model, k) for k in names}, blocks=blocks)
     fields.setdefault("intermediate_size", dense_width)
@@ -254,8 +247,6 @@ FORMAT = common.ModelFormat(
     weight_table=weight_table,
     config_for_save=config_for_save,
     prefixes=("model.", "model." + qwen3_5_moe.FUSED),
-    ignored_prefixes=lambda config: (
-        ("mtp.",) + (("lm_head.",) if config["tie_word_embeddings"] else ())
-    ),
+    ignored_prefixes=lambda config: ("mtp.",) + common.tied_head_ignored(config),
     finish=qwen3_5_moe.FORMAT.finish,
 )
