@@ -306,6 +306,33 @@ def check_divides(config: Mapping[str, Any], small: str, large: str) -> None:
         )
 
 
+def check_at_most(config: Mapping[str, Any], small: str, large: str) -> None:
+    """Raises ``ValueError`` unless ``config[small] <= config[large]``."""
+    if config[small] > config[large]:
+        raise ValueError(f"config.json: {small}={config[small]} must be <= {large}={config[large]}")
+
+
+def check_layer_types(config: Mapping[str, Any], kinds: Sequence[str]) -> None:
+    """Raises ``ValueError`` unless ``config["layer_types"]`` lists ``num_hidden_layers``
+    of ``kinds``."""
+    types, n = config["layer_types"], config["num_hidden_layers"]
+    if not isinstance(types, list) or len(types) != n or any(t not in kinds for t in types):
+        raise ValueError(
+            f"config.json: layer_types must list num_hidden_layers={n} of {list(kinds)}, "
+            f"got {types!r}"
+        )
+
+
+def rope_parameters(config: Mapping[str, Any], theta: float | None) -> dict[str, Any]:
+    """``config``'s ``rope_parameters`` as ``transformers`` fills them in: ``rope_type``
+    ``"default"`` and ``rope_theta`` the top-level ``rope_theta``, else ``theta``, where
+    absent."""
+    rope = dict(config.get("rope_parameters") or {})
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", config.get("rope_theta", theta))
+    return rope
+
+
 def check_unsupported(config: Mapping[str, Any], supported: Mapping[str, Any]) -> None:
     """Raises ``ValueError`` naming a field set to a value we do not implement:
     ``supported`` maps a field to the one value (or a tuple of values) we take; an absent

@@ -148,11 +148,7 @@ def check_config(config: Mapping[str, Any]) -> None:
     common.check_divides(config, "num_attention_heads", "hidden_size")
     if config["num_local_experts"]:
         common.check_ints(config, ("num_experts_per_tok",))
-        if config["num_experts_per_tok"] > config["num_local_experts"]:
-            raise ValueError(
-                f"config.json: num_experts_per_tok={config['num_experts_per_tok']} must be <= "
-                f"num_local_experts={config['num_local_experts']}"
-            )
+        common.check_at_most(config, "num_experts_per_tok", "num_local_experts")
     types = config["layer_types"]
     if (
         not isinstance(types, list)

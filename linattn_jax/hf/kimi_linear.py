@@ -259,11 +259,7 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             "latent)"
         )
     common.check_divides(config, "num_expert_group", "num_experts")
-    if config["topk_group"] > config["num_expert_group"]:
-        raise ValueError(
-            f"config.json: topk_group={config['topk_group']} must be <= "
-            f"num_expert_group={config['num_expert_group']}"
-        )
+    common.check_at_most(config, "topk_group", "num_expert_group")
     chosen = config["topk_group"] * config["num_experts"] // config["num_expert_group"]
     if config["num_experts_per_token"] > chosen:
         raise ValueError(

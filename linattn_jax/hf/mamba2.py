@@ -228,16 +228,10 @@ HYBRID_FIELDS = {
 # transformers' defaults of the mixer's fields, alike in Bamba's, Granite-4.0-H's and
 # Falcon-H1's configs (``"auto"``: ``auto_head_dim``, or Falcon-H1's own).
 HYBRID_DEFAULTS = dict(
-    mamba_n_heads=128,
-    mamba_d_head="auto",
-    mamba_n_groups=1,
-    mamba_d_state=256,
-    mamba_d_conv=4,
-    mamba_expand=2,
-    mamba_conv_bias=True,
-    mamba_proj_bias=False,
+    mamba_n_heads=128, mamba_d_head="auto", mamba_n_groups=1, mamba_d_state=256,
+    mamba_d_conv=4, mamba_expand=2, mamba_conv_bias=True, mamba_proj_bias=False,
     time_step_limit=[0.0, math.inf],
-)
+)  # fmt: skip
 
 
 def hybrid_mixer_rules(config: Mapping[str, Any]) -> tuple[Rule, ...]:
@@ -254,10 +248,7 @@ def hybrid_defaults(config: dict[str, Any]) -> None:
     if config.get("num_key_value_heads") is None:
         config["num_key_value_heads"] = config.get("num_attention_heads")
     config["time_step_limit"] = time_step_limit(config["time_step_limit"])
-    rope = dict(config.get("rope_parameters") or {})
-    rope.setdefault("rope_type", "default")
-    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    config["rope_parameters"] = rope
+    config["rope_parameters"] = common.rope_parameters(config, 10000.0)
 
 
 def auto_head_dim(config: dict[str, Any]) -> None:

@@ -175,25 +175,14 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
         config["layer_types"] = [
             "full_attention" if (i + 1) % 2 else "linear_attention" for i in range(n)
         ]
-    types = config["layer_types"]
-    if not isinstance(types, list) or len(types) != n or any(t not in LAYER_KINDS for t in types):
-        raise ValueError(
-            f"config.json: layer_types must list num_hidden_layers={n} of "
-            f"{list(LAYER_KINDS)}, got {types!r}"
-        )
-    if config["num_experts_per_tok"] > config["num_local_experts"]:
-        raise ValueError(
-            f"config.json: num_experts_per_tok={config['num_experts_per_tok']} must be <= "
-            f"num_local_experts={config['num_local_experts']}"
-        )
+    common.check_layer_types(config, LAYER_KINDS)
+    common.check_at_most(config, "num_experts_per_tok", "num_local_experts")
     common.check_unsupported(config, {"hidden_act": "silu", "sliding_window": (None,)})
     for field in [f for pair in FACTORS.values() for f in pair] + ["rms_norm_eps"]:
         if not common.is_number(config[field]):
             raise ValueError(f"config.json: {field} must be a number, got {config[field]!r}")
     common.check_bools(config, ("tie_word_embeddings",))
-    rope = dict(config.get("rope_parameters") or {})
-    rope.setdefault("rope_type", "default")
-    rope.setdefault("rope_theta", config.get("rope_theta", 1e6))
+    rope = common.rope_parameters(config, 1e6)
     if rope["rope_type"] != "default" or not common.is_number(rope["rope_theta"]):
         raise ValueError(
             f"config.json: rope_parameters must have rope_type 'default' and a number "

@@ -182,21 +182,14 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
         if "full_attention" not in types:
             types[-1] = "full_attention"
         config["layer_types"] = types
-    types = config["layer_types"]
-    if not isinstance(types, list) or len(types) != n or any(t not in LAYER_KINDS for t in types):
-        raise ValueError(
-            f"config.json: layer_types must list num_hidden_layers={n} of "
-            f"{list(LAYER_KINDS)}, got {types!r}"
-        )
+    common.check_layer_types(config, LAYER_KINDS)
     common.check_unsupported(config, {"hidden_act": "silu", "attention_bias": False})
     common.check_bools(config, ("tie_word_embeddings", "linear_allow_neg_eigval"))
     if not common.is_number(config["rms_norm_eps"]):
         raise ValueError(
             f"config.json: rms_norm_eps must be a number, got {config['rms_norm_eps']!r}"
         )
-    rope = dict(config.get("rope_parameters") or {})
-    rope.setdefault("rope_type", "default")
-    rope.setdefault("rope_theta", config.get("rope_theta"))
+    rope = common.rope_parameters(config, None)
     theta = rope["rope_theta"]
     if rope["rope_type"] != "default" or not (theta is None or common.is_number(theta)):
         raise ValueError(

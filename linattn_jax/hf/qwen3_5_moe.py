@@ -118,11 +118,7 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     for field, default in MOE_DEFAULTS.items():
         config[field] = own.get(field, default)
     common.check_ints(config, MOE_FIELDS)
-    if config["num_experts_per_tok"] > config["num_experts"]:
-        raise ValueError(
-            f"config.json: num_experts_per_tok={config['num_experts_per_tok']} must be <= "
-            f"num_experts={config['num_experts']}"
-        )
+    common.check_at_most(config, "num_experts_per_tok", "num_experts")
     return config
 
 

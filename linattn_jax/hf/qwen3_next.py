@@ -83,11 +83,7 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(dense, list) or not all(common.is_int(i) for i in dense):
         raise ValueError(f"config.json: mlp_only_layers must be a list of ints, got {dense!r}")
     config["mlp_only_layers"] = list(dense)
-    if config["num_experts_per_tok"] > config["num_experts"]:
-        raise ValueError(
-            f"config.json: num_experts_per_tok={config['num_experts_per_tok']} must be <= "
-            f"num_experts={config['num_experts']}"
-        )
+    common.check_at_most(config, "num_experts_per_tok", "num_experts")
     return config
 
 
