@@ -211,17 +211,13 @@ def config_from_model(model) -> dict[str, Any]:
     return {
         "architectures": ["BambaForCausalLM"],
         "model_type": "bamba",
-        "vocab_size": model.vocab_size,
-        "hidden_size": width,
-        "num_hidden_layers": model.depth,
+        **common.model_fields(model),
         "attn_layer_indices": [i for i, k in enumerate(model.layout) if k == "softmax"],
         "rms_norm_eps": mamba2.one_epsilon(model),
         "mamba_expand": expand,
-        "tie_word_embeddings": model.head is None,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": theta,

@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -197,6 +198,19 @@ def language_model_options(
         param_dtype=dtype if param_dtype is None else param_dtype,
         **options,
     )
+
+
+def model_fields(model) -> dict[str, Any]:
+    """The config fields most formats name alike, read from ``model``
+    (``language_model_options``' inverse): ``vocab_size``, ``hidden_size``,
+    ``num_hidden_layers``, ``tie_word_embeddings`` and ``dtype`` (the parameters')."""
+    return {
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.embed.features,
+        "num_hidden_layers": model.depth,
+        "tie_word_embeddings": model.head is None,
+        "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
+    }
 
 
 def tied_head_ignored(config: Mapping[str, Any]) -> tuple[str, ...]:

@@ -44,18 +44,8 @@ SCALARS = (
     "attention_out_multiplier", "ssm_in_multiplier", "ssm_out_multiplier",
 )  # fmt: skip
 
-MODEL_RULES = common.rules(
-    ("embed_tokens.weight", "embed.embedding", "copy"),
-    ("final_layernorm.weight", "norm.scale", "copy"),
-)
-HEAD_RULE = mamba2.HEAD_RULE
-BLOCK_RULES = common.rules(
-    ("input_layernorm.weight", "attention_norm.scale", "copy"),
-    ("pre_ff_layernorm.weight", "mlp_norm.scale", "copy"),
-    ("feed_forward.gate_proj.weight", "mlp.gate_proj.kernel", "linear"),
-    ("feed_forward.up_proj.weight", "mlp.up_proj.kernel", "linear"),
-    ("feed_forward.down_proj.weight", "mlp.down_proj.kernel", "linear"),
-)
+# Bamba's rows: the model's, the head's and a block's norms and MLP.
+MODEL_RULES, HEAD_RULE, BLOCK_RULES = bamba.MODEL_RULES, bamba.HEAD_RULE, bamba.BLOCK_RULES
 
 
 def weight_table(config: Mapping[str, Any], prefix: str = PREFIX) -> list[tuple[str, Rule]]:
@@ -271,19 +261,15 @@ def config_from_model(model) -> dict[str, Any]:
     return {
         "architectures": ["FalconH1ForCausalLM"],
         "model_type": "falcon_h1",
-        "vocab_size": model.vocab_size,
-        "hidden_size": model.embed.features,
-        "num_hidden_layers": model.depth,
+        **common.model_fields(model),
         "mamba_d_ssm": fields["mamba_n_heads"] * fields["mamba_d_head"],
         "projectors_bias": fields["mamba_proj_bias"],
         "rms_norm_eps": mamba2.one_epsilon(model),
-        "tie_word_embeddings": model.head is None,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
         "embedding_multiplier": model.embedding_multiplier,
         "lm_head_multiplier": 1.0 / model.logits_scaling,
-        "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         **fields,
     }

@@ -358,14 +358,10 @@ def config_from_model(model) -> dict[str, Any]:
     return {
         "architectures": ["Mamba2ForCausalLM"],
         "model_type": "mamba2",
-        "vocab_size": model.vocab_size,
-        "hidden_size": width,
-        "num_hidden_layers": model.depth,
+        **common.model_fields(model),
         "expand": inner // width,
         "layer_norm_epsilon": one_epsilon(model),
-        "tie_word_embeddings": model.head is None,
         "hidden_act": "silu",
-        "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
         **fields,
     }
 

@@ -319,13 +319,9 @@ def config_from_model(model) -> dict[str, Any]:
     derived = {
         "architectures": ["MiniMaxForCausalLM"],
         "model_type": "minimax",
-        "vocab_size": model.vocab_size,
-        "hidden_size": model.embed.features,
-        "num_hidden_layers": model.depth,
+        **common.model_fields(model),
         "layer_types": types,
-        "tie_word_embeddings": model.head is None,
         "hidden_act": "silu",
-        "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
         **fields,
     }
     if theta is not None:

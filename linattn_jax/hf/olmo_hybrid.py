@@ -316,14 +316,10 @@ def config_from_model(model) -> dict[str, Any]:
     return {
         "architectures": ["OlmoHybridForCausalLM"],
         "model_type": "olmo_hybrid",
-        "vocab_size": model.vocab_size,
-        "hidden_size": width,
-        "num_hidden_layers": model.depth,
+        **common.model_fields(model),
         "layer_types": types,
-        "tie_word_embeddings": model.head is None,
         "hidden_act": "silu",
         "attention_bias": False,
-        "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         **fields,
     }

@@ -259,10 +259,8 @@ def config_from_model(model) -> dict[str, Any]:
     return {
         "architectures": ["xLSTMForCausalLM"],
         "model_type": "xlstm",
-        "vocab_size": model.vocab_size,
-        "hidden_size": width,
+        **common.model_fields(model),
         "embedding_dim": width,
-        "num_hidden_layers": model.depth,
         "num_blocks": model.depth,
         "num_heads": fields["num_heads"],
         "qk_dim_factor": fields["qk_dim"] / width,
@@ -276,8 +274,6 @@ def config_from_model(model) -> dict[str, Any]:
         "use_bias": False,
         "add_out_norm": True,
         "weight_mode": "single",
-        "tie_word_embeddings": model.head is None,
-        "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
         "_sizes": {k: fields[k] for k in ("qk_dim", "v_dim", "ffn_hidden")},
     }
 
