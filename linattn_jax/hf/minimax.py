@@ -121,7 +121,7 @@ def weight_table(config: Mapping[str, Any], prefix: str = PREFIX) -> list[tuple[
         (
             "self_attn.qkv_proj.weight",
             ("attention.q_proj.kernel", "attention.k_proj.kernel", "attention.v_proj.kernel"),
-            qwen3_next._grouped(config["num_attention_heads"]),
+            qwen3_next.grouped_conversion(config["num_attention_heads"]),
         )
     )
     rows = [(prefix + r.hf, r) for r in MODEL_RULES]

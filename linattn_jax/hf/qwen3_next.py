@@ -40,7 +40,7 @@ NEXT_DEFAULTS = dict(
 )
 
 
-def _grouped(groups: int) -> str:
+def grouped_conversion(groups: int) -> str:
     """The name of the conversion of a tensor whose rows are ``groups`` groups in turn, each
     the parts of our parameters (in order): registered on first use."""
     name = f"groups_of_{groups}"
@@ -109,7 +109,7 @@ def weight_table(config: Mapping[str, Any], prefix: str = "model.") -> list[tupl
     the Gated DeltaNet's grouped projections, and the MoE layers' mixtures (per expert, or
     fused for a ``prefix`` ending in ``qwen3_5_moe.FUSED``)."""
     fused, prefix = prefix.endswith(qwen3_5_moe.FUSED), prefix.removesuffix(qwen3_5_moe.FUSED)
-    groups = _grouped(config["linear_num_key_heads"])
+    groups = grouped_conversion(config["linear_num_key_heads"])
     attention = "attention."
     grouped = rules(
         (
