@@ -9,6 +9,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import linattn_jax as la
 
@@ -144,8 +145,6 @@ def assert_greedy_tokens_match(model, torch_model, prompt, steps: int = 16) -> N
 
 def assert_same_params(model, other) -> None:
     """The two models' parameters: the same paths, bit for bit the same values."""
-    from flax import nnx
-
     flat = (nnx.to_flat_state(nnx.state(m, nnx.Param)) for m in (model, other))
     for (path, x), (path_other, y) in zip(*flat, strict=True):
         assert path == path_other
@@ -189,8 +188,6 @@ def load_state_dict(torch_model, path, config_dir):
 def prefill_then_steps(model, tokens, prefill: int, state):
     """The logits of ``tokens [b, t]`` run as a prefill of the first ``prefill`` from
     ``state`` and then one decoding step per token (jitted), concatenated over time."""
-    from flax import nnx
-
     run = nnx.jit(lambda m, t, s: m(t, state=s, return_state=True))
     logits, state = run(model, jnp.asarray(tokens[:, :prefill], jnp.int32), state)
     outs = [logits]
@@ -228,3 +225,105 @@ def randomized_mamba(torch_model):
             elif "norm" in name:
                 p.copy_(1 + 0.5 * torch.randn_like(p))
     return torch_model
+
+
+def torch_pair(tmp_path_factory, name: str, make, norm_mean: float) -> tuple:
+    """``(torch model, its directory, our model, our config)``: ``make()``'s model, made
+    after seeding torch with 0 and ``randomized(..., norm_mean)``, saved by ``transformers``
+    to a directory ``name`` and read back by ``hf.from_pretrained``."""
+    import torch
+
+    torch.manual_seed(0)
+    ref = randomized(make().eval(), norm_mean)
+    path = str(tmp_path_factory.mktemp(name))
+    return (ref, path, *from_torch(ref, path))
+
+
+# Compiled once per model structure and shape (eager calls would run op by op, slowly).
+forward = nnx.jit(lambda model, tokens, mask: model(tokens, key_mask=mask))
+
+
+def logits(model, tokens, mask=None):
+    """Our ``model``'s logits (``forward``) of int ``tokens [b, t]`` (any array), under a
+    bool key ``mask`` where given (else all ones)."""
+    mask = np.ones(np.shape(tokens), bool) if mask is None else mask
+    return forward(model, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask))
+
+
+def assert_left_padded_row_alone(model, torch_model, tokens, pad: int, rtol: float) -> None:
+    """Our logits of ``tokens [b, t]`` with row 0 left-padded by ``pad`` (masked) tokens:
+    that row's real part equals ``torch_model``'s of it alone, the other rows theirs,
+    normwise to ``rtol``."""
+    mask = np.ones(np.shape(tokens), bool)
+    mask[0, :pad] = False
+    ours = np.asarray(logits(model, tokens, mask))
+    assert_close_normwise(ours[1:], torch_logits(torch_model, tokens[1:]), rtol)
+    assert_close_normwise(ours[0, pad:], torch_logits(torch_model, tokens[:1, pad:])[0], rtol)
+
+
+def assert_decoding_matches(model, torch_model, tokens, rtol: float) -> None:
+    """A prefill of 12 of ``tokens [b, t]`` then one step per token equals the full pass
+    (normwise to ``rtol``), and greedy decoding after ``tokens[:1, :6]`` ``transformers``'."""
+    full = logits(model, tokens)
+    steps = prefill_then_steps(model, tokens, 12, model.init_state(*np.shape(tokens)))
+    assert_close_normwise(steps, full, rtol)
+    assert_greedy_tokens_match(model, torch_model, tokens[:1, :6])
+
+
+def saved_without_config(model, torch_model, path, **options):
+    """``transformers``' model (``torch_model``'s class) of ``hf.save_pretrained(model,
+    path, **options)`` without a config (the model's own)."""
+    from linattn_jax import hf
+
+    hf.save_pretrained(model, path, **options)
+    return type(torch_model).from_pretrained(path).eval()
+
+
+# ------------------------------------------------- the Mamba-2 hybrids (Falcon-H1, Granite)
+
+
+def assert_logits_greedy_and_round_trip(model, config, torch_model, path, vocab: int) -> dict:
+    """Our logits of random tokens equal ``torch_model``'s (normwise), 16 greedy tokens
+    match, ``assert_save_round_trip`` to ``path / "ours"`` holds and ``transformers`` reads
+    it to our logits; returns the config ``hf.save_pretrained`` writes without one (to
+    ``path / "bare"``)."""
+    import jax
+
+    from linattn_jax import hf
+
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 13), 2, vocab)
+    assert_close_normwise(model(tokens), torch_logits(torch_model, tokens))
+    assert_greedy_tokens_match(model, torch_model, tokens[:1, :5])
+    # Save, load back bit-identical; transformers reads our directory to the same logits.
+    theirs = assert_save_round_trip(model, config, torch_model, path / "ours")
+    short = tokens[:1, :7]
+    assert_close_normwise(model(short), torch_logits(theirs, short))
+    # Without a config, the model's form picks its model type.
+    hf.save_pretrained(model, path / "bare")
+    return hf.read_config(path / "bare")
+
+
+def assert_decode_steps_and_left_padding(model, vocab: int) -> None:
+    """A prefill of 6 tokens then one step per token equals the full forward, and a row
+    left-padded by 3 (its padding any id) equals the row alone (to 2e-5)."""
+    import jax
+
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 9), 2, vocab)
+    full = model(tokens)
+    steps = prefill_then_steps(model, tokens, 6, model.init_state(2))
+    np.testing.assert_allclose(steps, full, rtol=2e-5, atol=2e-5)
+    mask = jnp.array([[False] * 3 + [True] * 6, [True] * 9])
+    padded = tokens.at[0, 3:].set(tokens[0, :6])
+    out = model(padded, key_mask=mask)  # causal: full[0, :6] is the row's first 6 alone
+    np.testing.assert_allclose(out[0, 3:], full[0, :6], rtol=2e-5, atol=2e-5)
+
+
+def assert_init_from_builds(model, torch_model, path) -> None:
+    """``--config.init_from=DIR`` of the directory ``transformers`` saves ``torch_model``
+    to (``path / "hf"``): the run's model is ``model``, parameter for parameter."""
+    from experiments import trainer
+    from tests.test_experiments import tiny_config
+
+    torch_model.save_pretrained(path / "hf")
+    built = trainer.build_model(tiny_config("configs/mqar.py:small", f"init_from={path / 'hf'}"))
+    assert_same_params(model, built)

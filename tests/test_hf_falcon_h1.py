@@ -6,9 +6,6 @@ key, the branches' in and out, the MLP's, the SSM projection's) away from 1 and 
 to 1e-5 normwise, 16 greedy tokens, prefill then decode steps, left padding, the save/load
 round trip and a directory ``transformers`` reads."""
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from linattn_jax import hf
@@ -51,14 +48,7 @@ def plain(tmp_path_factory):
 @pytest.mark.parametrize("fixture", ["normed", pytest.param("plain", marks=pytest.mark.slow)])
 def test_logits_greedy_tokens_and_round_trip_equal_transformers(fixture, request, tmp_path):
     torch_model, model, config = request.getfixturevalue(fixture)
-    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 13), 2, VOCAB)
-    helpers.assert_close_normwise(model(tokens), helpers.torch_logits(torch_model, tokens))
-    helpers.assert_greedy_tokens_match(model, torch_model, tokens[:1, :5])
-    theirs = helpers.assert_save_round_trip(model, config, torch_model, tmp_path / "ours")
-    short = tokens[:1, :7]
-    helpers.assert_close_normwise(model(short), helpers.torch_logits(theirs, short))
-    hf.save_pretrained(model, tmp_path / "bare")  # the model's form picks falcon_h1
-    bare = hf.read_config(tmp_path / "bare")
+    bare = helpers.assert_logits_greedy_and_round_trip(model, config, torch_model, tmp_path, VOCAB)
     assert bare["model_type"] == "falcon_h1"
     assert bare["ssm_multipliers"] == config["ssm_multipliers"]
     assert bare["key_multiplier"] == pytest.approx(config["key_multiplier"], rel=1e-12)
@@ -67,13 +57,7 @@ def test_logits_greedy_tokens_and_round_trip_equal_transformers(fixture, request
 @pytest.mark.slow  # compiles the prefill, a decoding step and a masked forward
 def test_prefill_then_decode_steps_and_left_padding(normed):
     _, model, _ = normed
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 9), 2, VOCAB)
-    full = model(tokens)
-    steps = helpers.prefill_then_steps(model, tokens, 6, model.init_state(2))
-    np.testing.assert_allclose(steps, full, rtol=2e-5, atol=2e-5)
-    mask = jnp.array([[False] * 3 + [True] * 6, [True] * 9])
-    out = model(tokens.at[0, 3:].set(tokens[0, :6]), key_mask=mask)
-    np.testing.assert_allclose(out[0, 3:], full[0, :6], rtol=2e-5, atol=2e-5)
+    helpers.assert_decode_steps_and_left_padding(model, VOCAB)
 
 
 def test_bad_configs_are_refused_by_name(normed, tmp_path):
@@ -95,12 +79,5 @@ def test_bad_configs_are_refused_by_name(normed, tmp_path):
 def test_init_from_builds_the_checkpoints_model(normed, tmp_path):
     """``--config.init_from=DIR`` of a directory ``transformers`` saved: the run's model is
     the checkpoint's, parameter for parameter."""
-    from experiments import trainer
-    from tests.test_experiments import tiny_config
-
     torch_model, model, _ = normed
-    torch_model.save_pretrained(tmp_path / "hf")
-    built = trainer.build_model(
-        tiny_config("configs/mqar.py:small", f"init_from={tmp_path / 'hf'}")
-    )
-    helpers.assert_same_params(model, built)
+    helpers.assert_init_from_builds(model, torch_model, tmp_path)

@@ -5,9 +5,6 @@ norms, ``A_log``, ``dt_bias``, ``D`` and convolution biases (so that a mapping e
 logits to 1e-5 normwise, 16 greedy tokens, prefill then decode steps against the full
 forward, left padding, the save/load round trip and a directory ``transformers`` reads."""
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
@@ -60,16 +57,8 @@ def dense(tmp_path_factory):
 )
 def test_logits_greedy_tokens_and_round_trip_equal_transformers(fixture, request, tmp_path):
     torch_model, model, config = request.getfixturevalue(fixture)
-    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 13), 2, VOCAB)
-    helpers.assert_close_normwise(model(tokens), helpers.torch_logits(torch_model, tokens))
-    helpers.assert_greedy_tokens_match(model, torch_model, tokens[:1, :5])
-    # Save, load back bit-identical; transformers reads our directory to the same logits.
-    theirs = helpers.assert_save_round_trip(model, config, torch_model, tmp_path / "ours")
-    short = tokens[:1, :7]
-    helpers.assert_close_normwise(model(short), helpers.torch_logits(theirs, short))
+    bare = helpers.assert_logits_greedy_and_round_trip(model, config, torch_model, tmp_path, VOCAB)
     # Without a config, the model's form picks its model type, multipliers and all.
-    hf.save_pretrained(model, tmp_path / "bare")
-    bare = hf.read_config(tmp_path / "bare")
     assert bare["model_type"] == "granitemoehybrid"
     for field in ("embedding_multiplier", "residual_multiplier", "attention_multiplier"):
         assert bare[field] == config[field]
@@ -79,14 +68,7 @@ def test_logits_greedy_tokens_and_round_trip_equal_transformers(fixture, request
 @pytest.mark.slow  # compiles the prefill, a decoding step and a masked forward
 def test_prefill_then_decode_steps_and_left_padding(moe):
     _, model, _ = moe
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 9), 2, VOCAB)
-    full = model(tokens)
-    steps = helpers.prefill_then_steps(model, tokens, 6, model.init_state(2))
-    np.testing.assert_allclose(steps, full, rtol=2e-5, atol=2e-5)
-    mask = jnp.array([[False] * 3 + [True] * 6, [True] * 9])
-    padded = tokens.at[0, 3:].set(tokens[0, :6])
-    out = model(padded, key_mask=mask)
-    np.testing.assert_allclose(out[0, 3:], full[0, :6], rtol=2e-5, atol=2e-5)
+    helpers.assert_decode_steps_and_left_padding(model, VOCAB)
 
 
 def test_bad_configs_and_models_are_refused_by_name(moe, tmp_path):
@@ -120,12 +102,5 @@ def test_bad_configs_and_models_are_refused_by_name(moe, tmp_path):
 def test_init_from_builds_the_checkpoints_model(moe, tmp_path):
     """``--config.init_from=DIR`` of a directory ``transformers`` saved: the run's model is
     the checkpoint's, parameter for parameter."""
-    from experiments import trainer
-    from tests.test_experiments import tiny_config
-
     torch_model, model, _ = moe
-    torch_model.save_pretrained(tmp_path / "hf")
-    built = trainer.build_model(
-        tiny_config("configs/mqar.py:small", f"init_from={tmp_path / 'hf'}")
-    )
-    helpers.assert_same_params(model, built)
+    helpers.assert_init_from_builds(model, torch_model, tmp_path)

@@ -5,7 +5,6 @@ their pure-torch paths), one tiny random model of each made here with random nor
 to 1e-5 normwise, 16 greedy tokens, prefill then decode steps against the full forward."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -69,46 +68,19 @@ def test_logits_and_greedy_tokens_equal_transformers(fixture, request, tmp_path)
     model, _ = _ours(torch_model, tmp_path)
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 13), 2, VOCAB)
     helpers.assert_close_normwise(model(tokens), helpers.torch_logits(torch_model, tokens))
-    prompt = tokens[:1, :5]
-    ours = model.generate(prompt, 16, temperature=0.0)
-    with torch.no_grad():
-        theirs = torch_model.generate(
-            torch.from_numpy(np.array(prompt)), max_new_tokens=16, do_sample=False,
-            min_new_tokens=16,
-        ).numpy()  # fmt: skip
-    np.testing.assert_array_equal(ours, theirs)
+    helpers.assert_greedy_tokens_match(model, torch_model, tokens[:1, :5])
 
 
 def test_prefill_then_decode_steps_equal_the_full_forward(torch_model, tmp_path):
     model, _ = _ours(torch_model, tmp_path)
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 9), 2, VOCAB)
-    full = model(tokens)
-    logits, state = model(tokens[:, :6], state=model.init_state(2), return_state=True)
-    outs = [logits]
-    step = nnx.jit(lambda m, token, s: m(token, state=s, return_state=True))
-    for i in range(6, 9):
-        logits, state = step(model, tokens[:, i : i + 1], state)
-        outs.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=2e-5, atol=2e-5)
-    # A left-padded row (its padding any id) equals the row alone.
-    mask = jnp.array([[False] * 3 + [True] * 6, [True] * 9])
-    padded = tokens.at[0, 3:].set(tokens[0, :6])
-    out = model(padded, key_mask=mask)  # causal: full[0, :6] is the row's first 6 alone
-    np.testing.assert_allclose(out[0, 3:], full[0, :6], rtol=2e-5, atol=2e-5)
+    helpers.assert_decode_steps_and_left_padding(model, VOCAB)
 
 
 @pytest.mark.parametrize("fixture", ["torch_model", "torch_bamba", "torch_nemotron_h"])
 def test_save_load_round_trip_and_transformers_reads_it(fixture, request, tmp_path):
     torch_model = request.getfixturevalue(fixture)
     model, config = _ours(torch_model, tmp_path)
-    hf.save_pretrained(model, tmp_path / "ours", config)
-    again, config_again = hf.from_pretrained(tmp_path / "ours")
-    assert config_again == config
-    before, after = (nnx.to_flat_state(nnx.state(m, nnx.Param)) for m in (model, again))
-    for (path, x), (path_again, y) in zip(before, after, strict=True):
-        assert path == path_again
-        np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]))
-    theirs = type(torch_model).from_pretrained(tmp_path / "ours").eval()
+    theirs = helpers.assert_save_round_trip(model, config, torch_model, tmp_path / "ours")
     tokens = jax.random.randint(jax.random.PRNGKey(2), (1, 7), 2, VOCAB)
     helpers.assert_close_normwise(model(tokens), helpers.torch_logits(theirs, tokens))
     # Without a config, the model's form picks its model type.
@@ -146,11 +118,7 @@ def test_trainer_fine_tunes_from_a_transformers_checkpoint(torch_nemotron_h, tmp
     model, _ = _ours(torch_nemotron_h, tmp_path)
     path = tmp_path / "hf"
     config = tiny_config("configs/mqar.py:small", f"init_from={path}", "steps=1", "seq_len=32")
-    built = trainer.build_model(config)
-    before, after = (nnx.to_flat_state(nnx.state(m, nnx.Param)) for m in (model, built))
-    for (name, x), (name_built, y) in zip(before, after, strict=True):
-        assert name == name_built
-        np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]))
+    helpers.assert_same_params(model, trainer.build_model(config))
     with jax.numpy_dtype_promotion("standard"):
         final = trainer.train(config, tmp_path / "run")
     assert np.isfinite(final["loss"]) and final["step"] == 1

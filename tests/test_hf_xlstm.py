@@ -7,7 +7,6 @@ logits to 1e-5 normwise, 16 greedy tokens, prefill then decode steps against the
 forward, a save/load round trip bit for bit that ``transformers`` reads back."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -54,35 +53,16 @@ def test_logits_greedy_tokens_and_decoding_equal_transformers(loaded):
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 13), 2, VOCAB)
     full = model(tokens)
     helpers.assert_close_normwise(full, _torch_logits(torch_model, tokens))
-    prompt = tokens[:1, :5]
-    ours = model.generate(prompt, 16, temperature=0.0)
-    with torch.no_grad():
-        theirs = torch_model.generate(
-            torch.from_numpy(np.array(prompt)), max_new_tokens=16, do_sample=False,
-            min_new_tokens=16,
-        ).numpy()  # fmt: skip
-    np.testing.assert_array_equal(ours, theirs)
+    helpers.assert_greedy_tokens_match(model, torch_model, tokens[:1, :5])
     # Prefill then one step per token equals the full forward.
-    logits, state = model(tokens[:, :9], state=model.init_state(2), return_state=True)
-    outs = [logits]
-    step = nnx.jit(lambda m, token, s: m(token, state=s, return_state=True))
-    for i in range(9, 13):
-        logits, state = step(model, tokens[:, i : i + 1], state)
-        outs.append(logits)
-    helpers.assert_close_normwise(jnp.concatenate(outs, 1), full)
+    steps = helpers.prefill_then_steps(model, tokens, 9, model.init_state(2))
+    helpers.assert_close_normwise(steps, full)
 
 
 @pytest.mark.slow
 def test_save_load_round_trip_and_transformers_reads_it(loaded):
     torch_model, model, config, path = loaded
-    hf.save_pretrained(model, path / "ours", config)
-    again, config_again = hf.from_pretrained(path / "ours")
-    assert config_again == config
-    before, after = (nnx.to_flat_state(nnx.state(m, nnx.Param)) for m in (model, again))
-    for (p, x), (p_again, y) in zip(before, after, strict=True):
-        assert p == p_again
-        np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]))
-    theirs = transformers.xLSTMForCausalLM.from_pretrained(path / "ours").eval()
+    theirs = helpers.assert_save_round_trip(model, config, torch_model, path / "ours")
     tokens = jax.random.randint(jax.random.PRNGKey(2), (1, 7), 2, VOCAB)
     helpers.assert_close_normwise(model(tokens), _torch_logits(theirs, tokens))
     # Without a config, the model's form picks its model type and sizes.

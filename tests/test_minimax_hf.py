@@ -4,7 +4,6 @@ factors other than 1."""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -47,13 +46,8 @@ CONFIG = dict(
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """``(torch model, its directory, our model, our config)``."""
-    torch.manual_seed(0)
-    ref = helpers.randomized(MiniMaxForCausalLM(MiniMaxConfig(**CONFIG)).eval(), 1.0)
-    path = str(tmp_path_factory.mktemp("minimax"))
-    return (ref, path, *helpers.from_torch(ref, path))
-
-
-forward = nnx.jit(lambda model, tokens, mask: model(tokens, key_mask=mask))
+    make = lambda: MiniMaxForCausalLM(MiniMaxConfig(**CONFIG))
+    return helpers.torch_pair(tmp_path_factory, "minimax", make, 1.0)
 
 
 def test_logits_match_transformers(pair):
@@ -63,26 +57,21 @@ def test_logits_match_transformers(pair):
     assert all(isinstance(block.mlp, MoE) for block in model.blocks)
     assert isinstance(model.blocks[3].attention, LightningAttention)
     tokens = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (3, 17))
-    ours = forward(model, jnp.asarray(tokens, jnp.int32), jnp.ones(tokens.shape, bool))
-    assert_close_normwise(ours, torch_logits(ref, tokens), LOGITS_RTOL)
+    assert_close_normwise(helpers.logits(model, tokens), torch_logits(ref, tokens), LOGITS_RTOL)
 
 
 @pytest.mark.slow  # compiles a prefill, a step and generate's loop
 def test_prefill_and_decode_equal_the_full_pass_and_greedy_tokens_match(pair):
     ref, _, model, _ = pair
     tokens = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (3, 17))
-    ours = forward(model, jnp.asarray(tokens, jnp.int32), jnp.ones(tokens.shape, bool))
-    steps = helpers.prefill_then_steps(model, tokens, 12, model.init_state(3, 17))
-    assert_close_normwise(steps, ours, LOGITS_RTOL)
-    helpers.assert_greedy_tokens_match(model, ref, tokens[:1, :6])
+    helpers.assert_decoding_matches(model, ref, tokens, LOGITS_RTOL)
 
 
 def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
     ref, _, model, config = pair
     back = helpers.assert_save_round_trip(model, config, ref, tmp_path)
     helpers.assert_same_torch_tensors(back, ref)  # every tensor (the decay buffers too)
-    hf.save_pretrained(model, tmp_path / "bare", model_type="minimax")
-    bare = MiniMaxForCausalLM.from_pretrained(tmp_path / "bare").eval()
+    bare = helpers.saved_without_config(model, ref, tmp_path / "bare", model_type="minimax")
     tokens = np.random.default_rng(1).integers(0, CONFIG["vocab_size"], (2, 9))
     # transformers' default block_size there (256, not 4) chunks its own sums otherwise
     assert_close_normwise(torch_logits(bare, tokens), torch_logits(ref, tokens), LOGITS_RTOL)
@@ -93,11 +82,7 @@ def test_the_fused_layout_loads_the_same_and_left_padding_is_each_row_alone(pair
     assert "model.layers.0.mlp.experts.gate_up_proj" in ref.state_dict()  # transformers' own
     helpers.assert_same_params(helpers.load_state_dict(ref, tmp_path, path), model)
     tokens = np.random.default_rng(2).integers(0, CONFIG["vocab_size"], (3, 17))
-    mask = np.ones((3, 17), bool)
-    mask[0, :5] = False
-    ours = np.asarray(forward(model, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask)))
-    assert_close_normwise(ours[0, 5:], torch_logits(ref, tokens[:1, 5:])[0], LOGITS_RTOL)
-    assert_close_normwise(ours[1:], torch_logits(ref, tokens[1:]), LOGITS_RTOL)
+    helpers.assert_left_padded_row_alone(model, ref, tokens, 5, LOGITS_RTOL)
 
 
 def test_bad_fields_are_named(pair):

@@ -3,10 +3,8 @@ model, from a tiny random config made here."""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from linattn_jax import hf
 from linattn_jax.layers import MoE
@@ -49,14 +47,8 @@ def randomized(ref):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """``(torch model, its directory, our model, our config)``."""
-    torch.manual_seed(0)
-    ref = randomized(Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**CONFIG)).eval())
-    path = str(tmp_path_factory.mktemp("qwen3_5_moe"))
-    return (ref, path, *helpers.from_torch(ref, path))
-
-
-# Compiled once per model structure and shape.
-forward = nnx.jit(lambda model, tokens, mask: model(tokens, key_mask=mask))
+    make = lambda: Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**CONFIG))
+    return helpers.torch_pair(tmp_path_factory, "qwen3_5_moe", make, 0.0)
 
 
 def test_logits_and_greedy_tokens_match_transformers(pair):
@@ -64,8 +56,7 @@ def test_logits_and_greedy_tokens_match_transformers(pair):
     assert config["model_type"] == "qwen3_5_moe_text"
     assert all(isinstance(block.mlp, MoE) for block in model.blocks)
     tokens = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (3, 17))
-    ours = forward(model, jnp.asarray(tokens, jnp.int32), jnp.ones(tokens.shape, bool))
-    assert_close_normwise(ours, torch_logits(ref, tokens), LOGITS_RTOL)
+    assert_close_normwise(helpers.logits(model, tokens), torch_logits(ref, tokens), LOGITS_RTOL)
     helpers.assert_greedy_tokens_match(model, ref, tokens[:1, :6])
 
 
@@ -74,8 +65,9 @@ def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
     back = helpers.assert_save_round_trip(model, config, ref, tmp_path)
     helpers.assert_same_torch_tensors(back, ref)  # every tensor, bit for bit
     # Without a config: the model's own, which transformers reads alike.
-    hf.save_pretrained(model, tmp_path / "bare", model_type="qwen3_5_moe_text")
-    bare = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "bare").eval()
+    bare = helpers.saved_without_config(
+        model, ref, tmp_path / "bare", model_type="qwen3_5_moe_text"
+    )
     tokens = np.random.default_rng(1).integers(0, CONFIG["vocab_size"], (2, 9))
     np.testing.assert_array_equal(torch_logits(bare, tokens), torch_logits(ref, tokens))
 
@@ -86,12 +78,7 @@ def test_the_fused_layout_loads_the_same_and_left_padding_is_each_row_alone(pair
     helpers.assert_same_params(helpers.load_state_dict(ref, tmp_path, path), model)
     rng = np.random.default_rng(2)
     tokens = rng.integers(0, CONFIG["vocab_size"], (3, 17))  # the logits test's shape
-    mask = np.ones((3, 17), bool)
-    mask[0, :4] = False
-    ours = np.asarray(forward(model, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask)))
-    alone = torch_logits(ref, tokens[:1, 4:])[0]
-    assert_close_normwise(ours[0, 4:], alone, LOGITS_RTOL)
-    assert_close_normwise(ours[1:], torch_logits(ref, tokens[1:]), LOGITS_RTOL)
+    helpers.assert_left_padded_row_alone(model, ref, tokens, 4, LOGITS_RTOL)
 
 
 def test_a_dense_model_is_refused_and_bad_fields_are_named(pair):
@@ -117,7 +104,7 @@ def test_qwen3_next_matches_transformers_and_round_trips(tmp_path):
     assert ours["model_type"] == "qwen3_next" and not isinstance(model.blocks[0].mlp, MoE)
     assert isinstance(model.blocks[1].mlp, MoE) and not model.blocks[1].mlp.normalize
     tokens = np.random.default_rng(3).integers(0, CONFIG["vocab_size"], (3, 17))
-    logits = forward(model, jnp.asarray(tokens, jnp.int32), jnp.ones(tokens.shape, bool))
+    logits = helpers.logits(model, tokens)
     assert_close_normwise(logits, torch_logits(ref, tokens), LOGITS_RTOL)
     hf.save_pretrained(model, tmp_path / "ours", ours)
     back = Qwen3NextForCausalLM.from_pretrained(tmp_path / "ours").eval()
@@ -139,10 +126,9 @@ def test_scanned_experts_load_into_their_layer_and_expert_slices(tmp_path):
     scanned, _ = hf.from_pretrained(tmp_path / "ref", scan_layers=True)
     assert scanned.blocks[0].mlp.gate.shape[:2] == (2, CONFIG["num_experts"])
     tokens = np.random.default_rng(3).integers(0, CONFIG["vocab_size"], (2, 11))
-    args = jnp.asarray(tokens, jnp.int32), jnp.ones(tokens.shape, bool)
-    logits = forward(scanned, *args)
+    logits = helpers.logits(scanned, tokens)
     assert_close_normwise(logits, torch_logits(ref, tokens), LOGITS_RTOL)
-    assert_close_normwise(logits, forward(unrolled, *args), 1e-6)
+    assert_close_normwise(logits, helpers.logits(unrolled, tokens), 1e-6)
     hf.save_pretrained(scanned, tmp_path / "scanned", config)
     hf.save_pretrained(unrolled, tmp_path / "unrolled", config)
     for name in ("config.json", "model.safetensors"):

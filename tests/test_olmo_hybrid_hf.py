@@ -4,10 +4,8 @@ negative eigenvalues, OLMo's post-norm attention with QK-norms over all heads.""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from linattn_jax import hf
 from tests import helpers
@@ -41,13 +39,8 @@ CONFIG = dict(
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """``(torch model, its directory, our model, our config)``: RoPE on."""
-    torch.manual_seed(0)
-    ref = helpers.randomized(OlmoHybridForCausalLM(OlmoHybridConfig(**CONFIG)).eval(), 1.0)
-    path = str(tmp_path_factory.mktemp("olmo_hybrid"))
-    return (ref, path, *helpers.from_torch(ref, path))
-
-
-forward = nnx.jit(lambda model, tokens, mask: model(tokens, key_mask=mask))
+    make = lambda: OlmoHybridForCausalLM(OlmoHybridConfig(**CONFIG))
+    return helpers.torch_pair(tmp_path_factory, "olmo_hybrid", make, 1.0)
 
 
 def test_logits_match_transformers_and_left_padding_is_each_row_alone(pair):
@@ -55,29 +48,21 @@ def test_logits_match_transformers_and_left_padding_is_each_row_alone(pair):
     assert model.layout == ("gated_deltanet", "softmax", "gated_deltanet")
     assert model.blocks[1].post_norm and model.blocks[0].attention.beta_max == 2.0
     tokens = np.random.default_rng(0).integers(2, CONFIG["vocab_size"], (3, 17))
-    mask = np.ones((3, 17), bool)
-    mask[0, :5] = False
-    ours = np.asarray(forward(model, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask)))
-    assert_close_normwise(ours[1:], torch_logits(ref, tokens[1:]), LOGITS_RTOL)
-    assert_close_normwise(ours[0, 5:], torch_logits(ref, tokens[:1, 5:])[0], LOGITS_RTOL)
+    helpers.assert_left_padded_row_alone(model, ref, tokens, 5, LOGITS_RTOL)
 
 
 @pytest.mark.slow  # compiles a prefill, a step and generate's loop
 def test_prefill_and_decode_equal_the_full_pass_and_greedy_tokens_match(pair):
     ref, _, model, _ = pair
     tokens = np.random.default_rng(0).integers(2, CONFIG["vocab_size"], (3, 17))
-    full = forward(model, jnp.asarray(tokens, jnp.int32), jnp.ones(tokens.shape, bool))
-    steps = helpers.prefill_then_steps(model, tokens, 12, model.init_state(3, 17))
-    assert_close_normwise(steps, full, LOGITS_RTOL)
-    helpers.assert_greedy_tokens_match(model, ref, tokens[:1, :6])
+    helpers.assert_decoding_matches(model, ref, tokens, LOGITS_RTOL)
 
 
 def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
     ref, _, model, config = pair
     back = helpers.assert_save_round_trip(model, config, ref, tmp_path)
     helpers.assert_same_torch_tensors(back, ref)  # every tensor, bit for bit
-    hf.save_pretrained(model, tmp_path / "bare", model_type="olmo_hybrid")
-    bare = OlmoHybridForCausalLM.from_pretrained(tmp_path / "bare").eval()
+    bare = helpers.saved_without_config(model, ref, tmp_path / "bare", model_type="olmo_hybrid")
     tokens = np.random.default_rng(1).integers(2, CONFIG["vocab_size"], (2, 9))
     np.testing.assert_array_equal(torch_logits(bare, tokens), torch_logits(ref, tokens))
 
@@ -96,7 +81,7 @@ def test_the_in_memory_names_load_the_same_and_nope_matches(pair, tmp_path):
     assert ours_config["rope_parameters"]["rope_theta"] is None
     assert ours.blocks[1].attention.rotary_dim is None
     tokens = np.random.default_rng(2).integers(2, CONFIG["vocab_size"], (3, 17))
-    logits = forward(ours, jnp.asarray(tokens, jnp.int32), jnp.ones(tokens.shape, bool))
+    logits = helpers.logits(ours, tokens)
     assert_close_normwise(logits, torch_logits(ref_nope, tokens), LOGITS_RTOL)
 
 

@@ -20,12 +20,10 @@ The tensors live under ``model.`` (``lm_head.weight`` apart, untied only).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
-from flax import nnx
 
 from linattn_jax.hf import common, mamba2
 from linattn_jax.hf.common import Rule
@@ -72,17 +70,9 @@ DEFAULTS = dict(
     hidden_act="silu",
     rms_norm_eps=1e-5,
     attn_layer_indices=None,
-    mamba_n_heads=128,
-    mamba_d_head="auto",
-    mamba_n_groups=1,
-    mamba_d_state=256,
-    mamba_d_conv=4,
-    mamba_expand=2,
-    mamba_conv_bias=True,
-    mamba_proj_bias=False,
-    time_step_limit=[0.0, math.inf],
     attention_bias=False,
     mlp_bias=False,
+    **mamba2.HYBRID_DEFAULTS,
 )  # fmt: skip  (transformers' BambaConfig defaults, for fields a config.json leaves out)
 INT_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -99,15 +89,9 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
       ValueError: an unknown ``model_type``, or a field missing, of the wrong type or
         unsupported, named.
     """
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ValueError(
-            f"config.json: model_type must be one of {MODEL_TYPES}, got {raw.get('model_type')!r}"
-        )
-    config = {**DEFAULTS, **{k: v for k, v in raw.items() if v is not None or k not in DEFAULTS}}
+    config = common.with_defaults(raw, MODEL_TYPES, DEFAULTS)
     mamba2.hybrid_defaults(config)
-    if config["mamba_d_head"] == "auto" and common.is_int(config.get("hidden_size")):
-        heads = config["mamba_n_heads"]
-        config["mamba_d_head"] = config["mamba_expand"] * config["hidden_size"] // heads
+    mamba2.auto_head_dim(config)
     config["rope_parameters"].setdefault("partial_rotary_factor", PARTIAL_ROTARY_FACTOR)
     config.pop("layer_types", None)  # transformers derives it from attn_layer_indices
     check_config(config)
@@ -128,21 +112,10 @@ def check_config(config: Mapping[str, Any]) -> None:
     """Raises ``ValueError`` naming the field of ``config`` that is missing, of the wrong
     type, or that we do not support."""
     common.check_ints(config, INT_FIELDS)
-    inner = config["hidden_size"] * config["mamba_expand"]
-    if inner != config["mamba_n_heads"] * config["mamba_d_head"]:
-        raise ValueError(
-            f"config.json: hidden_size * mamba_expand ({inner}) must equal mamba_n_heads * "
-            f"mamba_d_head ({config['mamba_n_heads'] * config['mamba_d_head']})"
-        )
-    for field, heads in [
-        ("mamba_n_groups", "mamba_n_heads"),
-        ("num_key_value_heads", "num_attention_heads"),
-        ("num_attention_heads", "hidden_size"),
-    ]:
-        if config[heads] % config[field]:
-            raise ValueError(
-                f"config.json: {field}={config[field]} must divide {heads}={config[heads]}"
-            )
+    mamba2.check_inner_width(config, "mamba_expand", "mamba_n_heads", "mamba_d_head")
+    common.check_divides(config, "mamba_n_groups", "mamba_n_heads")
+    common.check_divides(config, "num_key_value_heads", "num_attention_heads")
+    common.check_divides(config, "num_attention_heads", "hidden_size")
     indices = config["attn_layer_indices"]
     n = config["num_hidden_layers"]
     if indices is not None and (
@@ -152,14 +125,9 @@ def check_config(config: Mapping[str, Any]) -> None:
             f"config.json: attn_layer_indices must list layer indices below num_hidden_layers="
             f"{n}, got {indices!r}"
         )
-    if config["hidden_act"] != "silu":
-        raise ValueError(f"config.json: hidden_act must be 'silu', got {config['hidden_act']!r}")
-    for field in ("attention_bias", "mlp_bias"):
-        if config[field] is not False:
-            raise ValueError(f"config.json: {field} must be false, got {config[field]!r}")
-    for field in ("mamba_conv_bias", "mamba_proj_bias", "tie_word_embeddings"):
-        if not isinstance(config[field], bool):
-            raise ValueError(f"config.json: {field} must be true or false, got {config[field]!r}")
+    common.check_choice(config, "hidden_act", ("silu",))
+    common.check_false(config, ("attention_bias", "mlp_bias"))
+    common.check_bools(config, ("mamba_conv_bias", "mamba_proj_bias", "tie_word_embeddings"))
     mamba2.check_epsilon_and_limit(config["rms_norm_eps"], config["time_step_limit"])
     rope = config["rope_parameters"]
     if rope["rope_type"] != "default" or rope["partial_rotary_factor"] != PARTIAL_ROTARY_FACTOR:
@@ -176,10 +144,10 @@ def model_options(
     the computation in ``dtype``, the parameters in ``param_dtype`` (None: ``dtype``). The
     blocks' and the final RMSNorm's epsilon is set on the built model (``finish``)."""
     heads = config["num_attention_heads"]
-    return dict(
-        vocab_size=config["vocab_size"],
-        width=config["hidden_size"],
-        depth=config["num_hidden_layers"],
+    return common.language_model_options(
+        config,
+        dtype,
+        param_dtype,
         num_heads=heads,
         attention=[LAYER_KINDS[t] for t in layer_types(config)],
         kind_options={
@@ -193,19 +161,14 @@ def model_options(
                 partial_rotary_factor=PARTIAL_ROTARY_FACTOR,
             ),
         },
-        tie_embeddings=config["tie_word_embeddings"],
         mlp="swiglu",
         mlp_hidden=config["intermediate_size"],
-        dtype=dtype,
-        param_dtype=dtype if param_dtype is None else param_dtype,
     )
 
 
 def finish(model, config: Mapping[str, Any]) -> None:
     """Sets the blocks' and the final RMSNorm's epsilon to ``rms_norm_eps``."""
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.RMSNorm):
-            node.epsilon = float(config["rms_norm_eps"])
+    common.set_rms_norm_epsilon(model, config["rms_norm_eps"])
 
 
 def config_from_model(model) -> dict[str, Any]:
@@ -217,8 +180,7 @@ def config_from_model(model) -> dict[str, Any]:
         and ``softmax``, an MLP other than SwiGLU, attention other than Llama's, layers of
         one kind with different sizes), naming what differs.
     """
-    if model.period is not None:
-        raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
+    common.check_unrolled(model)
     fields: dict[str, Any] = {}
     width = model.embed.features
     for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):
@@ -249,17 +211,13 @@ def config_from_model(model) -> dict[str, Any]:
     return {
         "architectures": ["BambaForCausalLM"],
         "model_type": "bamba",
-        "vocab_size": model.vocab_size,
-        "hidden_size": width,
-        "num_hidden_layers": model.depth,
+        **common.model_fields(model),
         "attn_layer_indices": [i for i, k in enumerate(model.layout) if k == "softmax"],
         "rms_norm_eps": mamba2.one_epsilon(model),
         "mamba_expand": expand,
-        "tie_word_embeddings": model.head is None,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": theta,
@@ -292,6 +250,6 @@ FORMAT = common.ModelFormat(
     weight_table=weight_table,
     config_for_save=config_for_save,
     prefixes=(PREFIX,),
-    ignored_prefixes=lambda config: ("lm_head.",) if config["tie_word_embeddings"] else (),
+    ignored_prefixes=common.tied_head_ignored,
     finish=finish,
 )

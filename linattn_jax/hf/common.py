@@ -12,10 +12,13 @@ tensor at a time, refusing unknown tensors and fields by name, writing shards.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 Shapes = list[tuple[int, ...]]
 
@@ -179,6 +182,58 @@ class ModelFormat:
     finish: Callable[[Any, Mapping[str, Any]], None] | None = None
 
 
+def language_model_options(
+    config: Mapping[str, Any], dtype: Any, param_dtype: Any, **options: Any
+) -> dict[str, Any]:
+    """``LanguageModel``'s arguments (all but ``rngs``) from the fields most formats name
+    alike (``vocab_size``, ``hidden_size``, ``num_hidden_layers``,
+    ``tie_word_embeddings``), the computation in ``dtype``, the parameters in
+    ``param_dtype`` (None: ``dtype``), and a format's own ``options``."""
+    return dict(
+        vocab_size=config["vocab_size"],
+        width=config["hidden_size"],
+        depth=config["num_hidden_layers"],
+        tie_embeddings=config["tie_word_embeddings"],
+        dtype=dtype,
+        param_dtype=dtype if param_dtype is None else param_dtype,
+        **options,
+    )
+
+
+def model_fields(model) -> dict[str, Any]:
+    """The config fields most formats name alike, read from ``model``
+    (``language_model_options``' inverse): ``vocab_size``, ``hidden_size``,
+    ``num_hidden_layers``, ``tie_word_embeddings`` and ``dtype`` (the parameters')."""
+    return {
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.embed.features,
+        "num_hidden_layers": model.depth,
+        "tie_word_embeddings": model.head is None,
+        "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
+    }
+
+
+def tied_head_ignored(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """``("lm_head.",)`` where ``config`` ties the head (a checkpoint's copy of the
+    embedding is not read), else ``()``."""
+    return ("lm_head.",) if config["tie_word_embeddings"] else ()
+
+
+def set_rms_norm_epsilon(model, eps) -> None:
+    """Sets every ``nnx.RMSNorm`` of ``model`` to epsilon ``eps`` (the layers take no
+    epsilon option)."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.RMSNorm):
+            node.epsilon = float(eps)
+
+
+def check_unrolled(model) -> None:
+    """Raises ``ValueError`` for a model with scanned layers (a config describes layers one
+    by one)."""
+    if getattr(model, "period", None) is not None:
+        raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
+
+
 # ---------------------------------------------------------------- checks of config fields
 
 
@@ -190,12 +245,62 @@ def is_number(x) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
+def check_model_type(raw: Mapping[str, Any], model_types: Sequence[str]) -> None:
+    """Raises ``ValueError`` unless ``raw["model_type"]`` is one of ``model_types``."""
+    if raw.get("model_type") not in model_types:
+        raise ValueError(
+            f"config.json: model_type must be one of {model_types}, got {raw.get('model_type')!r}"
+        )
+
+
+def with_defaults(
+    raw: Mapping[str, Any],
+    model_types: Sequence[str],
+    defaults: Mapping[str, Any],
+    keep_none: Sequence[str] = (),
+) -> dict[str, Any]:
+    """``raw`` (a ``config.json``'s contents) over ``defaults`` (``transformers``' values
+    for the fields it leaves out); a null field takes its default too, but for those of
+    ``keep_none`` (which ``transformers`` derives from other fields when null).
+
+    Raises:
+      ValueError: a ``model_type`` not of ``model_types``.
+    """
+    check_model_type(raw, model_types)
+    keep = lambda k, v: v is not None or k not in defaults or k in keep_none
+    return {**defaults, **{k: v for k, v in raw.items() if keep(k, v)}}
+
+
 def check_ints(config: Mapping[str, Any], fields: Sequence[str], minimum: int = 1) -> None:
     """Raises ``ValueError`` naming the first of ``fields`` that is not an int >= minimum."""
     for field in fields:
         value = config.get(field)
         if not is_int(value) or value < minimum:
             raise ValueError(f"config.json: {field} must be an int >= {minimum}, got {value!r}")
+
+
+def check_bools(config: Mapping[str, Any], fields: Sequence[str]) -> None:
+    """Raises ``ValueError`` naming the first of ``fields`` that is not true or false."""
+    for field in fields:
+        if not isinstance(config[field], bool):
+            raise ValueError(f"config.json: {field} must be true or false, got {config[field]!r}")
+
+
+def check_false(config: Mapping[str, Any], fields: Sequence[str]) -> None:
+    """Raises ``ValueError`` naming the first of ``fields`` that is not false (an option,
+    such as a bias, that we do not implement)."""
+    for field in fields:
+        if config[field] is not False:
+            raise ValueError(f"config.json: {field} must be false, got {config[field]!r}")
+
+
+def check_positive(config: Mapping[str, Any], fields: Sequence[str]) -> None:
+    """Raises ``ValueError`` naming the first of ``fields`` that is not a finite number
+    > 0 (a multiplier)."""
+    for field in fields:
+        value = config[field]
+        if not (is_number(value) and 0 < value < math.inf):
+            raise ValueError(f"config.json: {field} must be a finite number > 0, got {value!r}")
 
 
 def check_choice(config: Mapping[str, Any], field: str, allowed: Sequence[Any]) -> None:
@@ -213,6 +318,33 @@ def check_divides(config: Mapping[str, Any], small: str, large: str) -> None:
         raise ValueError(
             f"config.json: {small}={config[small]} must divide {large}={config[large]}"
         )
+
+
+def check_at_most(config: Mapping[str, Any], small: str, large: str) -> None:
+    """Raises ``ValueError`` unless ``config[small] <= config[large]``."""
+    if config[small] > config[large]:
+        raise ValueError(f"config.json: {small}={config[small]} must be <= {large}={config[large]}")
+
+
+def check_layer_types(config: Mapping[str, Any], kinds: Sequence[str]) -> None:
+    """Raises ``ValueError`` unless ``config["layer_types"]`` lists ``num_hidden_layers``
+    of ``kinds``."""
+    types, n = config["layer_types"], config["num_hidden_layers"]
+    if not isinstance(types, list) or len(types) != n or any(t not in kinds for t in types):
+        raise ValueError(
+            f"config.json: layer_types must list num_hidden_layers={n} of {list(kinds)}, "
+            f"got {types!r}"
+        )
+
+
+def rope_parameters(config: Mapping[str, Any], theta: float | None) -> dict[str, Any]:
+    """``config``'s ``rope_parameters`` as ``transformers`` fills them in: ``rope_type``
+    ``"default"`` and ``rope_theta`` the top-level ``rope_theta``, else ``theta``, where
+    absent."""
+    rope = dict(config.get("rope_parameters") or {})
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", config.get("rope_theta", theta))
+    return rope
 
 
 def check_unsupported(config: Mapping[str, Any], supported: Mapping[str, Any]) -> None:

@@ -44,18 +44,8 @@ SCALARS = (
     "attention_out_multiplier", "ssm_in_multiplier", "ssm_out_multiplier",
 )  # fmt: skip
 
-MODEL_RULES = common.rules(
-    ("embed_tokens.weight", "embed.embedding", "copy"),
-    ("final_layernorm.weight", "norm.scale", "copy"),
-)
-HEAD_RULE = mamba2.HEAD_RULE
-BLOCK_RULES = common.rules(
-    ("input_layernorm.weight", "attention_norm.scale", "copy"),
-    ("pre_ff_layernorm.weight", "mlp_norm.scale", "copy"),
-    ("feed_forward.gate_proj.weight", "mlp.gate_proj.kernel", "linear"),
-    ("feed_forward.up_proj.weight", "mlp.up_proj.kernel", "linear"),
-    ("feed_forward.down_proj.weight", "mlp.down_proj.kernel", "linear"),
-)
+# Bamba's rows: the model's, the head's and a block's norms and MLP.
+MODEL_RULES, HEAD_RULE, BLOCK_RULES = bamba.MODEL_RULES, bamba.HEAD_RULE, bamba.BLOCK_RULES
 
 
 def weight_table(config: Mapping[str, Any], prefix: str = PREFIX) -> list[tuple[str, Rule]]:
@@ -84,17 +74,8 @@ DEFAULTS = dict(
     rms_norm_eps=1e-5,
     num_key_value_heads=8,
     mamba_d_ssm=1024,
-    mamba_n_heads=128,
-    mamba_d_head="auto",
-    mamba_n_groups=1,
-    mamba_d_state=256,
-    mamba_d_conv=4,
-    mamba_expand=2,
-    mamba_conv_bias=True,
-    mamba_proj_bias=False,
     mamba_norm_before_gate=True,
     mamba_rms_norm=False,
-    time_step_limit=[0.0, math.inf],
     projectors_bias=False,
     lm_head_multiplier=1.0,
     embedding_multiplier=1.0,
@@ -107,11 +88,16 @@ DEFAULTS = dict(
     ssm_out_multiplier=1.0,
     attention_bias=False,
     mlp_bias=False,
+    **mamba2.HYBRID_DEFAULTS,
 )  # fmt: skip  (transformers' FalconH1Config defaults, for fields a config.json leaves out)
 INT_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "mamba_n_heads", "mamba_d_head",
     "mamba_d_ssm", "mamba_n_groups", "mamba_d_state", "mamba_d_conv",
+)  # fmt: skip
+BOOL_FIELDS = (
+    "mamba_conv_bias", "mamba_proj_bias", "projectors_bias", "mamba_rms_norm",
+    "mamba_norm_before_gate", "tie_word_embeddings",
 )  # fmt: skip
 
 
@@ -122,12 +108,7 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
       ValueError: an unknown ``model_type``, or a field missing, of the wrong type or
         unsupported, named.
     """
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ValueError(
-            f"config.json: model_type must be one of {MODEL_TYPES}, got {raw.get('model_type')!r}"
-        )
-    keep = lambda k, v: v is not None or k not in DEFAULTS or k == "mamba_d_ssm"
-    config = {**DEFAULTS, **{k: v for k, v in raw.items() if keep(k, v)}}
+    config = common.with_defaults(raw, MODEL_TYPES, DEFAULTS, keep_none=("mamba_d_ssm",))
     if config["mamba_d_ssm"] is None and common.is_int(config.get("hidden_size")):
         config["mamba_d_ssm"] = config["mamba_expand"] * config["hidden_size"]
     if config["mamba_d_head"] == "auto" and common.is_int(config.get("mamba_d_ssm")):
@@ -160,23 +141,12 @@ def check_config(config: Mapping[str, Any]) -> None:
         )
     common.check_divides(config, "mamba_n_groups", "mamba_n_heads")
     common.check_divides(config, "num_key_value_heads", "num_attention_heads")
-    for field in SCALARS:
-        value = config[field]
-        if not (common.is_number(value) and 0 < value < math.inf):
-            raise ValueError(f"config.json: {field} must be a finite number > 0, got {value!r}")
+    common.check_positive(config, SCALARS)
     _check_list(config, "mlp_multipliers", 2)
     _check_list(config, "ssm_multipliers", 5)
-    if config["hidden_act"] != "silu":
-        raise ValueError(f"config.json: hidden_act must be 'silu', got {config['hidden_act']!r}")
-    for field in ("attention_bias", "mlp_bias"):
-        if config[field] is not False:
-            raise ValueError(f"config.json: {field} must be false, got {config[field]!r}")
-    for field in (
-        "mamba_conv_bias", "mamba_proj_bias", "projectors_bias", "mamba_rms_norm",
-        "mamba_norm_before_gate", "tie_word_embeddings",
-    ):  # fmt: skip
-        if not isinstance(config[field], bool):
-            raise ValueError(f"config.json: {field} must be true or false, got {config[field]!r}")
+    common.check_choice(config, "hidden_act", ("silu",))
+    common.check_false(config, ("attention_bias", "mlp_bias"))
+    common.check_bools(config, BOOL_FIELDS)
     if config["projectors_bias"] != config["mamba_proj_bias"]:
         raise ValueError(
             "config.json: projectors_bias (out_proj's bias) must equal mamba_proj_bias "
@@ -222,21 +192,18 @@ def model_options(
             (float(config["ssm_in_multiplier"]), float(config["ssm_out_multiplier"])),
         ),
     )
-    return dict(
-        vocab_size=config["vocab_size"],
-        width=config["hidden_size"],
-        depth=config["num_hidden_layers"],
+    return common.language_model_options(
+        config,
+        dtype,
+        param_dtype,
         num_heads=heads,
         attention="softmax",
         kind_options={"softmax": softmax},
-        tie_embeddings=config["tie_word_embeddings"],
         mlp="swiglu",
         mlp_hidden=config["intermediate_size"],
         mlp_multipliers=tuple(float(m) for m in config["mlp_multipliers"]),
         embedding_multiplier=float(config["embedding_multiplier"]),
         logits_scaling=1.0 / float(config["lm_head_multiplier"]),
-        dtype=dtype,
-        param_dtype=dtype if param_dtype is None else param_dtype,
     )
 
 
@@ -252,8 +219,7 @@ def config_from_model(model) -> dict[str, Any]:
         attention beside a Mamba-2 mixer with a SwiGLU MLP, attention other than Llama's,
         layers with different sizes), naming what differs.
     """
-    if model.period is not None:
-        raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
+    common.check_unrolled(model)
     fields: dict[str, Any] = {}
     for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):
         where, a, m = f"blocks[{i}]", block.attention, block.parallel
@@ -295,19 +261,15 @@ def config_from_model(model) -> dict[str, Any]:
     return {
         "architectures": ["FalconH1ForCausalLM"],
         "model_type": "falcon_h1",
-        "vocab_size": model.vocab_size,
-        "hidden_size": model.embed.features,
-        "num_hidden_layers": model.depth,
+        **common.model_fields(model),
         "mamba_d_ssm": fields["mamba_n_heads"] * fields["mamba_d_head"],
         "projectors_bias": fields["mamba_proj_bias"],
         "rms_norm_eps": mamba2.one_epsilon(model),
-        "tie_word_embeddings": model.head is None,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
         "embedding_multiplier": model.embedding_multiplier,
         "lm_head_multiplier": 1.0 / model.logits_scaling,
-        "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         **fields,
     }
@@ -341,6 +303,6 @@ FORMAT = common.ModelFormat(
     weight_table=weight_table,
     config_for_save=config_for_save,
     prefixes=(PREFIX,),
-    ignored_prefixes=lambda config: ("lm_head.",) if config["tie_word_embeddings"] else (),
+    ignored_prefixes=common.tied_head_ignored,
     finish=finish,
 )

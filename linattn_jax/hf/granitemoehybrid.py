@@ -33,7 +33,6 @@ The tensors live under ``model.`` (``lm_head.weight`` apart, untied only).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -106,15 +105,7 @@ DEFAULTS = dict(
     shared_intermediate_size=1024,
     position_embedding_type=None,
     layer_types=None,
-    mamba_n_heads=128,
-    mamba_n_groups=1,
-    mamba_d_state=256,
-    mamba_d_head="auto",
-    mamba_d_conv=4,
-    mamba_expand=2,
-    mamba_conv_bias=True,
-    mamba_proj_bias=False,
-    time_step_limit=[0.0, math.inf],
+    **mamba2.HYBRID_DEFAULTS,
 )  # fmt: skip  (transformers' GraniteMoeHybridConfig defaults, for fields a config.json leaves out)
 INT_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "shared_intermediate_size",
@@ -131,16 +122,11 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
       ValueError: an unknown ``model_type``, or a field missing, of the wrong type or
         unsupported, named.
     """
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ValueError(
-            f"config.json: model_type must be one of {MODEL_TYPES}, got {raw.get('model_type')!r}"
-        )
-    keep = lambda k, v: v is not None or k not in DEFAULTS or k == "position_embedding_type"
-    config = {**DEFAULTS, **{k: v for k, v in raw.items() if keep(k, v)}}
+    config = common.with_defaults(
+        raw, MODEL_TYPES, DEFAULTS, keep_none=("position_embedding_type",)
+    )
     mamba2.hybrid_defaults(config)
-    if config["mamba_d_head"] == "auto" and common.is_int(config.get("hidden_size")):
-        heads = config["mamba_n_heads"]
-        config["mamba_d_head"] = config["mamba_expand"] * config["hidden_size"] // heads
+    mamba2.auto_head_dim(config)
     if config["layer_types"] is None and "layers_block_type" in config:  # the older name
         config["layer_types"] = config.pop("layers_block_type")
     if isinstance(config["layer_types"], list):  # the Hub's configs: "mamba", "attention"
@@ -156,22 +142,13 @@ def check_config(config: Mapping[str, Any]) -> None:
     type, or that we do not support."""
     common.check_ints(config, INT_FIELDS)
     common.check_ints(config, ("num_local_experts",), minimum=0)
-    inner = config["hidden_size"] * config["mamba_expand"]
-    if inner != config["mamba_n_heads"] * config["mamba_d_head"]:
-        raise ValueError(
-            f"config.json: hidden_size * mamba_expand ({inner}) must equal mamba_n_heads * "
-            f"mamba_d_head ({config['mamba_n_heads'] * config['mamba_d_head']})"
-        )
+    mamba2.check_inner_width(config, "mamba_expand", "mamba_n_heads", "mamba_d_head")
     common.check_divides(config, "mamba_n_groups", "mamba_n_heads")
     common.check_divides(config, "num_key_value_heads", "num_attention_heads")
     common.check_divides(config, "num_attention_heads", "hidden_size")
     if config["num_local_experts"]:
         common.check_ints(config, ("num_experts_per_tok",))
-        if config["num_experts_per_tok"] > config["num_local_experts"]:
-            raise ValueError(
-                f"config.json: num_experts_per_tok={config['num_experts_per_tok']} must be <= "
-                f"num_local_experts={config['num_local_experts']}"
-            )
+        common.check_at_most(config, "num_experts_per_tok", "num_local_experts")
     types = config["layer_types"]
     if (
         not isinstance(types, list)
@@ -182,20 +159,11 @@ def check_config(config: Mapping[str, Any]) -> None:
             f"config.json: layer_types must list num_hidden_layers={config['num_hidden_layers']} "
             f"of {tuple(LAYER_KINDS)}, got {types!r}"
         )
-    for field in (*MULTIPLIERS, "logits_scaling"):
-        value = config[field]
-        if not (common.is_number(value) and 0 < value < math.inf):
-            raise ValueError(f"config.json: {field} must be a finite number > 0, got {value!r}")
+    common.check_positive(config, (*MULTIPLIERS, "logits_scaling"))
     common.check_choice(config, "position_embedding_type", (None, "rope"))
-    if config["hidden_act"] != "silu":
-        raise ValueError(f"config.json: hidden_act must be 'silu', got {config['hidden_act']!r}")
-    if config["attention_bias"] is not False:
-        raise ValueError(
-            f"config.json: attention_bias must be false, got {config['attention_bias']!r}"
-        )
-    for field in ("mamba_conv_bias", "mamba_proj_bias", "tie_word_embeddings"):
-        if not isinstance(config[field], bool):
-            raise ValueError(f"config.json: {field} must be true or false, got {config[field]!r}")
+    common.check_choice(config, "hidden_act", ("silu",))
+    common.check_false(config, ("attention_bias",))
+    common.check_bools(config, ("mamba_conv_bias", "mamba_proj_bias", "tie_word_embeddings"))
     bamba.check_config(
         {
             **config,
@@ -242,23 +210,20 @@ def model_options(
         softmax.update(rope_theta=float(config["rope_parameters"]["rope_theta"]))
     experts = config["num_local_experts"]
     mlp = dict(mlp="moe", moe=moe_options(config)) if experts else dict(mlp="swiglu")
-    return dict(
-        vocab_size=config["vocab_size"],
-        width=config["hidden_size"],
-        depth=config["num_hidden_layers"],
+    return common.language_model_options(
+        config,
+        dtype,
+        param_dtype,
         num_heads=heads,
         attention=[LAYER_KINDS[t] for t in config["layer_types"]],
         kind_options={
             "mamba2": mamba2.hybrid_mixer_options(config),
             "softmax": softmax,
         },
-        tie_embeddings=config["tie_word_embeddings"],
         mlp_hidden=config["intermediate_size" if experts else "shared_intermediate_size"],
         embedding_multiplier=float(config["embedding_multiplier"]),
         logits_scaling=float(config["logits_scaling"]),
         residual_multiplier=float(config["residual_multiplier"]),
-        dtype=dtype,
-        param_dtype=dtype if param_dtype is None else param_dtype,
         **mlp,
     )
 
@@ -266,10 +231,9 @@ def model_options(
 def finish(model, config: Mapping[str, Any]) -> None:
     """Sets the blocks' and the final RMSNorm's epsilon to ``rms_norm_eps``; the router
     losses' record starts at zero (not a weight)."""
+    common.set_rms_norm_epsilon(model, config["rms_norm_eps"])
     for _, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.RMSNorm):
-            node.epsilon = float(config["rms_norm_eps"])
-        elif isinstance(node, RouterLosses):
+        if isinstance(node, RouterLosses):
             node.set_value(jnp.zeros(2, jnp.float32))
 
 
@@ -282,8 +246,7 @@ def config_from_model(model) -> dict[str, Any]:
         and ``softmax``, an MLP other than Granite's mixture or SwiGLU, attention other
         than Llama's, layers of one kind with different sizes), naming what differs.
     """
-    if model.period is not None:
-        raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
+    common.check_unrolled(model)
     fields: dict[str, Any] = {}
     width = model.embed.features
     for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):
@@ -342,18 +305,14 @@ def config_from_model(model) -> dict[str, Any]:
     return {
         "architectures": ["GraniteMoeHybridForCausalLM"],
         "model_type": "granitemoehybrid",
-        "vocab_size": model.vocab_size,
-        "hidden_size": width,
-        "num_hidden_layers": model.depth,
+        **common.model_fields(model),
         "layer_types": [{v: k for k, v in LAYER_KINDS.items()}[k] for k in model.layout],
         "rms_norm_eps": mamba2.one_epsilon(model),
         "mamba_expand": expand,
-        "tie_word_embeddings": model.head is None,
         "hidden_act": "silu",
         "attention_bias": False,
         "embedding_multiplier": model.embedding_multiplier,
         "logits_scaling": model.logits_scaling,
-        "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         **fields,
     }
@@ -387,6 +346,6 @@ FORMAT = common.ModelFormat(
     weight_table=weight_table,
     config_for_save=config_for_save,
     prefixes=(PREFIX,),
-    ignored_prefixes=lambda config: ("lm_head.",) if config["tie_word_embeddings"] else (),
+    ignored_prefixes=common.tied_head_ignored,
     finish=finish,
 )

@@ -195,10 +195,7 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
       ValueError: an unknown ``model_type``, or a field missing, of the wrong type or
         unsupported, named.
     """
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ValueError(
-            f"config.json: model_type must be one of {MODEL_TYPES}, got {raw.get('model_type')!r}"
-        )
+    common.check_model_type(raw, MODEL_TYPES)
     config = dict(raw)
     for alias, name in ALIASES.items():
         if alias in config:
@@ -262,20 +259,14 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             "latent)"
         )
     common.check_divides(config, "num_expert_group", "num_experts")
-    if config["topk_group"] > config["num_expert_group"]:
-        raise ValueError(
-            f"config.json: topk_group={config['topk_group']} must be <= "
-            f"num_expert_group={config['num_expert_group']}"
-        )
+    common.check_at_most(config, "topk_group", "num_expert_group")
     chosen = config["topk_group"] * config["num_experts"] // config["num_expert_group"]
     if config["num_experts_per_token"] > chosen:
         raise ValueError(
             f"config.json: num_experts_per_token={config['num_experts_per_token']} must be <= "
             f"the {chosen} experts of topk_group={config['topk_group']} groups"
         )
-    for field in ("tie_word_embeddings", "moe_renormalize"):
-        if not isinstance(config[field], bool):
-            raise ValueError(f"config.json: {field} must be true or false, got {config[field]!r}")
+    common.check_bools(config, ("tie_word_embeddings", "moe_renormalize"))
     for field, lo, hi in (("rms_norm_eps", 0, 1), ("routed_scaling_factor", 0, float("inf"))):
         v = config[field]
         if not common.is_number(v) or not lo < v < hi:
@@ -343,8 +334,7 @@ def config_from_model(model) -> dict[str, Any]:
         ``kda`` and ``mla``, a block's MLP or options of another form, layers of one kind
         with different sizes), naming what differs.
     """
-    if getattr(model, "period", None) is not None:
-        raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
+    common.check_unrolled(model)
     kinds = {kind: layer for layer, kind in LAYER_KINDS.items()}
     fields: dict[str, Any] = {}
     mlp_types = []

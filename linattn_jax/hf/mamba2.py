@@ -110,11 +110,7 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
       ValueError: an unknown ``model_type``, or a field missing, of the wrong type or
         unsupported, named.
     """
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ValueError(
-            f"config.json: model_type must be one of {MODEL_TYPES}, got {raw.get('model_type')!r}"
-        )
-    config = {**DEFAULTS, **{k: v for k, v in raw.items() if v is not None or k not in DEFAULTS}}
+    config = common.with_defaults(raw, MODEL_TYPES, DEFAULTS)
     config["time_step_limit"] = time_step_limit(config["time_step_limit"])
     check_config(config)
     return config
@@ -133,23 +129,24 @@ def check_config(config: Mapping[str, Any]) -> None:
     """Raises ``ValueError`` naming the field of ``config`` that is missing, of the wrong
     type, or that we do not support."""
     common.check_ints(config, INT_FIELDS)
-    inner = config["hidden_size"] * config["expand"]
-    if inner != config["num_heads"] * config["head_dim"]:
-        raise ValueError(
-            f"config.json: hidden_size * expand ({inner}) must equal num_heads * head_dim "
-            f"({config['num_heads'] * config['head_dim']})"
-        )
-    if config["num_heads"] % config["n_groups"]:
-        raise ValueError(
-            f"config.json: n_groups={config['n_groups']} must divide num_heads="
-            f"{config['num_heads']}"
-        )
-    if config["hidden_act"] != "silu":
-        raise ValueError(f"config.json: hidden_act must be 'silu', got {config['hidden_act']!r}")
-    for field in ("use_bias", "use_conv_bias", "tie_word_embeddings", "residual_in_fp32"):
-        if not isinstance(config[field], bool):
-            raise ValueError(f"config.json: {field} must be true or false, got {config[field]!r}")
+    check_inner_width(config, "expand", "num_heads", "head_dim")
+    common.check_divides(config, "n_groups", "num_heads")
+    common.check_choice(config, "hidden_act", ("silu",))
+    common.check_bools(
+        config, ("use_bias", "use_conv_bias", "tie_word_embeddings", "residual_in_fp32")
+    )
     check_epsilon_and_limit(config["layer_norm_epsilon"], config["time_step_limit"])
+
+
+def check_inner_width(config: Mapping[str, Any], expand: str, heads: str, head_dim: str) -> None:
+    """Raises ``ValueError`` unless the mixer's inner width ``hidden_size * config[expand]``
+    is ``config[heads] * config[head_dim]`` (the fields' names: Mamba-2's or a hybrid's)."""
+    inner = config["hidden_size"] * config[expand]
+    if inner != config[heads] * config[head_dim]:
+        raise ValueError(
+            f"config.json: hidden_size * {expand} ({inner}) must equal {heads} * {head_dim} "
+            f"({config[heads] * config[head_dim]})"
+        )
 
 
 def check_epsilon_and_limit(eps, limit) -> None:
@@ -174,10 +171,10 @@ def model_options(
     the computation in ``dtype``, the parameters in ``param_dtype`` (None: ``dtype``). The
     blocks' and the final RMSNorm's epsilon is not an option: ``finish`` sets it on the
     built model."""
-    return dict(
-        vocab_size=config["vocab_size"],
-        width=config["hidden_size"],
-        depth=config["num_hidden_layers"],
+    return common.language_model_options(
+        config,
+        dtype,
+        param_dtype,
         num_heads=config["num_heads"],
         attention="mamba2",
         kind_options={
@@ -192,10 +189,7 @@ def model_options(
                 norm_eps=config["layer_norm_epsilon"],
             )
         },
-        tie_embeddings=config["tie_word_embeddings"],
         mlp="none",
-        dtype=dtype,
-        param_dtype=dtype if param_dtype is None else param_dtype,
     )
 
 
@@ -231,6 +225,15 @@ HYBRID_FIELDS = {
 }  # fmt: skip
 
 
+# transformers' defaults of the mixer's fields, alike in Bamba's, Granite-4.0-H's and
+# Falcon-H1's configs (``"auto"``: ``auto_head_dim``, or Falcon-H1's own).
+HYBRID_DEFAULTS = dict(
+    mamba_n_heads=128, mamba_d_head="auto", mamba_n_groups=1, mamba_d_state=256,
+    mamba_d_conv=4, mamba_expand=2, mamba_conv_bias=True, mamba_proj_bias=False,
+    time_step_limit=[0.0, math.inf],
+)  # fmt: skip
+
+
 def hybrid_mixer_rules(config: Mapping[str, Any]) -> tuple[Rule, ...]:
     """A hybrid's mixer rows (``mixer_rules`` under ``mamba.``) for its config's biases."""
     bias = config["mamba_proj_bias"]
@@ -245,10 +248,16 @@ def hybrid_defaults(config: dict[str, Any]) -> None:
     if config.get("num_key_value_heads") is None:
         config["num_key_value_heads"] = config.get("num_attention_heads")
     config["time_step_limit"] = time_step_limit(config["time_step_limit"])
-    rope = dict(config.get("rope_parameters") or {})
-    rope.setdefault("rope_type", "default")
-    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    config["rope_parameters"] = rope
+    config["rope_parameters"] = common.rope_parameters(config, 10000.0)
+
+
+def auto_head_dim(config: dict[str, Any]) -> None:
+    """Fills in, in place, a ``mamba_d_head`` of ``"auto"`` as Bamba and Granite-4.0-H do:
+    ``mamba_expand * hidden_size // mamba_n_heads`` (left for the checks where
+    ``hidden_size`` is not an int)."""
+    if config["mamba_d_head"] == "auto" and common.is_int(config.get("hidden_size")):
+        heads = config["mamba_n_heads"]
+        config["mamba_d_head"] = config["mamba_expand"] * config["hidden_size"] // heads
 
 
 def hybrid_mixer_options(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -316,9 +325,7 @@ def one_epsilon(model) -> float:
 def finish(model, config: Mapping[str, Any]) -> None:
     """Sets the blocks' and the final RMSNorm's epsilon to ``layer_norm_epsilon`` (the
     layers take no epsilon option; the mixers' gated norms take it as ``norm_eps``)."""
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.RMSNorm):
-            node.epsilon = float(config["layer_norm_epsilon"])
+    common.set_rms_norm_epsilon(model, config["layer_norm_epsilon"])
 
 
 def config_from_model(model) -> dict[str, Any]:
@@ -330,16 +337,8 @@ def config_from_model(model) -> dict[str, Any]:
         an MLP or a short convolution in a block, zero-centred norms, layers of different
         sizes), naming what differs.
     """
-    if model.period is not None:
-        raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
+    common.check_unrolled(model)
     fields: dict[str, Any] = {}
-
-    def agree(field, value, where):
-        if fields.setdefault(field, value) != value:
-            raise ValueError(
-                f"{where}: {field}={value} differs from the other layers' {fields[field]}"
-            )
-
     for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):
         where = f"blocks[{i}]"
         if kind != "mamba2":
@@ -351,7 +350,7 @@ def config_from_model(model) -> dict[str, Any]:
         if block.attention_norm.zero_centred:
             raise ValueError(f"{where}: Mamba-2's RMSNorms are not zero-centred")
         for field, value in mixer_fields(block.attention).items():
-            agree(field, value, where)
+            common.agree(fields, field, value, where)
     width = model.embed.features
     inner = fields["num_heads"] * fields["head_dim"]
     if inner % width:
@@ -359,14 +358,10 @@ def config_from_model(model) -> dict[str, Any]:
     return {
         "architectures": ["Mamba2ForCausalLM"],
         "model_type": "mamba2",
-        "vocab_size": model.vocab_size,
-        "hidden_size": width,
-        "num_hidden_layers": model.depth,
+        **common.model_fields(model),
         "expand": inner // width,
         "layer_norm_epsilon": one_epsilon(model),
-        "tie_word_embeddings": model.head is None,
         "hidden_act": "silu",
-        "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
         **fields,
     }
 
@@ -385,10 +380,6 @@ def config_for_save(model, config: Mapping[str, Any] | None = None) -> dict[str,
     return normalize_config(common.merge_for_save(config_from_model(model), config, UNCHECKED))
 
 
-def _ignored(config: Mapping[str, Any]) -> tuple[str, ...]:
-    return ("lm_head.",) if config["tie_word_embeddings"] else ()
-
-
 FORMAT = common.ModelFormat(
     name="Mamba-2",
     model_types=MODEL_TYPES,
@@ -397,6 +388,6 @@ FORMAT = common.ModelFormat(
     weight_table=weight_table,
     config_for_save=config_for_save,
     prefixes=(PREFIX,),
-    ignored_prefixes=_ignored,
+    ignored_prefixes=common.tied_head_ignored,
     finish=finish,
 )

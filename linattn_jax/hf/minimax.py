@@ -121,7 +121,7 @@ def weight_table(config: Mapping[str, Any], prefix: str = PREFIX) -> list[tuple[
         (
             "self_attn.qkv_proj.weight",
             ("attention.q_proj.kernel", "attention.k_proj.kernel", "attention.v_proj.kernel"),
-            qwen3_next._grouped(config["num_attention_heads"]),
+            qwen3_next.grouped_conversion(config["num_attention_heads"]),
         )
     )
     rows = [(prefix + r.hf, r) for r in MODEL_RULES]
@@ -151,7 +151,7 @@ def ignored_prefixes(config: Mapping[str, Any]) -> tuple[str, ...]:
         if t == "linear_attention"
         for buffer in BUFFERS
     )
-    return names + (("lm_head.",) if config["tie_word_embeddings"] else ())
+    return names + common.tied_head_ignored(config)
 
 
 def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -161,11 +161,7 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
       ValueError: an unknown ``model_type``, or a field missing, of the wrong type or
         unsupported, named.
     """
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ValueError(
-            f"config.json: model_type must be one of {MODEL_TYPES}, got {raw.get('model_type')!r}"
-        )
-    config = {**DEFAULTS, **{k: v for k, v in raw.items() if v is not None or k not in DEFAULTS}}
+    config = common.with_defaults(raw, MODEL_TYPES, DEFAULTS)
     if config.get("num_key_value_heads") is None:
         config["num_key_value_heads"] = config.get("num_attention_heads")
     if config.get("head_dim") is None and common.is_int(config.get("hidden_size")):
@@ -179,29 +175,14 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
         config["layer_types"] = [
             "full_attention" if (i + 1) % 2 else "linear_attention" for i in range(n)
         ]
-    types = config["layer_types"]
-    if not isinstance(types, list) or len(types) != n or any(t not in LAYER_KINDS for t in types):
-        raise ValueError(
-            f"config.json: layer_types must list num_hidden_layers={n} of "
-            f"{list(LAYER_KINDS)}, got {types!r}"
-        )
-    if config["num_experts_per_tok"] > config["num_local_experts"]:
-        raise ValueError(
-            f"config.json: num_experts_per_tok={config['num_experts_per_tok']} must be <= "
-            f"num_local_experts={config['num_local_experts']}"
-        )
+    common.check_layer_types(config, LAYER_KINDS)
+    common.check_at_most(config, "num_experts_per_tok", "num_local_experts")
     common.check_unsupported(config, {"hidden_act": "silu", "sliding_window": (None,)})
     for field in [f for pair in FACTORS.values() for f in pair] + ["rms_norm_eps"]:
         if not common.is_number(config[field]):
             raise ValueError(f"config.json: {field} must be a number, got {config[field]!r}")
-    if not isinstance(config["tie_word_embeddings"], bool):
-        raise ValueError(
-            "config.json: tie_word_embeddings must be true or false, got "
-            f"{config['tie_word_embeddings']!r}"
-        )
-    rope = dict(config.get("rope_parameters") or {})
-    rope.setdefault("rope_type", "default")
-    rope.setdefault("rope_theta", config.get("rope_theta", 1e6))
+    common.check_bools(config, ("tie_word_embeddings",))
+    rope = common.rope_parameters(config, 1e6)
     if rope["rope_type"] != "default" or not common.is_number(rope["rope_theta"]):
         raise ValueError(
             f"config.json: rope_parameters must have rope_type 'default' and a number "
@@ -219,10 +200,10 @@ def model_options(
     (the blocks' and the final RMSNorm's epsilon is set by ``finish``)."""
     factors = lambda kind: tuple(float(config[f]) for f in FACTORS[kind])
     heads, head_dim = config["num_attention_heads"], config["head_dim"]
-    return dict(
-        vocab_size=config["vocab_size"],
-        width=config["hidden_size"],
-        depth=config["num_hidden_layers"],
+    return common.language_model_options(
+        config,
+        dtype,
+        param_dtype,
         num_heads=heads,
         attention=[LAYER_KINDS[t] for t in layer_types(config)],
         kind_options={
@@ -235,7 +216,6 @@ def model_options(
                 attention_residual=factors("full_attention"),
             ),
         },
-        tie_embeddings=config["tie_word_embeddings"],
         mlp="moe",
         moe=dict(
             num_experts=config["num_local_experts"],
@@ -245,8 +225,6 @@ def model_options(
         ),
         normed_residual=True,
         mlp_residual=factors("mlp"),
-        dtype=dtype,
-        param_dtype=dtype if param_dtype is None else param_dtype,
     )
 
 
@@ -270,8 +248,7 @@ def config_from_model(model) -> dict[str, Any]:
         ``lightning`` and ``softmax``, blocks without ``normed_residual`` or without a MoE of
         Mixtral's router, layers of one kind with different sizes), naming what differs.
     """
-    if getattr(model, "period", None) is not None:
-        raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
+    common.check_unrolled(model)
     fields: dict[str, Any] = {}
     types, eps = [], None
     for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):
@@ -342,13 +319,9 @@ def config_from_model(model) -> dict[str, Any]:
     derived = {
         "architectures": ["MiniMaxForCausalLM"],
         "model_type": "minimax",
-        "vocab_size": model.vocab_size,
-        "hidden_size": model.embed.features,
-        "num_hidden_layers": model.depth,
+        **common.model_fields(model),
         "layer_types": types,
-        "tie_word_embeddings": model.head is None,
         "hidden_act": "silu",
-        "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
         **fields,
     }
     if theta is not None:

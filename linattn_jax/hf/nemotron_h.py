@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
-from flax import nnx
 
 from linattn_jax.hf import common, mamba2
 
@@ -116,10 +115,7 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
       ValueError: an unknown ``model_type``, a ``moe`` layer, or a field missing, of the
         wrong type or unsupported, named.
     """
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ValueError(
-            f"config.json: model_type must be one of {MODEL_TYPES}, got {raw.get('model_type')!r}"
-        )
+    common.check_model_type(raw, MODEL_TYPES)
     config = {k: v for k, v in raw.items() if v is not None or k not in DEFAULTS}
     for old, new in LEGACY.items():
         if old in config:
@@ -165,9 +161,7 @@ def check_config(config: Mapping[str, Any]) -> None:
         raise ValueError(
             f"config.json: sliding_window must be null, got {config['sliding_window']!r}"
         )
-    for field in ("use_conv_bias", "use_bias", "tie_word_embeddings"):
-        if not isinstance(config[field], bool):
-            raise ValueError(f"config.json: {field} must be true or false, got {config[field]!r}")
+    common.check_bools(config, ("use_conv_bias", "use_bias", "tie_word_embeddings"))
     low = config["time_step_min"]
     if not common.is_number(low) or low < 0:
         raise ValueError(f"config.json: time_step_min must be a number >= 0, got {low!r}")
@@ -221,9 +215,7 @@ def model_options(
 
 def finish(model, config: Mapping[str, Any]) -> None:
     """Sets the blocks' and the final RMSNorm's epsilon to ``layer_norm_epsilon``."""
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.RMSNorm):
-            node.epsilon = float(config["layer_norm_epsilon"])
+    common.set_rms_norm_epsilon(model, config["layer_norm_epsilon"])
 
 
 def config_from_model(model) -> dict[str, Any]:
@@ -235,8 +227,7 @@ def config_from_model(model) -> dict[str, Any]:
         attention with RoPE, QK-norm, an output gate or a sliding window; layers of one
         kind with different sizes), naming what differs.
     """
-    if model.period is not None:
-        raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
+    common.check_unrolled(model)
     fields: dict[str, Any] = {}
     renamed = {
         "num_heads": "mamba_num_heads", "head_dim": "mamba_head_dim",
@@ -312,8 +303,6 @@ FORMAT = common.ModelFormat(
     weight_table=weight_table,
     config_for_save=config_for_save,
     prefixes=(PREFIX, "model."),
-    ignored_prefixes=lambda config: (
-        ("mtp.",) + (("lm_head.",) if config["tie_word_embeddings"] else ())
-    ),
+    ignored_prefixes=lambda config: ("mtp.",) + common.tied_head_ignored(config),
     finish=finish,
 )

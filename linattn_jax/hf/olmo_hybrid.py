@@ -159,11 +159,7 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
       ValueError: an unknown ``model_type``, or a field missing, of the wrong type or
         unsupported, named.
     """
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ValueError(
-            f"config.json: model_type must be one of {MODEL_TYPES}, got {raw.get('model_type')!r}"
-        )
-    config = {**DEFAULTS, **{k: v for k, v in raw.items() if v is not None or k not in DEFAULTS}}
+    config = common.with_defaults(raw, MODEL_TYPES, DEFAULTS)
     heads = config.get("num_attention_heads")
     for field in ("num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads"):
         if config.get(field) is None:
@@ -186,23 +182,14 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
         if "full_attention" not in types:
             types[-1] = "full_attention"
         config["layer_types"] = types
-    types = config["layer_types"]
-    if not isinstance(types, list) or len(types) != n or any(t not in LAYER_KINDS for t in types):
-        raise ValueError(
-            f"config.json: layer_types must list num_hidden_layers={n} of "
-            f"{list(LAYER_KINDS)}, got {types!r}"
-        )
+    common.check_layer_types(config, LAYER_KINDS)
     common.check_unsupported(config, {"hidden_act": "silu", "attention_bias": False})
-    for field in ("tie_word_embeddings", "linear_allow_neg_eigval"):
-        if not isinstance(config[field], bool):
-            raise ValueError(f"config.json: {field} must be true or false, got {config[field]!r}")
+    common.check_bools(config, ("tie_word_embeddings", "linear_allow_neg_eigval"))
     if not common.is_number(config["rms_norm_eps"]):
         raise ValueError(
             f"config.json: rms_norm_eps must be a number, got {config['rms_norm_eps']!r}"
         )
-    rope = dict(config.get("rope_parameters") or {})
-    rope.setdefault("rope_type", "default")
-    rope.setdefault("rope_theta", config.get("rope_theta"))
+    rope = common.rope_parameters(config, None)
     theta = rope["rope_theta"]
     if rope["rope_type"] != "default" or not (theta is None or common.is_number(theta)):
         raise ValueError(
@@ -222,10 +209,10 @@ def model_options(
     heads = config["num_attention_heads"]
     theta = config["rope_parameters"]["rope_theta"]
     rope = dict(rope=False) if theta is None else dict(rope=True, rope_theta=float(theta))
-    return dict(
-        vocab_size=config["vocab_size"],
-        width=config["hidden_size"],
-        depth=config["num_hidden_layers"],
+    return common.language_model_options(
+        config,
+        dtype,
+        param_dtype,
         num_heads=heads,
         attention=[LAYER_KINDS[t] for t in config["layer_types"]],
         kind_options={
@@ -246,11 +233,8 @@ def model_options(
                 **rope,
             ),
         },
-        tie_embeddings=config["tie_word_embeddings"],
         mlp="swiglu",
         mlp_hidden=config["intermediate_size"],
-        dtype=dtype,
-        param_dtype=dtype if param_dtype is None else param_dtype,
     )
 
 
@@ -275,8 +259,7 @@ def config_from_model(model) -> dict[str, Any]:
         ``gated_deltanet`` and ``softmax``, blocks or layers of another form, layers of one
         kind with different sizes), naming what differs.
     """
-    if getattr(model, "period", None) is not None:
-        raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
+    common.check_unrolled(model)
     fields: dict[str, Any] = {}
     types, width = [], model.embed.features
     for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):
@@ -333,14 +316,10 @@ def config_from_model(model) -> dict[str, Any]:
     return {
         "architectures": ["OlmoHybridForCausalLM"],
         "model_type": "olmo_hybrid",
-        "vocab_size": model.vocab_size,
-        "hidden_size": width,
-        "num_hidden_layers": model.depth,
+        **common.model_fields(model),
         "layer_types": types,
-        "tie_word_embeddings": model.head is None,
         "hidden_act": "silu",
         "attention_bias": False,
-        "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         **fields,
     }
@@ -370,6 +349,6 @@ FORMAT = common.ModelFormat(
     weight_table=weight_table,
     config_for_save=config_for_save,
     prefixes=(PREFIX, PREFIX + MEMORY),
-    ignored_prefixes=lambda config: ("lm_head.",) if config["tie_word_embeddings"] else (),
+    ignored_prefixes=common.tied_head_ignored,
     finish=finish,
 )

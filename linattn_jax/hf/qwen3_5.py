@@ -28,7 +28,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
-from flax import nnx
 
 from linattn_jax.hf import common
 from linattn_jax.hf.common import Rule, rules
@@ -205,11 +204,7 @@ def check_config(config: Mapping[str, Any]) -> None:
             f"config.json: attn_output_gate must be true (Qwen3.5's attention is gated), got "
             f"{config['attn_output_gate']!r}"
         )
-    if not isinstance(config["tie_word_embeddings"], bool):
-        raise ValueError(
-            f"config.json: tie_word_embeddings must be true or false, got "
-            f"{config['tie_word_embeddings']!r}"
-        )
+    common.check_bools(config, ("tie_word_embeddings",))
     eps = config["rms_norm_eps"]
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1:
         raise ValueError(f"config.json: rms_norm_eps must be a number in (0, 1), got {eps!r}")
@@ -235,10 +230,10 @@ def model_options(
     """``LanguageModel``'s arguments (all but ``rngs``) for a ``read_config`` config: the
     computation in ``dtype``, the parameters in ``param_dtype`` (None: ``dtype``)."""
     rope = config["rope_parameters"]
-    return dict(
-        vocab_size=config["vocab_size"],
-        width=config["hidden_size"],
-        depth=config["num_hidden_layers"],
+    return common.language_model_options(
+        config,
+        dtype,
+        param_dtype,
         num_heads=config["num_attention_heads"],
         attention=[LAYER_KINDS[t] for t in config["layer_types"]],
         kind_options={
@@ -261,12 +256,9 @@ def model_options(
                 conv_size=config["linear_conv_kernel_dim"],
             ),
         },
-        tie_embeddings=config["tie_word_embeddings"],
         mlp="swiglu",
         mlp_hidden=config["intermediate_size"],
         zero_centred_norm=True,
-        dtype=dtype,
-        param_dtype=dtype if param_dtype is None else param_dtype,
     )
 
 
@@ -289,8 +281,7 @@ def config_from_model(model) -> dict[str, Any]:
         attention without its output gate, QK-norm or RoPE, layers of one kind with
         different sizes), naming what differs.
     """
-    if model.period is not None:
-        raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
+    common.check_unrolled(model)
     kinds = {kind: layer for layer, kind in LAYER_KINDS.items()}
     fields: dict[str, Any] = {}
 
@@ -414,11 +405,8 @@ def config_for_save(model, config: Mapping[str, Any] | None = None) -> dict[str,
 
 
 def _finish(model, config: Mapping[str, Any]) -> None:
-    for _, node in nnx.iter_graph(model):
-        # The blocks', the final, q/k and gated norms: the layers take no epsilon option
-        # (their default is Qwen3.5's 1e-6), so it is set on the built modules.
-        if isinstance(node, nnx.RMSNorm):
-            node.epsilon = float(config["rms_norm_eps"])
+    # The blocks', the final, q/k and gated norms (the layers' default is Qwen3.5's 1e-6).
+    common.set_rms_norm_epsilon(model, config["rms_norm_eps"])
 
 
 FORMAT = common.ModelFormat(
@@ -429,8 +417,6 @@ FORMAT = common.ModelFormat(
     weight_table=weight_table,
     config_for_save=config_for_save,
     prefixes=("model.", "model.language_model."),  # qwen3_5_text, qwen3_5 (multimodal)
-    ignored_prefixes=lambda config: (
-        IGNORED_PREFIXES + (("lm_head.",) if config["tie_word_embeddings"] else ())
-    ),
+    ignored_prefixes=lambda config: IGNORED_PREFIXES + common.tied_head_ignored(config),
     finish=_finish,
 )

@@ -118,11 +118,7 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     for field, default in MOE_DEFAULTS.items():
         config[field] = own.get(field, default)
     common.check_ints(config, MOE_FIELDS)
-    if config["num_experts_per_tok"] > config["num_experts"]:
-        raise ValueError(
-            f"config.json: num_experts_per_tok={config['num_experts_per_tok']} must be <= "
-            f"num_experts={config['num_experts']}"
-        )
+    common.check_at_most(config, "num_experts_per_tok", "num_experts")
     return config
 
 
@@ -214,8 +210,7 @@ def config_for_save(model, config: Mapping[str, Any] | None = None) -> dict[str,
             common.agree(fields, field, value, where)
         dense_mlp = SwiGLU(gate_proj=types.SimpleNamespace(out_features=mlp.gate.shape[-1]))
         blocks.append(types.SimpleNamespace(**{**vars(block), "mlp": dense_mlp}))
-    if getattr(model, "period", None) is not None:
-        raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
+    common.check_unrolled(model)
     view = types.SimpleNamespace(
         **{k: getattr(model, k) for k in ("period", "layout", "norm", "vocab_size", "embed",
                                           "depth", "head")},

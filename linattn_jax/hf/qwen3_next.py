@@ -40,7 +40,7 @@ NEXT_DEFAULTS = dict(
 )
 
 
-def _grouped(groups: int) -> str:
+def grouped_conversion(groups: int) -> str:
     """The name of the conversion of a tensor whose rows are ``groups`` groups in turn, each
     the parts of our parameters (in order): registered on first use."""
     name = f"groups_of_{groups}"
@@ -71,29 +71,19 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
       ValueError: an unknown ``model_type``, or a field missing, of the wrong type or
         unsupported, named.
     """
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ValueError(
-            f"config.json: model_type must be one of {MODEL_TYPES}, got {raw.get('model_type')!r}"
-        )
+    common.check_model_type(raw, MODEL_TYPES)
     merged = {**NEXT_DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
     config = qwen3_5.normalize_config(dict(merged, model_type="qwen3_5_text"))
     config["model_type"] = "qwen3_next"
     for field in NEXT_DEFAULTS:
         config[field] = merged[field]
     common.check_ints(config, [f for f in NEXT_DEFAULTS if f != "norm_topk_prob"])
-    if not isinstance(config["norm_topk_prob"], bool):
-        raise ValueError(
-            f"config.json: norm_topk_prob must be true or false, got {config['norm_topk_prob']!r}"
-        )
+    common.check_bools(config, ("norm_topk_prob",))
     dense = raw.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(common.is_int(i) for i in dense):
         raise ValueError(f"config.json: mlp_only_layers must be a list of ints, got {dense!r}")
     config["mlp_only_layers"] = list(dense)
-    if config["num_experts_per_tok"] > config["num_experts"]:
-        raise ValueError(
-            f"config.json: num_experts_per_tok={config['num_experts_per_tok']} must be <= "
-            f"num_experts={config['num_experts']}"
-        )
+    common.check_at_most(config, "num_experts_per_tok", "num_experts")
     return config
 
 
@@ -119,7 +109,7 @@ def weight_table(config: Mapping[str, Any], prefix: str = "model.") -> list[tupl
     the Gated DeltaNet's grouped projections, and the MoE layers' mixtures (per expert, or
     fused for a ``prefix`` ending in ``qwen3_5_moe.FUSED``)."""
     fused, prefix = prefix.endswith(qwen3_5_moe.FUSED), prefix.removesuffix(qwen3_5_moe.FUSED)
-    groups = _grouped(config["linear_num_key_heads"])
+    groups = grouped_conversion(config["linear_num_key_heads"])
     attention = "attention."
     grouped = rules(
         (
@@ -219,8 +209,7 @@ def config_for_save(model, config: Mapping[str, Any] | None = None) -> dict[str,
         blocks.append(types.SimpleNamespace(**{**vars(block), "mlp": mlp}))
     if "num_experts" not in fields:
         raise ValueError("Qwen3-Next has MoE layers: the model has none")
-    if getattr(model, "period", None) is not None:
-        raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
+    common.check_unrolled(model)
     names = ("period", "layout", "norm", "vocab_size", "embed", "depth", "head")
     view = types.SimpleNamespace(**{k: getattr(model, k) for k in names}, blocks=blocks)
     fields.setdefault("intermediate_size", dense_width)
@@ -254,8 +243,6 @@ FORMAT = common.ModelFormat(
     weight_table=weight_table,
     config_for_save=config_for_save,
     prefixes=("model.", "model." + qwen3_5_moe.FUSED),
-    ignored_prefixes=lambda config: (
-        ("mtp.",) + (("lm_head.",) if config["tie_word_embeddings"] else ())
-    ),
+    ignored_prefixes=lambda config: ("mtp.",) + common.tied_head_ignored(config),
     finish=qwen3_5_moe.FORMAT.finish,
 )

@@ -129,11 +129,7 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
       ValueError: an unknown ``model_type``, or a field missing, of the wrong type or
         unsupported, named.
     """
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ValueError(
-            f"config.json: model_type must be one of {MODEL_TYPES}, got {raw.get('model_type')!r}"
-        )
-    config = {**DEFAULTS, **{k: v for k, v in raw.items() if v is not None or k not in DEFAULTS}}
+    config = common.with_defaults(raw, MODEL_TYPES, DEFAULTS)
     for ours, alias in [("hidden_size", "embedding_dim"), ("num_hidden_layers", "num_blocks")]:
         if config.get(alias) is not None and config[alias] != config[ours]:
             raise ValueError(
@@ -149,9 +145,7 @@ def check_config(config: Mapping[str, Any]) -> None:
     type, or that we do not support."""
     common.check_ints(config, INT_FIELDS)
     common.check_unsupported(config, SUPPORTED)
-    for field in ("tie_word_embeddings", "norm_reduction_force_float32"):
-        if not isinstance(config[field], bool):
-            raise ValueError(f"config.json: {field} must be true or false, got {config[field]!r}")
+    common.check_bools(config, ("tie_word_embeddings", "norm_reduction_force_float32"))
     for field in ("qk_dim_factor", "v_dim_factor", "ffn_proj_factor"):
         if not common.is_number(config[field]) or not config[field] > 0:
             raise ValueError(f"config.json: {field} must be a number > 0, got {config[field]!r}")
@@ -185,10 +179,10 @@ def model_options(
     the computation in ``dtype``, the parameters in ``param_dtype`` (None: ``dtype``). The
     blocks' and the final RMSNorm's epsilon is not an option: ``finish`` sets it on the
     built model."""
-    return dict(
-        vocab_size=config["vocab_size"],
-        width=config["hidden_size"],
-        depth=config["num_hidden_layers"],
+    return common.language_model_options(
+        config,
+        dtype,
+        param_dtype,
         num_heads=config["num_heads"],
         attention="mlstm",
         kind_options={
@@ -200,21 +194,16 @@ def model_options(
                 eps=float(config["eps"]),
             )
         },
-        tie_embeddings=config["tie_word_embeddings"],
         mlp="swiglu",
         mlp_hidden=sizes(config)["ffn_hidden"],
         logit_soft_cap=_cap(config["output_logit_soft_cap"]),
-        dtype=dtype,
-        param_dtype=dtype if param_dtype is None else param_dtype,
     )
 
 
 def finish(model, config: Mapping[str, Any]) -> None:
     """Sets the blocks' and the final RMSNorm's epsilon to ``norm_eps`` (the blocks take no
     epsilon option; the multi-head norms take it as ``norm_eps``)."""
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.RMSNorm):
-            node.epsilon = float(config["norm_eps"])
+    common.set_rms_norm_epsilon(model, config["norm_eps"])
 
 
 def one_epsilon(model) -> float:
@@ -246,8 +235,7 @@ def config_from_model(model) -> dict[str, Any]:
         an MLP other than SwiGLU, a short convolution, zero-centred norms, biases, layers
         of different sizes), naming what differs.
     """
-    if model.period is not None:
-        raise ValueError("save_pretrained needs an unrolled model (scan_layers=False)")
+    common.check_unrolled(model)
     fields: dict[str, Any] = {}
     for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):
         where = f"blocks[{i}]"
@@ -271,10 +259,8 @@ def config_from_model(model) -> dict[str, Any]:
     return {
         "architectures": ["xLSTMForCausalLM"],
         "model_type": "xlstm",
-        "vocab_size": model.vocab_size,
-        "hidden_size": width,
+        **common.model_fields(model),
         "embedding_dim": width,
-        "num_hidden_layers": model.depth,
         "num_blocks": model.depth,
         "num_heads": fields["num_heads"],
         "qk_dim_factor": fields["qk_dim"] / width,
@@ -288,8 +274,6 @@ def config_from_model(model) -> dict[str, Any]:
         "use_bias": False,
         "add_out_norm": True,
         "weight_mode": "single",
-        "tie_word_embeddings": model.head is None,
-        "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
         "_sizes": {k: fields[k] for k in ("qk_dim", "v_dim", "ffn_hidden")},
     }
 
@@ -322,10 +306,6 @@ def config_for_save(model, config: Mapping[str, Any] | None = None) -> dict[str,
     return normalize_config(common.merge_for_save(derived, config, UNCHECKED))
 
 
-def _ignored(config: Mapping[str, Any]) -> tuple[str, ...]:
-    return ("lm_head.",) if config["tie_word_embeddings"] else ()
-
-
 FORMAT = common.ModelFormat(
     name="xLSTM",
     model_types=MODEL_TYPES,
@@ -334,6 +314,6 @@ FORMAT = common.ModelFormat(
     weight_table=weight_table,
     config_for_save=config_for_save,
     prefixes=(PREFIX,),
-    ignored_prefixes=_ignored,
+    ignored_prefixes=common.tied_head_ignored,
     finish=finish,
 )
