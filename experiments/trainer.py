@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -66,6 +67,12 @@ def build_model(config: ConfigDict, mesh: Mesh | None = None) -> nnx.Module:
     """
     m, spec = config.model, TASKS[config.task]
     if config.get("init_from"):  # the checkpoint's model; a resumed run overwrites it
+        if os.path.exists(os.path.join(config.init_from, "tokenizer.json")):
+            logging.warning(
+                "init_from=%s: its tokenizer.json is not used; task %s feeds its own token ids",
+                config.init_from,
+                config.task,
+            )
         # float32 parameters whatever model.dtype, as a random initialisation's.
         return hf.from_pretrained(
             config.init_from, m.dtype, param_dtype="float32", scan_layers=m.scan_layers

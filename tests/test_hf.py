@@ -482,6 +482,31 @@ def test_text_errors_are_named(with_tokenizer, saved, capsys):
         hf.eos_ids({"eos_token_id": "</s>"})
     assert generate.main(["--checkpoint", bare, "--prompt", "w1"]) == 2
     assert "has no tokenizer.json" in capsys.readouterr().err
+    missing = os.path.join(bare, "no-such-checkpoint")
+    for read in (hf.load_tokenizer, hf.read_config):
+        with pytest.raises(ValueError, match="no-such-checkpoint is not a directory"):
+            read(missing)
+    assert generate.main(["--checkpoint", missing, "--prompt", "w1"]) == 2
+    assert "no-such-checkpoint is not a directory" in capsys.readouterr().err
+
+
+def test_init_from_a_directory_with_a_tokenizer_warns_that_it_is_not_used(
+    with_tokenizer, caplog
+):
+    # The task feeds its own token ids (MQAR's, a text task's bytes): a checkpoint's
+    # tokenizer.json would silently mean nothing, so the run says so.
+    from experiments import trainer
+    from tests.test_experiments import tiny_config
+
+    path, _ = with_tokenizer
+    with caplog.at_level("WARNING"):
+        trainer.build_model(tiny_config("configs/mqar.py:small", f"init_from={path}"))
+    assert f"init_from={path}: its tokenizer.json is not used; task mqar" in caplog.text
+    caplog.clear()
+    os.remove(os.path.join(path, "tokenizer.json"))
+    with caplog.at_level("WARNING"):
+        trainer.build_model(tiny_config("configs/mqar.py:small", f"init_from={path}"))
+    assert "tokenizer.json" not in caplog.text
 
 
 def test_trainer_builds_its_model_from_a_checkpoint(saved, tmp_path):

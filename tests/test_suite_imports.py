@@ -54,3 +54,26 @@ def test_no_module_of_the_suite_imports_torch_or_transformers_at_its_top(path):
         f"{path.name} imports {', '.join(f'{m} (line {n})' for n, m in found)} at its top: "
         'use `pytest.importorskip("...")` so that its tests skip where it is not installed'
     )
+
+
+@pytest.mark.parametrize("missing", ["safetensors", "tokenizers"])
+def test_the_library_imports_without_the_hf_extra_and_hf_names_it(missing):
+    # A Python without the extra's package (find_spec finds nothing): the library imports,
+    # and linattn_jax.hf says what to install instead of a bare "No module named ...".
+    import subprocess
+    import sys
+
+    hide = (
+        "import importlib.util as u; find = u.find_spec; "
+        f"u.find_spec = lambda name, *a: None if name == {missing!r} else find(name, *a); "
+        "import linattn_jax, linattn_jax.layers, linattn_jax.models; "
+    )
+    ok = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    run = subprocess.run(
+        [sys.executable, "-c", hide + "import linattn_jax.hf"], capture_output=True, text=True
+    )
+    assert run.returncode == 1
+    assert f"ImportError: linattn_jax.hf needs {missing}: pip install 'linattn_jax[hf]'" in (
+        run.stderr
+    )

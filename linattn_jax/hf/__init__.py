@@ -28,7 +28,19 @@ The layout: one module per model type over a shared loader.
   and ``generate_text``.
 """
 
-from linattn_jax.hf import (
+import importlib.util
+
+# The extra's packages, named where they are missing (an ImportError naming a module of
+# safetensors says nothing of how to install it).
+_MISSING = [
+    name for name in ("safetensors", "tokenizers") if importlib.util.find_spec(name) is None
+]
+if _MISSING:
+    raise ImportError(
+        f"linattn_jax.hf needs {' and '.join(_MISSING)}: pip install 'linattn_jax[hf]'"
+    )
+
+from linattn_jax.hf import (  # noqa: E402
     bamba,
     common,
     falcon_h1,
@@ -45,7 +57,7 @@ from linattn_jax.hf import (
     text,
     xlstm,
 )
-from linattn_jax.hf.pretrained import (
+from linattn_jax.hf.pretrained import (  # noqa: E402
     FORMATS,
     MODEL_TYPES,
     abstract_model,

@@ -83,9 +83,12 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     (``normalize_config``: defaults filled in as ``transformers`` fills them).
 
     Raises:
-      ValueError: no ``config.json`` or one that is not a JSON object, an unknown
-        ``model_type``, or a field missing, of the wrong type or unsupported (named).
+      ValueError: no such directory, no ``config.json`` or one that is not a JSON object,
+        an unknown ``model_type``, or a field missing, of the wrong type or unsupported
+        (named).
     """
+    if not os.path.isdir(path):
+        raise ValueError(f"{os.fspath(path)} is not a directory (a checkpoint's)")
     file = os.path.join(os.fspath(path), "config.json")
     if not os.path.exists(file):
         raise ValueError(f"{os.fspath(path)} has no config.json")

@@ -17,9 +17,11 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """The ``tokenizers.Tokenizer`` of a directory's ``tokenizer.json``.
 
     Raises:
-      ValueError: the directory has no ``tokenizer.json``, or one ``tokenizers`` cannot
-        read (named).
+      ValueError: no such directory, or it has no ``tokenizer.json``, or one ``tokenizers``
+        cannot read (named).
     """
+    if not os.path.isdir(path):
+        raise ValueError(f"{os.fspath(path)} is not a directory (a checkpoint's)")
     file = os.path.join(os.fspath(path), "tokenizer.json")
     if not os.path.exists(file):
         raise ValueError(f"{os.fspath(path)} has no tokenizer.json (text needs one)")
