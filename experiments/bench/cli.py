@@ -70,7 +70,11 @@ FLAGS = {
     "--prefill": dict(
         type=int, default=512, help="hf-load: the tokens of the timed forward (0: none)"
     ),
-    "--families": dict(default="", help="recurrences: the families timed (default all)"),
+    "--families": dict(
+        default="",
+        help="recurrences: the families timed (default all); peers --impl: theirs "
+        "(default gated_deltanet)",
+    ),
     "--cpu-groups": dict(
         default="", help="recurrences: tokens per group of chunks on CPU (default: one chunk)"
     ),
