@@ -425,3 +425,28 @@ def test_the_chunks_scale_their_rows_through_scaled():
     loss = lambda q, k, v, beta, gate: jnp.sum(la.delta_rule(q, k, v, beta, gate=gate))
     program = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, q, q, beta, gate))
     assert "name=_scaled" in program
+
+
+def test_identical_calls_share_one_trace_of_the_chunked_form(monkeypatch):
+    # The chunked form is its own jitted function: a model's identical layers trace its
+    # chunk loop once (the loaded 8-layer model's trace + lower fell from 0.70 to 0.31 s).
+    # Without that, two calls of the same shapes trace it twice.
+    from linattn_jax.ops import chunking
+
+    traced = []
+    scan = chunking.scan
+    monkeypatch.setattr(chunking, "scan", lambda *a, **k: traced.append(1) or scan(*a, **k))
+
+    def inputs(t):  # lengths no other test uses: nothing comes from jit's cache
+        q, k, v = (jnp.ones((1, t, 2, 8)) for _ in range(3))
+        return q, k, v, jnp.full((1, t, 2), 0.5), -jnp.ones((1, t, 2))
+
+    def twice(q, k, v, beta, gate):
+        out = la.delta_rule(q, k, v, beta, gate=gate)
+        return la.delta_rule(q + out, k, v, beta, gate=gate)
+
+    jax.jit(twice).lower(*inputs(53))
+    two = len(traced)
+    traced.clear()
+    jax.jit(lambda *x: la.delta_rule(*x[:4], gate=x[4])).lower(*inputs(59))
+    assert two == len(traced) > 0
