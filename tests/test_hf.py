@@ -490,9 +490,7 @@ def test_text_errors_are_named(with_tokenizer, saved, capsys):
     assert "no-such-checkpoint is not a directory" in capsys.readouterr().err
 
 
-def test_init_from_a_directory_with_a_tokenizer_warns_that_it_is_not_used(
-    with_tokenizer, caplog
-):
+def test_init_from_a_directory_with_a_tokenizer_warns_that_it_is_not_used(with_tokenizer, caplog):
     # The task feeds its own token ids (MQAR's, a text task's bytes): a checkpoint's
     # tokenizer.json would silently mean nothing, so the run says so.
     from experiments import trainer
