@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -225,6 +226,13 @@ def set_rms_norm_epsilon(model, eps) -> None:
     for _, node in nnx.iter_graph(model):
         if isinstance(node, nnx.RMSNorm):
             node.epsilon = float(eps)
+
+
+def check_directory(path) -> None:
+    """Raises ``ValueError`` unless ``path`` is a directory (a checkpoint's), before a
+    missing file in it is named."""
+    if not os.path.isdir(path):
+        raise ValueError(f"{os.fspath(path)} is not a directory (a checkpoint's)")
 
 
 def check_unrolled(model) -> None:

@@ -87,8 +87,7 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
         an unknown ``model_type``, or a field missing, of the wrong type or unsupported
         (named).
     """
-    if not os.path.isdir(path):
-        raise ValueError(f"{os.fspath(path)} is not a directory (a checkpoint's)")
+    common.check_directory(path)
     file = os.path.join(os.fspath(path), "config.json")
     if not os.path.exists(file):
         raise ValueError(f"{os.fspath(path)} has no config.json")

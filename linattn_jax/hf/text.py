@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from tokenizers import Tokenizer
 
+from linattn_jax.hf import common
+
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """The ``tokenizers.Tokenizer`` of a directory's ``tokenizer.json``.
@@ -20,8 +22,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
       ValueError: no such directory, or it has no ``tokenizer.json``, or one ``tokenizers``
         cannot read (named).
     """
-    if not os.path.isdir(path):
-        raise ValueError(f"{os.fspath(path)} is not a directory (a checkpoint's)")
+    common.check_directory(path)
     file = os.path.join(os.fspath(path), "tokenizer.json")
     if not os.path.exists(file):
         raise ValueError(f"{os.fspath(path)} has no tokenizer.json (text needs one)")
