@@ -91,12 +91,15 @@ def test_bad_configs_and_models_are_refused_by_name(moe, tmp_path):
         hf.save_pretrained(model, tmp_path / "other", {**config, "residual_multiplier": 1.0})
     from linattn_jax.models import LanguageModel
 
-    scaled = LanguageModel(
-        16, 8, 1, 2, attention="mamba2", mlp="none", logits_scaling=2.0,
-        kind_options={"mamba2": dict(state_dim=4, norm_eps=1e-6)}, rngs=nnx.Rngs(0),
+    mamba = hf.mamba2.FORMAT.normalize_config(
+        dict(model_type="mamba2", vocab_size=16, hidden_size=8, num_hidden_layers=1,
+             num_heads=2, head_dim=8, state_size=4, n_groups=1)
     )  # fmt: skip
-    with pytest.raises(ValueError, match=r"multipliers .* are not the Mamba-2 config's"):
-        hf.save_pretrained(scaled, tmp_path / "scaled", model_type="mamba2")
+    options = hf.mamba2.FORMAT.model_options(mamba) | dict(logits_scaling=2.0)
+    scaled = nnx.eval_shape(lambda: LanguageModel(**options, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"builds another model: its option logits_scaling=1.0, the model's 2.0"):
+        hf.save_pretrained(scaled, tmp_path / "scaled", mamba)
+    assert not (tmp_path / "scaled").exists()
 
 
 def test_init_from_builds_the_checkpoints_model(moe, tmp_path):

@@ -126,13 +126,13 @@ def test_moonshot_config_fields_and_bad_fields(pair):
         short_conv_kernel_size=4,
     )  # fmt: skip
     raw["first_k_dense_replace"] = 1
-    assert hf.kimi_linear.normalize_config(raw) == config
+    assert hf.kimi_linear.FORMAT.normalize_config(raw) == config
     with pytest.raises(ValueError, match="num_key_value_heads=1 must equal"):
-        hf.kimi_linear.normalize_config(dict(config, num_key_value_heads=1))
+        hf.kimi_linear.FORMAT.normalize_config(dict(config, num_key_value_heads=1))
     with pytest.raises(ValueError, match="topk_group=5 must be <="):
-        hf.kimi_linear.normalize_config(dict(config, topk_group=5))
+        hf.kimi_linear.FORMAT.normalize_config(dict(config, topk_group=5))
     with pytest.raises(ValueError, match="hidden_act"):
-        hf.kimi_linear.normalize_config(dict(config, hidden_act="gelu"))
+        hf.kimi_linear.FORMAT.normalize_config(dict(config, hidden_act="gelu"))
 
 
 def test_low_rank_queries_load_and_match(tmp_path):
@@ -189,13 +189,12 @@ def test_the_docs_weight_table_lists_every_rule_and_other_forms_are_refused(tmp_
     model = nnx.eval_shape(
         lambda: LanguageModel(16, 8, 1, 2, attention="softmax", rngs=nnx.Rngs(0))
     )
-    with pytest.raises(ValueError, match=r"blocks\[0\]: Kimi Linear has kda and mla layers"):
+    with pytest.raises(ValueError, match="the model carries no Hugging Face config"):
         hf.save_pretrained(model, tmp_path, model_type="kimi_linear")
-    tied = nnx.eval_shape(
-        lambda: LanguageModel(
-            16, 8, 1, 2, attention="mla", mlp="swiglu", tie_embeddings=True, rngs=nnx.Rngs(0)
-        )
-    )
-    with pytest.raises(ValueError, match="output head is its own"):
-        hf.save_pretrained(tied, tmp_path, model_type="kimi_linear")
+    # KimiLinearForCausalLM's head is its own: a tied model is not one.
+    config = hf.kimi_linear.FORMAT.normalize_config(dict(CONFIG, model_type="kimi_linear"))
+    options = hf.kimi_linear.FORMAT.model_options(config) | dict(tie_embeddings=True)
+    tied = nnx.eval_shape(lambda: LanguageModel(**options, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="its option tie_embeddings=False, the model's True"):
+        hf.save_pretrained(tied, tmp_path, config)
     assert not (tmp_path / "config.json").exists()

@@ -88,14 +88,14 @@ def test_the_in_memory_names_load_the_same_and_nope_matches(pair, tmp_path):
 def test_bad_fields_are_named(pair):
     _, _, _, config = pair
     with pytest.raises(ValueError, match="layer_types must list num_hidden_layers=3"):
-        hf.olmo_hybrid.normalize_config(dict(config, layer_types=["full_attention"]))
+        hf.olmo_hybrid.FORMAT.normalize_config(dict(config, layer_types=["full_attention"]))
     with pytest.raises(ValueError, match="attention_bias"):
-        hf.olmo_hybrid.normalize_config(dict(config, attention_bias=True))
+        hf.olmo_hybrid.FORMAT.normalize_config(dict(config, attention_bias=True))
 
 
 def test_the_true_conv_shapes_are_written_for_unequal_key_and_value_widths(pair):
     _, _, _, config = pair
-    wide = hf.olmo_hybrid.normalize_config(dict(config, linear_value_head_dim=6))
+    wide = hf.olmo_hybrid.FORMAT.normalize_config(dict(config, linear_value_head_dim=6))
     shapes = {name: shape for name, (shape, _) in hf.expected_tensors(wide).items()}
     conv = "model.layers.0.linear_attn.{}_conv1d.weight"
     assert [shapes[conv.format(p)] for p in "qkv"] == [(16, 1, 4), (16, 1, 4), (24, 1, 4)]
