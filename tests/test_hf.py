@@ -20,6 +20,8 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from linattn_jax import hf, sharding
+from linattn_jax.models.options import thaw
+from tests import helpers
 from tests.helpers import assert_close_normwise
 
 # The reference needs torch (the dev extra's CPU wheel, for the Python it is pinned on): on a
@@ -182,6 +184,8 @@ def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
     again, again_config = hf.from_pretrained(tmp_path)
     assert again_config["layer_types"] == config["layer_types"]
     jax.tree.map(np.testing.assert_array_equal, nnx_params(again), nnx_params(model))
+    assert thaw(model.hf_config) == config and again.hf_config == model.hf_config
+    helpers.assert_saved_alike_without_config(model, tmp_path)
 
 
 def test_bfloat16_load_is_within_rounding(saved):
@@ -582,7 +586,8 @@ def test_save_refuses_a_model_its_config_does_not_build(tmp_path):
         dict(CONFIGS["untied"], model_type="qwen3_5_text", vocab_size=16, hidden_size=8)
     )
     with pytest.raises(
-        ValueError, match=r"the Qwen3.5 config builds another model: its option depth=4, the model's 1"
+        ValueError,
+        match=r"the Qwen3.5 config builds another model: its option depth=4, the model's 1",
     ):
         hf.save_pretrained(model, tmp_path, config)
     assert not (tmp_path / "config.json").exists()

@@ -12,6 +12,7 @@ from flax import nnx
 from linattn_jax import hf
 from linattn_jax.layers import DeltaRuleAttention, LatentAttention, MoE
 from linattn_jax.layers.moe import RouterBias
+from tests import helpers
 from tests.helpers import assert_close_normwise
 
 torch = pytest.importorskip("torch")
@@ -105,6 +106,7 @@ def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
         np.testing.assert_array_equal(back_state[key].numpy(), value.numpy(), err_msg=key)
     again, again_config = hf.from_pretrained(tmp_path)
     assert again_config == config
+    helpers.assert_saved_alike_without_config(model, tmp_path)
     weights = lambda m: nnx.state(m, nnx.Any(nnx.Param, RouterBias))  # the score bias too
     jax.tree.map(np.testing.assert_array_equal, weights(again), weights(model))
     # bfloat16 parameters; the score bias stays float32, as transformers keeps it.
@@ -198,3 +200,12 @@ def test_the_docs_weight_table_lists_every_rule_and_other_forms_are_refused(tmp_
     with pytest.raises(ValueError, match="its option tie_embeddings=False, the model's True"):
         hf.save_pretrained(tied, tmp_path, config)
     assert not (tmp_path / "config.json").exists()
+
+
+def test_scanned_layers_run_as_unrolled(pair, tmp_path):
+    """``scan_layers=True`` with a mixture: the router losses' record is stacked with the
+    layers (it was reset to one layer's shape, and the first forward failed)."""
+    ref, path, model, _ = pair
+    scanned, _ = hf.from_pretrained(path, scan_layers=True)
+    tokens = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (2, 9))
+    assert_close_normwise(helpers.logits(scanned, tokens), helpers.logits(model, tokens), 1e-6)

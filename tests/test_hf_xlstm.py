@@ -100,3 +100,17 @@ def test_the_docs_weight_table_names_every_rule():
         assert name in page, rule.hf
         for ours in rule.ours:
             assert ours.split(".")[-2] in page, ours
+
+
+def test_a_config_that_says_tied_keeps_its_own_head(tmp_path):
+    """``tie_word_embeddings: true``: ``xLSTMForCausalLM`` ties nothing (its own
+    ``lm_head.weight``, read and written), nor do we."""
+    config = transformers.xLSTMConfig(
+        vocab_size=VOCAB, hidden_size=128, num_hidden_layers=1, num_heads=2, chunk_size=4,
+        ffn_round_up_to_multiple_of=8, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    model, _ = helpers.assert_matches_and_saves(
+        transformers.xLSTMForCausalLM(config).eval(), tmp_path, VOCAB
+    )
+    assert model.head is not None

@@ -95,3 +95,14 @@ def test_bad_fields_are_named(pair, tmp_path):
     plain = nnx.eval_shape(lambda: LanguageModel(**options, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="its option normed_residual=True, the model's False"):
         hf.save_pretrained(plain, tmp_path, config)
+
+
+def test_linear_layers_only_and_half_rotary_load_match_and_save(tmp_path):
+    """Lightning layers only (no softmax layer), ``partial_rotary_factor`` 0.5 in the RoPE
+    parameters (``transformers`` ignores it here, as we do): loads, matches and saves, with
+    its own config too."""
+    config = dict(CONFIG, layer_types=["linear_attention"] * 4, partial_rotary_factor=0.5)
+    torch.manual_seed(2)
+    ref = helpers.randomized(MiniMaxForCausalLM(MiniMaxConfig(**config)).eval(), 1.0)
+    model, ours = helpers.assert_matches_and_saves(ref, tmp_path, CONFIG["vocab_size"])
+    hf.save_pretrained(model, tmp_path / "given", ours)

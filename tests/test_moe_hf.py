@@ -86,7 +86,9 @@ def test_a_dense_model_is_refused_and_bad_fields_are_named(pair, tmp_path):
     with pytest.raises(ValueError, match="num_experts_per_tok=9 must be <= num_experts=8"):
         hf.qwen3_5_moe.FORMAT.normalize_config(dict(config, num_experts_per_tok=9))
     dense = dict(config, model_type="qwen3_5_text", intermediate_size=32)  # Qwen3.5's
-    with pytest.raises(ValueError, match=r"model_type'\]='qwen3_5_text', but the model has 'qwen3_5_moe_text'"):
+    with pytest.raises(
+        ValueError, match=r"model_type'\]='qwen3_5_text', but the model has 'qwen3_5_moe_text'"
+    ):
         hf.save_pretrained(model, tmp_path, dense)
     assert not (tmp_path / "config.json").exists()
 

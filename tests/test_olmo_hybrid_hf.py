@@ -65,6 +65,9 @@ def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
     bare = helpers.saved_without_config(model, ref, tmp_path / "bare", model_type="olmo_hybrid")
     tokens = np.random.default_rng(1).integers(2, CONFIG["vocab_size"], (2, 9))
     np.testing.assert_array_equal(torch_logits(bare, tokens), torch_logits(ref, tokens))
+    # A partial_rotary_factor transformers ignores here (as we do) is no reason to refuse.
+    half = dict(config, rope_parameters=dict(config["rope_parameters"], partial_rotary_factor=0.5))
+    hf.save_pretrained(model, tmp_path / "half", half)
 
 
 def test_the_in_memory_names_load_the_same_and_nope_matches(pair, tmp_path):
