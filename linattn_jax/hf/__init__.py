@@ -34,6 +34,7 @@ The layout: one module per model type over a shared loader.
       minimax (lightning + softmax attention, normed residuals, a mixture)
       olmo_hybrid (Gated DeltaNet + post-normed softmax)
       xlstm (mLSTM)
+      llama (softmax attention + SwiGLU: the softmax model types' base)
 
 * ``safetensors_io``: the streaming reads and the sharded writes; ``text``: the tokenizer
   and ``generate_text``.
@@ -57,6 +58,7 @@ from linattn_jax.hf import (  # noqa: E402
     falcon_h1,
     granitemoehybrid,
     kimi_linear,
+    llama,
     mamba2,
     minimax,
     nemotron_h,
@@ -97,6 +99,7 @@ __all__ = [
     "generate_text",
     "kimi_linear",
     "granitemoehybrid",
+    "llama",
     "load_tokenizer",
     "mamba2",
     "minimax",

@@ -128,15 +128,11 @@ def llama_attention(config: Mapping[str, Any], **more: Any) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- Bamba's config
 
+# transformers' BambaConfig defaults, for fields a config.json leaves out.
 DEFAULTS = dict(
-    tie_word_embeddings=False,
-    hidden_act="silu",
-    rms_norm_eps=1e-5,
-    attn_layer_indices=None,
-    attention_bias=False,
-    mlp_bias=False,
-    **HYBRID_DEFAULTS,
-)  # fmt: skip  (transformers' BambaConfig defaults, for fields a config.json leaves out)
+    tie_word_embeddings=False, hidden_act="silu", rms_norm_eps=1e-5, attn_layer_indices=None,
+    attention_bias=False, mlp_bias=False, **HYBRID_DEFAULTS,
+)  # fmt: skip
 INT_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "mamba_n_heads", "mamba_d_head",

@@ -166,6 +166,17 @@ def false(fields: Sequence[str]) -> Step:
     return lambda config: check_false(config, fields)
 
 
+def numbers(fields: Sequence[str]) -> Step:
+    """The step checking that each of ``fields`` is a number."""
+
+    def step(config: Config) -> None:
+        for field in fields:
+            if not is_number(config[field]):
+                raise ValueError(f"config.json: {field} must be a number, got {config[field]!r}")
+
+    return step
+
+
 def positive(fields: Sequence[str]) -> Step:
     """The step checking that each of ``fields`` is a finite number > 0."""
     return lambda config: check_positive(config, fields)
@@ -295,6 +306,28 @@ def rope_parameters(config: Mapping[str, Any], theta: float | None) -> dict[str,
     rope.setdefault("rope_type", "default")
     rope.setdefault("rope_theta", config.get("rope_theta", theta))
     return rope
+
+
+def plain_rope(theta: float | None, allow_null: bool = False) -> Step:
+    """The step folding the top-level ``rope_theta`` (else ``theta``) into
+    ``rope_parameters`` and checking it plain: ``rope_type`` ``"default"``, a number
+    ``rope_theta`` (or, ``allow_null``, null: no RoPE)."""
+
+    def step(config: Config) -> None:
+        rope = rope_parameters(config, theta)
+        value = rope["rope_theta"]
+        if rope["rope_type"] != "default" or not (
+            is_number(value) or (allow_null and value is None)
+        ):
+            kind = "a number (or null: no RoPE)" if allow_null else "a number"
+            raise ValueError(
+                f"config.json: rope_parameters must have rope_type 'default' and {kind} "
+                f"rope_theta, got {rope!r}"
+            )
+        config["rope_parameters"] = rope
+        config.pop("rope_theta", None)
+
+    return step
 
 
 def check_unsupported(config: Mapping[str, Any], supported: Mapping[str, Any]) -> None:

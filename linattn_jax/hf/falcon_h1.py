@@ -53,28 +53,15 @@ def layer_rules(config: Mapping[str, Any], i: int) -> tuple[Rule, ...]:
 
 # ---------------------------------------------------------------------------- the config
 
+# transformers' FalconH1Config defaults, for fields a config.json leaves out.
 DEFAULTS = dict(
-    tie_word_embeddings=False,
-    hidden_act="silu",
-    rms_norm_eps=1e-5,
-    num_key_value_heads=8,
-    mamba_d_ssm=1024,
-    mamba_norm_before_gate=True,
-    mamba_rms_norm=False,
-    projectors_bias=False,
-    lm_head_multiplier=1.0,
-    embedding_multiplier=1.0,
-    mlp_multipliers=[1.0, 1.0],
-    key_multiplier=1.0,
-    attention_out_multiplier=1.0,
-    attention_in_multiplier=1.0,
-    ssm_multipliers=[1.0, 1.0, 1.0, 1.0, 1.0],
-    ssm_in_multiplier=1.0,
-    ssm_out_multiplier=1.0,
-    attention_bias=False,
-    mlp_bias=False,
-    **bamba.HYBRID_DEFAULTS,
-)  # fmt: skip  (transformers' FalconH1Config defaults, for fields a config.json leaves out)
+    tie_word_embeddings=False, hidden_act="silu", rms_norm_eps=1e-5, num_key_value_heads=8,
+    mamba_d_ssm=1024, mamba_norm_before_gate=True, mamba_rms_norm=False, projectors_bias=False,
+    lm_head_multiplier=1.0, embedding_multiplier=1.0, mlp_multipliers=[1.0, 1.0],
+    key_multiplier=1.0, attention_out_multiplier=1.0, attention_in_multiplier=1.0,
+    ssm_multipliers=[1.0, 1.0, 1.0, 1.0, 1.0], ssm_in_multiplier=1.0, ssm_out_multiplier=1.0,
+    attention_bias=False, mlp_bias=False, **bamba.HYBRID_DEFAULTS,
+)  # fmt: skip
 INT_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "mamba_n_heads", "mamba_d_head",

@@ -74,22 +74,14 @@ def layer_rules(config: Mapping[str, Any], i: int) -> tuple[Rule, ...]:
 
 # ---------------------------------------------------------------------------- the config
 
+# transformers' GraniteMoeHybridConfig defaults, for fields a config.json leaves out.
 DEFAULTS = dict(
-    tie_word_embeddings=False,
-    hidden_act="silu",
-    rms_norm_eps=1e-6,
-    attention_bias=False,
-    embedding_multiplier=1.0,
-    logits_scaling=1.0,
-    residual_multiplier=1.0,
-    attention_multiplier=1.0,
-    num_local_experts=8,
-    num_experts_per_tok=2,
-    shared_intermediate_size=1024,
-    position_embedding_type=None,
-    layer_types=None,
+    tie_word_embeddings=False, hidden_act="silu", rms_norm_eps=1e-6, attention_bias=False,
+    embedding_multiplier=1.0, logits_scaling=1.0, residual_multiplier=1.0,
+    attention_multiplier=1.0, num_local_experts=8, num_experts_per_tok=2,
+    shared_intermediate_size=1024, position_embedding_type=None, layer_types=None,
     **bamba.HYBRID_DEFAULTS,
-)  # fmt: skip  (transformers' GraniteMoeHybridConfig defaults, for fields a config.json leaves out)
+)  # fmt: skip
 INT_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "shared_intermediate_size",
     "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "mamba_n_heads",

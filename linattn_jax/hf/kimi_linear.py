@@ -23,20 +23,12 @@ SwiGLU or a DeepSeek-style mixture of experts (``mlp_layer_types``: ``"dense"``,
   moe_intermediate_size``.
 
 The tensors are named as Moonshot's checkpoints name them, which ``transformers`` reads
-and writes (its ``conversion_mapping``): the forget gate's ``f_a_proj``, ``f_b_proj``,
-``A_log`` ``[1, 1, h, 1]`` and ``dt_bias`` directly under ``self_attn``; one depthwise conv
-each for q, k and v (``q_conv1d``, ``k_conv1d``, ``v_conv1d``: channel ranges of our one
-conv over ``[q | k | v]``); every MLP under ``block_sparse_moe``, each expert ``j``'s
-``experts.{j}.w1`` (gate), ``w3`` (up), ``w2`` (down).
-
-``config.json`` is read in ``transformers``' form (``num_experts``,
-``num_experts_per_token``, ``num_expert_group``, ``moe_renormalize``,
-``num_shared_experts``) or with the aliases (``num_local_experts``,
-``num_experts_per_tok``, ``n_group``, ``norm_topk_prob``, ``n_shared_experts``), and
-Moonshot's ``linear_attn_config`` and ``first_k_dense_replace`` fold into
-``layer_types`` and ``mlp_layer_types`` as ``transformers`` folds them. The output head
-is always its own ``lm_head.weight``: ``KimiLinearForCausalLM`` ties nothing, whatever
-``tie_word_embeddings`` says.
+and writes: the forget gate's ``f_a_proj``, ``f_b_proj``, ``A_log`` ``[1, 1, h, 1]`` and
+``dt_bias`` directly under ``self_attn``; ``q_conv1d``, ``k_conv1d`` and ``v_conv1d``
+(channel ranges of our one conv); each expert ``j``'s ``experts.{j}.w1`` (gate), ``w3`` (up),
+``w2`` (down) under ``block_sparse_moe``. ``config.json`` is read in ``transformers``' names
+or its aliases (``ALIASES``), Moonshot's ``linear_attn_config`` and
+``first_k_dense_replace`` folded in. The output head is always its own ``lm_head.weight``.
 """
 
 from __future__ import annotations
@@ -153,18 +145,18 @@ def table(config: Mapping[str, Any], prefix: str) -> tables.Table:
 # ---------------------------------------------------------------------------- the config
 
 
-def read(config: common.Config) -> None:
-    """The config in ``transformers``' names (``ALIASES`` renamed), ``DEFAULTS`` filled in,
-    ``layer_types`` and ``mlp_layer_types`` filled in as ``transformers`` fills them
-    (Moonshot's ``linear_attn_config``, ``first_k_dense_replace``; else every 4th layer
-    from the 5th MLA, the first dense), checked."""
+def aliases(config: common.Config) -> None:
+    """The config in ``transformers``' names (``ALIASES`` renamed)."""
     for alias, name in ALIASES.items():
         if alias in config:
             value = config.pop(alias)
             config.setdefault(name, value)
-    for field, value in DEFAULTS.items():
-        if config.get(field) is None:
-            config[field] = value
+
+
+def layers(config: common.Config) -> None:
+    """Moonshot's ``linear_attn_config`` and ``first_k_dense_replace`` folded in as
+    ``transformers`` folds them: the KDA sizes, ``layer_types`` (else every 4th layer from
+    the 5th MLA) and ``mlp_layer_types`` (else the first dense), checked."""
     if config.get("num_key_value_heads") is None:
         config["num_key_value_heads"] = config["num_attention_heads"]
     linear = config.pop("linear_attn_config", None) or {}
@@ -207,6 +199,10 @@ def read(config: common.Config) -> None:
                 f"config.json: {field} must list num_hidden_layers={n} of {sorted(allowed)}, "
                 f"got {value!r}"
             )
+
+
+def check_rest(config: common.Config) -> None:
+    """Raises ``ValueError`` naming a field we do not support: MLA's, the mixture's."""
     q = config["q_lora_rank"]
     if q is not None and (not common.is_int(q) or q < 1):
         raise ValueError(f"config.json: q_lora_rank must be null or an int >= 1, got {q!r}")
@@ -228,10 +224,8 @@ def read(config: common.Config) -> None:
             f"the {chosen} experts of topk_group={config['topk_group']} groups"
         )
     common.check_bools(config, ("tie_word_embeddings", "moe_renormalize"))
-    for field, lo, hi in (("rms_norm_eps", 0, 1), ("routed_scaling_factor", 0, float("inf"))):
-        v = config[field]
-        if not common.is_number(v) or not lo < v < hi:
-            raise ValueError(f"config.json: {field} must be a number in ({lo}, {hi}), got {v!r}")
+    common.check_number(config, "rms_norm_eps", 0, 1)
+    common.check_number(config, "routed_scaling_factor", 0, float("inf"))
 
 
 def options(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -294,7 +288,7 @@ FORMAT = common.ModelFormat(
     name="Kimi Linear",
     model_types=MODEL_TYPES,
     architecture="KimiLinearForCausalLM",
-    steps=(read,),
+    steps=(aliases, common.defaults(DEFAULTS), layers, check_rest),
     options=options,
     table=table,
     ties_head=False,  # KimiLinearForCausalLM ties nothing, whatever the config says

@@ -70,21 +70,12 @@ def layer_rules(config: Mapping[str, Any], i: int) -> tuple[Rule, ...]:
 
 # ---------------------------------------------------------------------------- the config
 
+# transformers' Mamba2Config defaults, for fields a config.json leaves out.
 DEFAULTS = dict(
-    layer_norm_epsilon=1e-5,
-    expand=2,
-    conv_kernel=4,
-    n_groups=8,
-    use_bias=False,
-    use_conv_bias=True,
-    hidden_act="silu",
-    residual_in_fp32=True,
-    tie_word_embeddings=False,
-    time_step_limit=[0.0, math.inf],
-    num_heads=128,
-    head_dim=64,
-    state_size=128,
-)  # fmt: skip  (transformers' Mamba2Config defaults, for fields a config.json leaves out)
+    layer_norm_epsilon=1e-5, expand=2, conv_kernel=4, n_groups=8, use_bias=False,
+    use_conv_bias=True, hidden_act="silu", residual_in_fp32=True, tie_word_embeddings=False,
+    time_step_limit=[0.0, math.inf], num_heads=128, head_dim=64, state_size=128,
+)  # fmt: skip
 INT_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "state_size",
     "n_groups", "conv_kernel", "expand",

@@ -66,22 +66,13 @@ FACTORS = {
     "mlp": ("mlp_alpha_factor", "mlp_beta_factor"),
 }
 BUFFERS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
+# transformers' MiniMaxConfig defaults, for the fields a config.json leaves out.
 DEFAULTS = dict(
-    vocab_size=32000,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    hidden_act="silu",
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    sliding_window=None,
-    num_experts_per_tok=2,
-    num_local_experts=8,
-    router_jitter_noise=0.0,
-    block_size=256,
-    **{field: 1 for pair in FACTORS.values() for field in pair},
-)  # transformers' MiniMaxConfig defaults, for the fields a config.json leaves out
+    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=False,
+    sliding_window=None, num_experts_per_tok=2, num_local_experts=8, router_jitter_noise=0.0,
+    block_size=256, **{field: 1 for pair in FACTORS.values() for field in pair},
+)  # fmt: skip
 INT_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts_per_tok",
@@ -162,23 +153,6 @@ def layers(config: common.Config) -> None:
     common.check_layer_types(config, LAYER_KINDS)
 
 
-def check_rest(config: common.Config) -> None:
-    """The factors and epsilon numbers; ``rope_parameters`` plain, filled in (the top-level
-    ``rope_theta`` folded in)."""
-    for field in [f for pair in FACTORS.values() for f in pair] + ["rms_norm_eps"]:
-        if not common.is_number(config[field]):
-            raise ValueError(f"config.json: {field} must be a number, got {config[field]!r}")
-    common.check_bools(config, ("tie_word_embeddings",))
-    rope = common.rope_parameters(config, 1e6)
-    if rope["rope_type"] != "default" or not common.is_number(rope["rope_theta"]):
-        raise ValueError(
-            f"config.json: rope_parameters must have rope_type 'default' and a number "
-            f"rope_theta, got {rope!r}"
-        )
-    config["rope_parameters"] = rope
-    config.pop("rope_theta", None)
-
-
 def options(config: Mapping[str, Any]) -> dict[str, Any]:
     """Lightning and softmax attention by ``layer_types``, every MLP a mixture, MiniMax's
     normed residuals with their alpha/beta factors."""
@@ -230,7 +204,9 @@ FORMAT = common.ModelFormat(
         layers,
         common.at_most("num_experts_per_tok", "num_local_experts"),
         common.unsupported({"hidden_act": "silu", "sliding_window": (None,)}),
-        check_rest,
+        common.numbers([f for pair in FACTORS.values() for f in pair] + ["rms_norm_eps"]),
+        common.bools(("tie_word_embeddings",)),
+        common.plain_rope(1e6),
     ),
     options=options,
     table=table,

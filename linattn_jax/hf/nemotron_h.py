@@ -59,33 +59,21 @@ def layer_rules(config: Mapping[str, Any], i: int) -> tuple[Rule, ...]:
 
 # ---------------------------------------------------------------------------- the config
 
+# transformers' NemotronHConfig defaults, for fields a config.json leaves out.
 DEFAULTS = dict(
-    tie_word_embeddings=False,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    attention_bias=False,
-    sliding_window=None,
-    intermediate_size=21504,
-    mlp_hidden_act="relu2",
-    mlp_bias=False,
-    ssm_state_size=128,
-    mamba_num_heads=128,
-    mamba_head_dim=64,
-    mamba_hidden_act="silu",
-    n_groups=8,
-    conv_kernel=4,
-    time_step_min=0.001,
-    use_conv_bias=True,
-    use_bias=False,
-    layer_norm_epsilon=1e-5,
-)  # fmt: skip  (transformers' NemotronHConfig defaults, for fields a config.json leaves out)
+    tie_word_embeddings=False, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    attention_bias=False, sliding_window=None, intermediate_size=21504, mlp_hidden_act="relu2",
+    mlp_bias=False, ssm_state_size=128, mamba_num_heads=128, mamba_head_dim=64,
+    mamba_hidden_act="silu", n_groups=8, conv_kernel=4, time_step_min=0.001, use_conv_bias=True,
+    use_bias=False, layer_norm_epsilon=1e-5,
+)  # fmt: skip
+# Old names transformers still reads.
 LEGACY = dict(
     mamba_n_groups="n_groups",
     mamba_d_conv="conv_kernel",
     mamba_dt_min="time_step_min",
     mamba_conv_bias="use_conv_bias",
-)  # fmt: skip  (old names transformers still reads)
+)  # fmt: skip
 INT_FIELDS = (
     "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
     "intermediate_size", "ssm_state_size", "mamba_num_heads", "mamba_head_dim", "n_groups",

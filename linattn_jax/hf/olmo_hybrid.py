@@ -58,19 +58,12 @@ PREFIX = "model."
 MEMORY = "#memory"  # a prefix ending so names the in-memory names' table
 LAYER_KINDS = {"linear_attention": "gated_deltanet", "full_attention": "softmax"}
 OUTPUT_NORM_EPS = 1e-5  # the Gated DeltaNet's o_norm (transformers fixes it)
+# transformers' OlmoHybridConfig defaults, for the fields a config.json leaves out.
 DEFAULTS = dict(
-    vocab_size=100352,
-    hidden_size=3840,
-    intermediate_size=11008,
-    num_hidden_layers=32,
-    num_attention_heads=30,
-    hidden_act="silu",
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    attention_bias=False,
-    linear_conv_kernel_dim=4,
-    linear_allow_neg_eigval=True,
-)  # transformers' OlmoHybridConfig defaults, for the fields a config.json leaves out
+    vocab_size=100352, hidden_size=3840, intermediate_size=11008, num_hidden_layers=32,
+    num_attention_heads=30, hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False,
+    attention_bias=False, linear_conv_kernel_dim=4, linear_allow_neg_eigval=True,
+)  # fmt: skip
 INT_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "linear_num_key_heads",
@@ -171,24 +164,6 @@ def layers(config: common.Config) -> None:
     common.check_layer_types(config, LAYER_KINDS)
 
 
-def check_rest(config: common.Config) -> None:
-    """The epsilon a number; ``rope_parameters`` plain (a null ``rope_theta``: no RoPE),
-    filled in (the top-level ``rope_theta`` folded in)."""
-    if not common.is_number(config["rms_norm_eps"]):
-        raise ValueError(
-            f"config.json: rms_norm_eps must be a number, got {config['rms_norm_eps']!r}"
-        )
-    rope = common.rope_parameters(config, None)
-    theta = rope["rope_theta"]
-    if rope["rope_type"] != "default" or not (theta is None or common.is_number(theta)):
-        raise ValueError(
-            "config.json: rope_parameters must have rope_type 'default' and a number (or null: "
-            f"no RoPE) rope_theta, got {rope!r}"
-        )
-    config["rope_parameters"] = rope
-    config.pop("rope_theta", None)
-
-
 def options(config: Mapping[str, Any]) -> dict[str, Any]:
     """Gated DeltaNet and post-normed softmax attention (QK-norm over all heads) by
     ``layer_types``, each with a SwiGLU MLP."""
@@ -248,7 +223,8 @@ FORMAT = common.ModelFormat(
         layers,
         common.unsupported({"hidden_act": "silu", "attention_bias": False}),
         common.bools(("tie_word_embeddings", "linear_allow_neg_eigval")),
-        check_rest,
+        common.numbers(("rms_norm_eps",)),
+        common.plain_rope(None, allow_null=True),
     ),
     options=options,
     table=table,

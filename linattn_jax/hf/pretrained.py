@@ -25,6 +25,7 @@ from linattn_jax.hf import (
     falcon_h1,
     granitemoehybrid,
     kimi_linear,
+    llama,
     mamba2,
     minimax,
     nemotron_h,
@@ -55,6 +56,7 @@ _FORMATS = (
     minimax.FORMAT,
     olmo_hybrid.FORMAT,
     xlstm.FORMAT,
+    llama.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: fmt for fmt in _FORMATS for model_type in fmt.model_types

@@ -30,11 +30,9 @@ from linattn_jax.hf.tables import LINEAR, rules
 MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 # transformers' defaults (Qwen3_5MoeTextConfig) of the mixture's fields.
 MOE_DEFAULTS = dict(
-    num_experts=256,
-    num_experts_per_tok=8,
-    moe_intermediate_size=512,
+    num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
     shared_expert_intermediate_size=512,
-)
+)  # fmt: skip
 MOE_FIELDS = tuple(MOE_DEFAULTS)
 
 ROUTER_RULES = rules(("mlp.gate.weight", "mlp.router", LINEAR))

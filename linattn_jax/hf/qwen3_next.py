@@ -25,14 +25,9 @@ from linattn_jax.hf.tables import rules
 MODEL_TYPES = ("qwen3_next",)
 # transformers' defaults (Qwen3NextConfig) of the fields Qwen3.5 lacks.
 NEXT_DEFAULTS = dict(
-    intermediate_size=5632,
-    num_experts=512,
-    num_experts_per_tok=10,
-    moe_intermediate_size=512,
-    shared_expert_intermediate_size=512,
-    decoder_sparse_step=1,
-    norm_topk_prob=True,
-)
+    intermediate_size=5632, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, decoder_sparse_step=1, norm_topk_prob=True,
+)  # fmt: skip
 # Qwen3.5's Gated DeltaNet projections that Qwen3-Next fuses per key-head group.
 FUSED_AWAY = tuple(f"linear_attn.in_proj_{p}." for p in ("qkv", "z", "b", "a"))
 

@@ -63,25 +63,14 @@ BLOCK_RULES = tables.rules(
 
 # ---------------------------------------------------------------------------- the config
 
+# transformers' xLSTMConfig defaults, for fields a config.json leaves out.
 DEFAULTS = dict(
-    vocab_size=50304,
-    hidden_size=4096,
-    num_hidden_layers=32,
-    num_heads=8,
-    use_bias=False,
-    norm_reduction_force_float32=True,
-    tie_word_embeddings=False,
-    add_out_norm=True,
-    norm_eps=1e-6,
-    qk_dim_factor=0.5,
-    v_dim_factor=1.0,
-    eps=1e-6,
-    ffn_proj_factor=2.667,
-    ffn_round_up_to_multiple_of=64,
-    gate_soft_cap=15.0,
-    output_logit_soft_cap=30.0,
+    vocab_size=50304, hidden_size=4096, num_hidden_layers=32, num_heads=8, use_bias=False,
+    norm_reduction_force_float32=True, tie_word_embeddings=False, add_out_norm=True,
+    norm_eps=1e-6, qk_dim_factor=0.5, v_dim_factor=1.0, eps=1e-6, ffn_proj_factor=2.667,
+    ffn_round_up_to_multiple_of=64, gate_soft_cap=15.0, output_logit_soft_cap=30.0,
     weight_mode="single",
-)  # fmt: skip  (transformers' xLSTMConfig defaults, for fields a config.json leaves out)
+)  # fmt: skip
 INT_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "ffn_round_up_to_multiple_of",
 )  # fmt: skip
