@@ -167,7 +167,25 @@ def assert_save_round_trip(model, config, torch_model, path):
     again, again_config = hf.from_pretrained(path)
     assert again_config == config
     assert_same_params(again, model)
+    assert_saved_alike_without_config(model, path)
     return type(torch_model).from_pretrained(path).eval()
+
+
+def assert_saved_alike_without_config(model, path) -> None:
+    """``hf.save_pretrained(model, path + "_bare")`` without a config (the one the model
+    carries, ``model.hf_config``) writes ``path``'s files byte for byte (``path``: the
+    model saved with the config it was loaded with)."""
+    import pathlib
+
+    from linattn_jax import hf
+
+    path = pathlib.Path(path)
+    bare = path.with_name(path.name + "_bare")
+    hf.save_pretrained(model, bare)
+    names = sorted(p.name for p in path.iterdir())
+    assert names == sorted(p.name for p in bare.iterdir())
+    for name in names:
+        assert (path / name).read_bytes() == (bare / name).read_bytes(), name
 
 
 def load_state_dict(torch_model, path, config_dir):
@@ -277,6 +295,22 @@ def saved_without_config(model, torch_model, path, **options):
 
     hf.save_pretrained(model, path, **options)
     return type(torch_model).from_pretrained(path).eval()
+
+
+def assert_matches_and_saves(torch_model, path, vocab: int, rtol: float = 1e-5):
+    """Our model of ``torch_model`` (saved by ``transformers`` to ``path / "hf"``) gives its
+    logits (normwise to ``rtol``), and saved without a config (the one it carries)
+    ``transformers`` reads it back to the same logits; returns ``(model, config)``."""
+    import pathlib
+
+    path = pathlib.Path(path)
+    model, config = from_torch(torch_model, path / "hf")
+    tokens = np.random.default_rng(0).integers(0, vocab, (2, 7))
+    expected = torch_logits(torch_model, tokens)
+    assert_close_normwise(logits(model, tokens), expected, rtol)
+    back = saved_without_config(model, torch_model, path / "ours")
+    assert_close_normwise(torch_logits(back, tokens), expected, rtol)
+    return model, config
 
 
 # ------------------------------------------------- the Mamba-2 hybrids (Falcon-H1, Granite)

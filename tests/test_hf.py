@@ -20,6 +20,8 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from linattn_jax import hf, sharding
+from linattn_jax.models.options import thaw
+from tests import helpers
 from tests.helpers import assert_close_normwise
 
 # The reference needs torch (the dev extra's CPU wheel, for the Python it is pinned on): on a
@@ -182,6 +184,8 @@ def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
     again, again_config = hf.from_pretrained(tmp_path)
     assert again_config["layer_types"] == config["layer_types"]
     jax.tree.map(np.testing.assert_array_equal, nnx_params(again), nnx_params(model))
+    assert thaw(model.hf_config) == config and again.hf_config == model.hf_config
+    helpers.assert_saved_alike_without_config(model, tmp_path)
 
 
 def test_bfloat16_load_is_within_rounding(saved):
@@ -251,7 +255,7 @@ def test_real_size_config_maps_every_tensor():
     text = Qwen3_5TextConfig(
         num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]
     )
-    config = hf.qwen3_5.normalize_config(text.to_dict())
+    config = hf.qwen3_5.FORMAT.normalize_config(text.to_dict())
     with torch.device("meta"):
         reference = Qwen3_5ForCausalLM(text).state_dict()
     ours = hf.expected_tensors(config)
@@ -259,7 +263,7 @@ def test_real_size_config_maps_every_tensor():
     for name, (shape, _) in ours.items():
         assert shape == tuple(reference[name].shape), name
     outer = Qwen3_5Config(text_config=text.to_dict())
-    config = hf.qwen3_5.normalize_config(outer.to_dict())
+    config = hf.qwen3_5.FORMAT.normalize_config(outer.to_dict())
     assert config["hidden_size"] == 4096 and config["vocab_size"] == 248320
     ours = hf.expected_tensors(config, "model.language_model.")
     assert sorted(ours) == sorted(
@@ -281,7 +285,7 @@ def test_real_size_config_maps_every_tensor():
     text = Qwen3_5TextConfig(**wide)
     with torch.device("meta"):
         reference = Qwen3_5ForCausalLM(text).state_dict()
-    ours = hf.expected_tensors(hf.qwen3_5.normalize_config(text.to_dict()))
+    ours = hf.expected_tensors(hf.qwen3_5.FORMAT.normalize_config(text.to_dict()))
     assert {n: s for n, (s, _) in ours.items()} == {n: tuple(x.shape) for n, x in reference.items()}
 
 
@@ -298,7 +302,7 @@ def test_config_defaults_are_transformers():
     )
     del raw["head_dim"], raw["rms_norm_eps"]
     reference = Qwen3_5TextConfig(**raw)
-    ours = hf.qwen3_5.normalize_config(dict(raw, model_type="qwen3_5_text"))
+    ours = hf.qwen3_5.FORMAT.normalize_config(dict(raw, model_type="qwen3_5_text"))
     for field in ("head_dim", "layer_types", "rms_norm_eps", "linear_conv_kernel_dim"):
         assert ours[field] == getattr(reference, field), field
     assert ours["head_dim"] == 256 and ours["layer_types"][2] == "full_attention"
@@ -568,12 +572,24 @@ def test_mesh_places_each_parameter_with_its_sharding(saved):
         assert isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding == want
 
 
-def test_save_refuses_a_model_not_of_qwen3_5s_form(tmp_path):
+def test_save_refuses_a_model_its_config_does_not_build(tmp_path):
+    """A model carries its config (``model.hf_config``) only when loaded: a model built from
+    options needs one, which must build it (the first difference named); nothing is
+    written."""
     from linattn_jax.models import LanguageModel
 
     model = nnx.eval_shape(lambda: LanguageModel(16, 8, 1, 2, attention="linear", rngs=nnx.Rngs(0)))
-    with pytest.raises(ValueError, match=r"blocks\[0\]: Qwen3.5 has gated_deltanet and softmax"):
+    assert model.hf_config is None
+    with pytest.raises(ValueError, match=r"the model carries no Hugging Face config"):
         hf.save_pretrained(model, tmp_path)
+    config = hf.qwen3_5.FORMAT.normalize_config(
+        dict(CONFIGS["untied"], model_type="qwen3_5_text", vocab_size=16, hidden_size=8)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"the Qwen3.5 config builds another model: its option depth=4, the model's 1",
+    ):
+        hf.save_pretrained(model, tmp_path, config)
     assert not (tmp_path / "config.json").exists()
 
 
@@ -605,7 +621,7 @@ def test_a_stored_config_without_init_from_resumes():
 def test_a_model_of_one_kind_saves_and_transformers_loads_it(tmp_path):
     """Built from options, not loaded: Gated DeltaNet layers only (the attention's sizes in
     config.json are placeholders, as no layer reads them)."""
-    config = hf.qwen3_5.normalize_config(
+    config = hf.qwen3_5.FORMAT.normalize_config(
         dict(
             CONFIGS["untied"],
             model_type="qwen3_5_text",
@@ -684,7 +700,8 @@ def test_save_compares_the_config_on_what_the_model_uses(saved, tmp_path):
     )
     with pytest.raises(
         ValueError,
-        match=r"partial_rotary_factor'\]=0.5 rotates 8 of head_dim=16 channels, but the model rotates 4",
+        match=r"config\['rope_parameters'\]=.*'partial_rotary_factor': 0.5}, but the model has "
+        r".*'partial_rotary_factor': 0.3}",
     ):
         hf.save_pretrained(
             model,
@@ -701,8 +718,8 @@ def test_save_compares_the_config_on_what_the_model_uses(saved, tmp_path):
         layer_types=["linear_attention"],
         rope_parameters=dict(rope_theta=1e7),
     )
-    linear = hf.qwen3_5.normalize_config(raw)
-    model = LanguageModel(**hf.qwen3_5.model_options(linear), rngs=nnx.Rngs(0))
+    linear = hf.qwen3_5.FORMAT.normalize_config(raw)
+    model = LanguageModel(**hf.qwen3_5.FORMAT.model_options(linear), rngs=nnx.Rngs(0))
     hf.save_pretrained(model, tmp_path / "linear", linear)
     _, back = hf.from_pretrained(tmp_path / "linear")
     assert back["rope_parameters"]["rope_theta"] == 1e7

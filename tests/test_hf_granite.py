@@ -5,6 +5,7 @@ norms, ``A_log``, ``dt_bias``, ``D`` and convolution biases (so that a mapping e
 logits to 1e-5 normwise, 16 greedy tokens, prefill then decode steps against the full
 forward, left padding, the save/load round trip and a directory ``transformers`` reads."""
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -17,10 +18,10 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 64
 
 
-def _granite(seed, **options):
+def _granite(seed, layer_types=("linear_attention", "full_attention"), **options):
     config = transformers.GraniteMoeHybridConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=12, shared_intermediate_size=20,
-        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        num_hidden_layers=2, layer_types=list(layer_types),
         num_attention_heads=2, num_key_value_heads=1, mamba_n_heads=4, mamba_d_head=8,
         mamba_d_state=6, mamba_n_groups=2, mamba_chunk_size=8, rms_norm_eps=1e-5,
         pad_token_id=0, bos_token_id=0, eos_token_id=1, **options,
@@ -91,12 +92,17 @@ def test_bad_configs_and_models_are_refused_by_name(moe, tmp_path):
         hf.save_pretrained(model, tmp_path / "other", {**config, "residual_multiplier": 1.0})
     from linattn_jax.models import LanguageModel
 
-    scaled = LanguageModel(
-        16, 8, 1, 2, attention="mamba2", mlp="none", logits_scaling=2.0,
-        kind_options={"mamba2": dict(state_dim=4, norm_eps=1e-6)}, rngs=nnx.Rngs(0),
+    mamba = hf.mamba2.FORMAT.normalize_config(
+        dict(model_type="mamba2", vocab_size=16, hidden_size=8, num_hidden_layers=1,
+             num_heads=2, head_dim=8, state_size=4, n_groups=1)
     )  # fmt: skip
-    with pytest.raises(ValueError, match=r"multipliers .* are not the Mamba-2 config's"):
-        hf.save_pretrained(scaled, tmp_path / "scaled", model_type="mamba2")
+    options = hf.mamba2.FORMAT.model_options(mamba) | dict(logits_scaling=2.0)
+    scaled = nnx.eval_shape(lambda: LanguageModel(**options, rngs=nnx.Rngs(0)))
+    with pytest.raises(
+        ValueError, match=r"builds another model: its option logits_scaling=1.0, the model's 2.0"
+    ):
+        hf.save_pretrained(scaled, tmp_path / "scaled", mamba)
+    assert not (tmp_path / "scaled").exists()
 
 
 def test_init_from_builds_the_checkpoints_model(moe, tmp_path):
@@ -104,3 +110,33 @@ def test_init_from_builds_the_checkpoints_model(moe, tmp_path):
     the checkpoint's, parameter for parameter."""
     torch_model, model, _ = moe
     helpers.assert_init_from_builds(model, torch_model, tmp_path)
+
+
+def test_released_configs_nope_and_attention_only_load_match_and_save(tmp_path):
+    """Every Granite-4.0-H release says ``position_embedding_type: "nope"`` (no RoPE, as
+    ``transformers`` reads anything but ``"rope"``); a model of attention layers only (no
+    Mamba-2 layer) with ``partial_rotary_factor`` 0.5 in its RoPE parameters (which
+    ``transformers`` ignores here, as we do): each loads, matches and saves."""
+    nope = _granite(3, num_local_experts=0, position_embedding_type="nope")
+    model, config = helpers.assert_matches_and_saves(nope, tmp_path / "nope", VOCAB)
+    assert (
+        config["position_embedding_type"] == "nope" and model.blocks[1].attention.rotary_dim is None
+    )
+    attention_only = _granite(
+        4, num_local_experts=4, num_experts_per_tok=2, position_embedding_type="rope",
+        layer_types=["full_attention"] * 2, partial_rotary_factor=0.5,
+    )  # fmt: skip
+    model, config = helpers.assert_matches_and_saves(attention_only, tmp_path / "attn", VOCAB)
+    hf.save_pretrained(model, tmp_path / "given", config)  # the config it was loaded with
+
+
+def test_scanned_layers_with_experts_run_as_unrolled(moe, tmp_path):
+    """``scan_layers=True`` with experts: the router losses' record is stacked with the
+    layers (it was reset to one layer's shape, and the first forward failed)."""
+    torch_model, model, _ = moe
+    torch_model.save_pretrained(tmp_path)
+    scanned, _ = hf.from_pretrained(tmp_path, scan_layers=True)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 9))
+    helpers.assert_close_normwise(
+        helpers.logits(scanned, tokens), helpers.logits(model, tokens), 1e-6
+    )

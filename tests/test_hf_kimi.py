@@ -12,6 +12,7 @@ from flax import nnx
 from linattn_jax import hf
 from linattn_jax.layers import DeltaRuleAttention, LatentAttention, MoE
 from linattn_jax.layers.moe import RouterBias
+from tests import helpers
 from tests.helpers import assert_close_normwise
 
 torch = pytest.importorskip("torch")
@@ -105,6 +106,7 @@ def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
         np.testing.assert_array_equal(back_state[key].numpy(), value.numpy(), err_msg=key)
     again, again_config = hf.from_pretrained(tmp_path)
     assert again_config == config
+    helpers.assert_saved_alike_without_config(model, tmp_path)
     weights = lambda m: nnx.state(m, nnx.Any(nnx.Param, RouterBias))  # the score bias too
     jax.tree.map(np.testing.assert_array_equal, weights(again), weights(model))
     # bfloat16 parameters; the score bias stays float32, as transformers keeps it.
@@ -126,13 +128,13 @@ def test_moonshot_config_fields_and_bad_fields(pair):
         short_conv_kernel_size=4,
     )  # fmt: skip
     raw["first_k_dense_replace"] = 1
-    assert hf.kimi_linear.normalize_config(raw) == config
+    assert hf.kimi_linear.FORMAT.normalize_config(raw) == config
     with pytest.raises(ValueError, match="num_key_value_heads=1 must equal"):
-        hf.kimi_linear.normalize_config(dict(config, num_key_value_heads=1))
+        hf.kimi_linear.FORMAT.normalize_config(dict(config, num_key_value_heads=1))
     with pytest.raises(ValueError, match="topk_group=5 must be <="):
-        hf.kimi_linear.normalize_config(dict(config, topk_group=5))
+        hf.kimi_linear.FORMAT.normalize_config(dict(config, topk_group=5))
     with pytest.raises(ValueError, match="hidden_act"):
-        hf.kimi_linear.normalize_config(dict(config, hidden_act="gelu"))
+        hf.kimi_linear.FORMAT.normalize_config(dict(config, hidden_act="gelu"))
 
 
 def test_low_rank_queries_load_and_match(tmp_path):
@@ -189,13 +191,21 @@ def test_the_docs_weight_table_lists_every_rule_and_other_forms_are_refused(tmp_
     model = nnx.eval_shape(
         lambda: LanguageModel(16, 8, 1, 2, attention="softmax", rngs=nnx.Rngs(0))
     )
-    with pytest.raises(ValueError, match=r"blocks\[0\]: Kimi Linear has kda and mla layers"):
+    with pytest.raises(ValueError, match="the model carries no Hugging Face config"):
         hf.save_pretrained(model, tmp_path, model_type="kimi_linear")
-    tied = nnx.eval_shape(
-        lambda: LanguageModel(
-            16, 8, 1, 2, attention="mla", mlp="swiglu", tie_embeddings=True, rngs=nnx.Rngs(0)
-        )
-    )
-    with pytest.raises(ValueError, match="output head is its own"):
-        hf.save_pretrained(tied, tmp_path, model_type="kimi_linear")
+    # KimiLinearForCausalLM's head is its own: a tied model is not one.
+    config = hf.kimi_linear.FORMAT.normalize_config(dict(CONFIG, model_type="kimi_linear"))
+    options = hf.kimi_linear.FORMAT.model_options(config) | dict(tie_embeddings=True)
+    tied = nnx.eval_shape(lambda: LanguageModel(**options, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="its option tie_embeddings=False, the model's True"):
+        hf.save_pretrained(tied, tmp_path, config)
     assert not (tmp_path / "config.json").exists()
+
+
+def test_scanned_layers_run_as_unrolled(pair, tmp_path):
+    """``scan_layers=True`` with a mixture: the router losses' record is stacked with the
+    layers (it was reset to one layer's shape, and the first forward failed)."""
+    ref, path, model, _ = pair
+    scanned, _ = hf.from_pretrained(path, scan_layers=True)
+    tokens = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (2, 9))
+    assert_close_normwise(helpers.logits(scanned, tokens), helpers.logits(model, tokens), 1e-6)

@@ -90,22 +90,24 @@ def test_save_load_round_trip_and_transformers_reads_it(fixture, request, tmp_pa
 
 def test_bad_configs_are_refused_by_field(torch_model, torch_bamba, torch_nemotron_h, tmp_path):
     _, config = _ours(torch_model, tmp_path)
-    unfinished = models.LanguageModel(**mamba2.model_options(config), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="RMSNorms have different epsilons"):
+    unfinished = models.LanguageModel(**mamba2.FORMAT.model_options(config), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"builds another model: blocks\.0\..*epsilon="):
         hf.save_pretrained(unfinished, tmp_path / "unfinished", config)  # finish() not run
     with pytest.raises(ValueError, match="n_groups=3 must divide"):
-        mamba2.normalize_config({**config, "n_groups": 3})
+        mamba2.FORMAT.normalize_config({**config, "n_groups": 3})
     with pytest.raises(ValueError, match="time_step_limit"):
-        mamba2.normalize_config({**config, "time_step_limit": [1.0, 0.5]})
+        mamba2.FORMAT.normalize_config({**config, "time_step_limit": [1.0, 0.5]})
     with pytest.raises(ValueError, match="hidden_act must be 'silu'"):
-        hf.bamba.normalize_config({**torch_bamba.config.to_dict(), "hidden_act": "gelu"})
+        hf.bamba.FORMAT.normalize_config({**torch_bamba.config.to_dict(), "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="attn_layer_indices"):
-        hf.bamba.normalize_config({**torch_bamba.config.to_dict(), "attn_layer_indices": [5]})
+        hf.bamba.FORMAT.normalize_config(
+            {**torch_bamba.config.to_dict(), "attn_layer_indices": [5]}
+        )
     nemotron = torch_nemotron_h.config.to_dict()
     with pytest.raises(ValueError, match="'moe' layers, which are not supported yet"):
-        hf.nemotron_h.normalize_config({**nemotron, "layers_block_type": ["moe", "mlp"]})
+        hf.nemotron_h.FORMAT.normalize_config({**nemotron, "layers_block_type": ["moe", "mlp"]})
     legacy = {k: v for k, v in nemotron.items() if k != "layers_block_type"}
-    legacy = hf.nemotron_h.normalize_config({**legacy, "hybrid_override_pattern": "M-*-"})
+    legacy = hf.nemotron_h.FORMAT.normalize_config({**legacy, "hybrid_override_pattern": "M-*-"})
     assert legacy["layers_block_type"] == nemotron["layers_block_type"]
 
 
@@ -122,3 +124,27 @@ def test_trainer_fine_tunes_from_a_transformers_checkpoint(torch_nemotron_h, tmp
     with jax.numpy_dtype_promotion("standard"):
         final = trainer.train(config, tmp_path / "run")
     assert np.isfinite(final["loss"]) and final["step"] == 1
+
+
+def test_untied_heads_and_attention_only_hybrids_load_match_and_save(tmp_path):
+    """Nemotron-H with ``tie_word_embeddings: true``: ``transformers`` never ties its head (it
+    reads and writes its own ``lm_head.weight``), nor do we; Bamba of attention layers only
+    (no Mamba-2 layer): each loads, matches and saves."""
+    config = transformers.NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24,
+        layers_block_type=["linear_attention", "full_attention"], num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, mamba_num_heads=4, mamba_head_dim=8,
+        ssm_state_size=6, n_groups=2, chunk_size=8, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    nemotron = helpers.randomized_mamba(transformers.NemotronHForCausalLM(config).eval())
+    model, _ = helpers.assert_matches_and_saves(nemotron, tmp_path / "nemotron", VOCAB)
+    assert model.head is not None
+    bamba = transformers.BambaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, attn_layer_indices=[0, 1],
+        mamba_n_heads=4, mamba_d_head=8, mamba_d_state=6, mamba_n_groups=2, mamba_chunk_size=8,
+    )  # fmt: skip
+    torch.manual_seed(4)
+    bamba = helpers.randomized_mamba(transformers.BambaForCausalLM(bamba).eval())
+    helpers.assert_matches_and_saves(bamba, tmp_path / "bamba", VOCAB)

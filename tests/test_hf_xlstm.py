@@ -74,20 +74,20 @@ def test_save_load_round_trip_and_transformers_reads_it(loaded):
 def test_bad_configs_are_refused_by_field(loaded):
     _, model, config, path = loaded
     with pytest.raises(ValueError, match="weight_mode must be 'single'"):
-        xlstm.normalize_config({**config, "weight_mode": "fused"})
+        xlstm.FORMAT.normalize_config({**config, "weight_mode": "fused"})
     with pytest.raises(ValueError, match="use_bias must be False"):
-        xlstm.normalize_config({**config, "use_bias": True})
+        xlstm.FORMAT.normalize_config({**config, "use_bias": True})
     with pytest.raises(ValueError, match="num_heads=3 must divide qk_dim=64"):
-        xlstm.normalize_config({**config, "num_heads": 3})
+        xlstm.FORMAT.normalize_config({**config, "num_heads": 3})
     with pytest.raises(ValueError, match="embedding_dim=8 must equal hidden_size=128"):
-        xlstm.normalize_config({**config, "embedding_dim": 8})
-    with pytest.raises(ValueError, match="config gives ffn_hidden=512, but the model has 344"):
+        xlstm.FORMAT.normalize_config({**config, "embedding_dim": 8})
+    with pytest.raises(ValueError, match=r"config\['ffn_proj_factor'\]=4.0, but the model has"):
         hf.save_pretrained(model, path / "bad", {**config, "ffn_proj_factor": 4.0})
-    unfinished = models.LanguageModel(**xlstm.model_options(config), rngs=nnx.Rngs(0))
+    unfinished = models.LanguageModel(**xlstm.FORMAT.model_options(config), rngs=nnx.Rngs(0))
     for _, node in nnx.iter_graph(unfinished):
         if isinstance(node, nnx.RMSNorm):
             node.epsilon = 1e-5
-    with pytest.raises(ValueError, match="norms have different epsilons"):
+    with pytest.raises(ValueError, match=r"builds another model: .*epsilon="):
         hf.save_pretrained(unfinished, path / "unfinished", config)
 
 
@@ -100,3 +100,17 @@ def test_the_docs_weight_table_names_every_rule():
         assert name in page, rule.hf
         for ours in rule.ours:
             assert ours.split(".")[-2] in page, ours
+
+
+def test_a_config_that_says_tied_keeps_its_own_head(tmp_path):
+    """``tie_word_embeddings: true``: ``xLSTMForCausalLM`` ties nothing (its own
+    ``lm_head.weight``, read and written), nor do we."""
+    config = transformers.xLSTMConfig(
+        vocab_size=VOCAB, hidden_size=128, num_hidden_layers=1, num_heads=2, chunk_size=4,
+        ffn_round_up_to_multiple_of=8, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    model, _ = helpers.assert_matches_and_saves(
+        transformers.xLSTMForCausalLM(config).eval(), tmp_path, VOCAB
+    )
+    assert model.head is not None

@@ -85,13 +85,24 @@ def test_the_fused_layout_loads_the_same_and_left_padding_is_each_row_alone(pair
     helpers.assert_left_padded_row_alone(model, ref, tokens, 5, LOGITS_RTOL)
 
 
-def test_bad_fields_are_named(pair):
+def test_bad_fields_are_named(pair, tmp_path):
     _, _, model, config = pair
     with pytest.raises(ValueError, match="layer_types must list num_hidden_layers=4"):
-        hf.minimax.normalize_config(dict(config, layer_types=["full_attention"]))
+        hf.minimax.FORMAT.normalize_config(dict(config, layer_types=["full_attention"]))
     with pytest.raises(ValueError, match="sliding_window"):
-        hf.minimax.normalize_config(dict(config, sliding_window=8))
-    options = hf.minimax.model_options(config) | dict(normed_residual=False)
+        hf.minimax.FORMAT.normalize_config(dict(config, sliding_window=8))
+    options = hf.minimax.FORMAT.model_options(config) | dict(normed_residual=False)
     plain = nnx.eval_shape(lambda: LanguageModel(**options, rngs=nnx.Rngs(0)))
-    with pytest.raises(ValueError, match="normed_residual"):
-        hf.minimax.config_for_save(plain, None)
+    with pytest.raises(ValueError, match="its option normed_residual=True, the model's False"):
+        hf.save_pretrained(plain, tmp_path, config)
+
+
+def test_linear_layers_only_and_half_rotary_load_match_and_save(tmp_path):
+    """Lightning layers only (no softmax layer), ``partial_rotary_factor`` 0.5 in the RoPE
+    parameters (``transformers`` ignores it here, as we do): loads, matches and saves, with
+    its own config too."""
+    config = dict(CONFIG, layer_types=["linear_attention"] * 4, partial_rotary_factor=0.5)
+    torch.manual_seed(2)
+    ref = helpers.randomized(MiniMaxForCausalLM(MiniMaxConfig(**config)).eval(), 1.0)
+    model, ours = helpers.assert_matches_and_saves(ref, tmp_path, CONFIG["vocab_size"])
+    hf.save_pretrained(model, tmp_path / "given", ours)

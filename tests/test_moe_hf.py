@@ -81,13 +81,16 @@ def test_the_fused_layout_loads_the_same_and_left_padding_is_each_row_alone(pair
     helpers.assert_left_padded_row_alone(model, ref, tokens, 4, LOGITS_RTOL)
 
 
-def test_a_dense_model_is_refused_and_bad_fields_are_named(pair):
+def test_a_dense_model_is_refused_and_bad_fields_are_named(pair, tmp_path):
     _, _, model, config = pair
     with pytest.raises(ValueError, match="num_experts_per_tok=9 must be <= num_experts=8"):
-        hf.qwen3_5_moe.normalize_config(dict(config, num_experts_per_tok=9))
-    dense = hf.qwen3_5.FORMAT
-    with pytest.raises(ValueError, match="SwiGLU"):
-        dense.config_for_save(model, None)
+        hf.qwen3_5_moe.FORMAT.normalize_config(dict(config, num_experts_per_tok=9))
+    dense = dict(config, model_type="qwen3_5_text", intermediate_size=32)  # Qwen3.5's
+    with pytest.raises(
+        ValueError, match=r"model_type'\]='qwen3_5_text', but the model has 'qwen3_5_moe_text'"
+    ):
+        hf.save_pretrained(model, tmp_path, dense)
+    assert not (tmp_path / "config.json").exists()
 
 
 def test_qwen3_next_matches_transformers_and_round_trips(tmp_path):

@@ -65,6 +65,9 @@ def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
     bare = helpers.saved_without_config(model, ref, tmp_path / "bare", model_type="olmo_hybrid")
     tokens = np.random.default_rng(1).integers(2, CONFIG["vocab_size"], (2, 9))
     np.testing.assert_array_equal(torch_logits(bare, tokens), torch_logits(ref, tokens))
+    # A partial_rotary_factor transformers ignores here (as we do) is no reason to refuse.
+    half = dict(config, rope_parameters=dict(config["rope_parameters"], partial_rotary_factor=0.5))
+    hf.save_pretrained(model, tmp_path / "half", half)
 
 
 def test_the_in_memory_names_load_the_same_and_nope_matches(pair, tmp_path):
@@ -88,14 +91,14 @@ def test_the_in_memory_names_load_the_same_and_nope_matches(pair, tmp_path):
 def test_bad_fields_are_named(pair):
     _, _, _, config = pair
     with pytest.raises(ValueError, match="layer_types must list num_hidden_layers=3"):
-        hf.olmo_hybrid.normalize_config(dict(config, layer_types=["full_attention"]))
+        hf.olmo_hybrid.FORMAT.normalize_config(dict(config, layer_types=["full_attention"]))
     with pytest.raises(ValueError, match="attention_bias"):
-        hf.olmo_hybrid.normalize_config(dict(config, attention_bias=True))
+        hf.olmo_hybrid.FORMAT.normalize_config(dict(config, attention_bias=True))
 
 
 def test_the_true_conv_shapes_are_written_for_unequal_key_and_value_widths(pair):
     _, _, _, config = pair
-    wide = hf.olmo_hybrid.normalize_config(dict(config, linear_value_head_dim=6))
+    wide = hf.olmo_hybrid.FORMAT.normalize_config(dict(config, linear_value_head_dim=6))
     shapes = {name: shape for name, (shape, _) in hf.expected_tensors(wide).items()}
     conv = "model.layers.0.linear_attn.{}_conv1d.weight"
     assert [shapes[conv.format(p)] for p in "qkv"] == [(16, 1, 4), (16, 1, 4), (24, 1, 4)]

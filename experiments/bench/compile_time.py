@@ -137,7 +137,7 @@ def hf_config(depth: int, width: int) -> dict:
         tie_word_embeddings=True,
         rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
     )
-    return hf.qwen3_5.normalize_config(raw)
+    return hf.qwen3_5.FORMAT.normalize_config(raw)
 
 
 def hf_model(depth: int, width: int, recurrence: str = "chunked", scan_layers: bool = False):

@@ -228,7 +228,7 @@ def measure_kernels(
 def model_config(params: float, smallest: bool) -> dict:
     """The normalised Qwen3.5 config of the timed model."""
     raw = SMALLEST_MODEL if smallest else hf_load.config_for(params)
-    return hf.qwen3_5.normalize_config(raw)
+    return hf.qwen3_5.FORMAT.normalize_config(raw)
 
 
 def measure_model(

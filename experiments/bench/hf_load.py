@@ -103,7 +103,7 @@ def config_for(params: float) -> dict:
 
 
 def _count(config: dict) -> int:
-    tensors = hf.expected_tensors(hf.qwen3_5.normalize_config(config))
+    tensors = hf.expected_tensors(hf.qwen3_5.FORMAT.normalize_config(config))
     return sum(math.prod(shape) for shape, _ in tensors.values())
 
 
@@ -114,7 +114,7 @@ def write_checkpoint(path: str, config: dict, max_shard_size: str = "400MB") -> 
     import ml_dtypes
 
     start = time.perf_counter()
-    normalized = hf.qwen3_5.normalize_config(config)
+    normalized = hf.qwen3_5.FORMAT.normalize_config(config)
     tensors = hf.expected_tensors(normalized)
     rng = np.random.default_rng(0)
 

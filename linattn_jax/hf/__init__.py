@@ -3,27 +3,39 @@ text generation from a prompt.
 
 ``from_pretrained(path, dtype=None) -> (model, config)`` reads a local directory
 (``config.json``, ``model.safetensors`` or a sharded index; nothing is downloaded) of any
-model type in ``MODEL_TYPES``; ``save_pretrained(model, path, config)`` writes one that
-``transformers`` loads.
+model type in ``MODEL_TYPES``; the model carries its config (``model.hf_config``), and
+``save_pretrained(model, path)`` writes a directory that ``transformers`` loads.
 
 The layout: one module per model type over a shared loader.
 
 * ``pretrained``: the loader, the same for every model type (``read_config`` dispatching
-  on ``model_type``, ``check_pretrained``, ``from_pretrained``, ``save_pretrained``,
-  ``FORMATS``): reading, checking, converting, casting and placing one tensor at a time.
-* ``common``: what the model types' modules share: ``Rule`` (a weight table's row) and
-  ``CONVERSIONS`` (``copy``, ``linear``, ``split``, ``conv``; ``Rule.index`` stacks
-  per-expert tensors into one parameter), ``ModelFormat``, and the checks of config fields.
-* one module per model type (``qwen3_5``, ``qwen3_5_moe``, ``qwen3_next``, ``mamba2``,
-  ``bamba``, ``nemotron_h``, ``granitemoehybrid``, ``falcon_h1``, ``kimi_linear``, ``minimax``,
-  ``olmo_hybrid``): its ``FORMAT``, a
-  ``common.ModelFormat``, holds
-  ``normalize_config`` (``config.json``'s fields checked, an unsupported one refused by
-  name, defaults as ``transformers``'), ``model_options`` (``LanguageModel``'s
-  arguments), ``weight_table`` (every tensor's name, our parameter path(s) and conversion)
-  and ``config_for_save`` (the config of a model, compared with a given one on what the
-  model uses). Adding a model type is one such module and one entry in
-  ``pretrained._MODULES``.
+  on ``model_type``, ``check_pretrained``, ``from_pretrained``, ``FORMATS``): reading,
+  checking, converting, casting and placing one tensor at a time; ``saving``: the way back
+  (``save_pretrained``), the config written the one the model carries, or a given one
+  checked to build it.
+* ``common``: ``ModelFormat`` (a model type: its ``steps`` reading ``config.json``, its
+  ``options`` for ``LanguageModel``, its weight ``table``) and the steps as values
+  (``defaults``, ``ints``, ``choice``, ...); ``tables``: a weight table's rows (``Rule``),
+  the conversions as values (``COPY``, ``LINEAR``, ``SPLIT``, ``CONV``, ``grouped(n)``,
+  ...), and the rows several model types share.
+* one module per model type, its ``FORMAT``. A derived model type is its base's
+  ``FORMAT.derive(...)``, stating only what differs (docs/development.md: "Adding a model
+  type")::
+
+      qwen3_5 (Gated DeltaNet + gated softmax)
+      └── qwen3_5_moe (every MLP a mixture)
+          └── qwen3_next (fused DeltaNet projections, dense and MoE layers)
+      mamba2 (Mamba-2 mixers)
+      ├── bamba (Mamba-2 + Llama attention + SwiGLU: the hybrids' base)
+      │   ├── granitemoehybrid (experts + shared MLP, muP multipliers)
+      │   └── falcon_h1 (attention and Mamba-2 side by side)
+      └── nemotron_h (mixer, attention and squared-ReLU MLP layers)
+      kimi_linear (KDA + MLA + DeepSeek's mixture)
+      minimax (lightning + softmax attention, normed residuals, a mixture)
+      olmo_hybrid (Gated DeltaNet + post-normed softmax)
+      xlstm (mLSTM)
+      llama (softmax attention + SwiGLU: the softmax model types' base)
+
 * ``safetensors_io``: the streaming reads and the sharded writes; ``text``: the tokenizer
   and ``generate_text``.
 """
@@ -46,6 +58,7 @@ from linattn_jax.hf import (  # noqa: E402
     falcon_h1,
     granitemoehybrid,
     kimi_linear,
+    llama,
     mamba2,
     minimax,
     nemotron_h,
@@ -54,6 +67,7 @@ from linattn_jax.hf import (  # noqa: E402
     qwen3_5_moe,
     qwen3_next,
     safetensors_io,
+    tables,
     text,
     xlstm,
 )
@@ -66,8 +80,8 @@ from linattn_jax.hf.pretrained import (  # noqa: E402
     format_of,
     from_pretrained,
     read_config,
-    save_pretrained,
 )
+from linattn_jax.hf.saving import save_pretrained  # noqa: E402
 from linattn_jax.hf.text import eos_ids, generate_text, load_tokenizer  # noqa: E402
 
 __all__ = [
@@ -85,6 +99,7 @@ __all__ = [
     "generate_text",
     "kimi_linear",
     "granitemoehybrid",
+    "llama",
     "load_tokenizer",
     "mamba2",
     "minimax",
@@ -96,6 +111,7 @@ __all__ = [
     "read_config",
     "safetensors_io",
     "save_pretrained",
+    "tables",
     "text",
     "xlstm",
 ]

@@ -23,20 +23,12 @@ SwiGLU or a DeepSeek-style mixture of experts (``mlp_layer_types``: ``"dense"``,
   moe_intermediate_size``.
 
 The tensors are named as Moonshot's checkpoints name them, which ``transformers`` reads
-and writes (its ``conversion_mapping``): the forget gate's ``f_a_proj``, ``f_b_proj``,
-``A_log`` ``[1, 1, h, 1]`` and ``dt_bias`` directly under ``self_attn``; one depthwise conv
-each for q, k and v (``q_conv1d``, ``k_conv1d``, ``v_conv1d``: channel ranges of our one
-conv over ``[q | k | v]``); every MLP under ``block_sparse_moe``, each expert ``j``'s
-``experts.{j}.w1`` (gate), ``w3`` (up), ``w2`` (down).
-
-``config.json`` is read in ``transformers``' form (``num_experts``,
-``num_experts_per_token``, ``num_expert_group``, ``moe_renormalize``,
-``num_shared_experts``) or with the aliases (``num_local_experts``,
-``num_experts_per_tok``, ``n_group``, ``norm_topk_prob``, ``n_shared_experts``), and
-Moonshot's ``linear_attn_config`` and ``first_k_dense_replace`` fold into
-``layer_types`` and ``mlp_layer_types`` as ``transformers`` folds them. The output head
-is always its own ``lm_head.weight``: ``KimiLinearForCausalLM`` ties nothing, whatever
-``tie_word_embeddings`` says.
+and writes: the forget gate's ``f_a_proj``, ``f_b_proj``, ``A_log`` ``[1, 1, h, 1]`` and
+``dt_bias`` directly under ``self_attn``; ``q_conv1d``, ``k_conv1d`` and ``v_conv1d``
+(channel ranges of our one conv); each expert ``j``'s ``experts.{j}.w1`` (gate), ``w3`` (up),
+``w2`` (down) under ``block_sparse_moe``. ``config.json`` is read in ``transformers``' names
+or its aliases (``ALIASES``), Moonshot's ``linear_attn_config`` and
+``first_k_dense_replace`` folded in. The output head is always its own ``lm_head.weight``.
 """
 
 from __future__ import annotations
@@ -44,13 +36,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import jax.numpy as jnp
 from flax import nnx
 
-from linattn_jax.hf import common
-from linattn_jax.hf.common import Conversion, Rule, rules
-from linattn_jax.layers.delta import DeltaRuleAttention
-from linattn_jax.layers.moe import MoE, RouterLosses
+from linattn_jax.hf import common, tables
+from linattn_jax.hf.tables import CONV, COPY, LINEAR, Rule, rules
 from linattn_jax.layers.softmax import LatentAttention
 
 MODEL_TYPES = ("kimi_linear",)
@@ -67,7 +56,6 @@ DEFAULTS = dict(
     tie_word_embeddings=False, attention_bias=False, num_experts=256, linear_head_dim=128,
     linear_num_heads=32, linear_conv_kernel_dim=4,
 )  # fmt: skip
-TOKEN_DEFAULTS = dict(pad_token_id=163839, bos_token_id=163584, eos_token_id=163586)
 # transformers' attribute_map: the alias -> the name config.json holds.
 ALIASES = dict(
     num_local_experts="num_experts", num_experts_per_tok="num_experts_per_token",
@@ -82,78 +70,52 @@ INT_FIELDS = (
     "linear_num_heads", "linear_conv_kernel_dim",
 )  # fmt: skip
 
-# A_log [1, 1, h, 1] <-> our [h].
-common.CONVERSIONS.setdefault(
-    "kimi_a_log",
-    Conversion(
-        lambda s: (1, 1, s[0][0], 1),
-        lambda x, s: [x.reshape(-1)],
-        lambda xs: xs[0][None, None, :, None],
-    ),
-)
-
-MODEL_RULES = rules(
-    ("embed_tokens.weight", "embed.embedding", "copy"),
-    ("norm.weight", "norm.scale", "copy"),
-)
-HEAD_RULE = Rule("lm_head.weight", ("head.kernel",), "linear")  # untied only; no prefix
-NORM_RULES = rules(
-    ("input_layernorm.weight", "attention_norm.scale", "copy"),
-    ("post_attention_layernorm.weight", "mlp_norm.scale", "copy"),
-)
+MODEL_RULES, HEAD_RULE, NORM_RULES = tables.MODEL_RULES, tables.HEAD_RULE, tables.NORM_RULES
 _a = "attention."
 # The checkpoint's names are Moonshot's (transformers reads and writes them so).
 KDA_RULES = rules(
-    ("self_attn.q_proj.weight", _a + "q_proj.kernel", "linear"),
-    ("self_attn.k_proj.weight", _a + "k_proj.kernel", "linear"),
-    ("self_attn.v_proj.weight", _a + "v_proj.kernel", "linear"),
-    ("self_attn.A_log", _a + "gate.A_log", "kimi_a_log"),
-    ("self_attn.dt_bias", _a + "gate.dt_bias", "copy"),
-    ("self_attn.f_a_proj.weight", _a + "gate.proj.layers.0.kernel", "linear"),
-    ("self_attn.f_b_proj.weight", _a + "gate.proj.layers.1.kernel", "linear"),
-    ("self_attn.b_proj.weight", _a + "beta_proj.kernel", "linear"),
-    ("self_attn.g_a_proj.weight", _a + "g_proj.layers.0.kernel", "linear"),
-    ("self_attn.g_b_proj.weight", _a + "g_proj.layers.1.kernel", "linear"),
-    ("self_attn.o_norm.weight", _a + "output_norm.scale", "copy"),
-    ("self_attn.o_proj.weight", _a + "out_proj.kernel", "linear"),
+    ("self_attn.q_proj.weight", _a + "q_proj.kernel", LINEAR),
+    ("self_attn.k_proj.weight", _a + "k_proj.kernel", LINEAR),
+    ("self_attn.v_proj.weight", _a + "v_proj.kernel", LINEAR),
+    # A_log [1, 1, h, 1] <-> our [h]
+    ("self_attn.A_log", _a + "gate.A_log", tables.reshaped(lambda h: (1, 1, h, 1), "a_log")),
+    ("self_attn.dt_bias", _a + "gate.dt_bias", COPY),
+    ("self_attn.f_a_proj.weight", _a + "gate.proj.layers.0.kernel", LINEAR),
+    ("self_attn.f_b_proj.weight", _a + "gate.proj.layers.1.kernel", LINEAR),
+    ("self_attn.b_proj.weight", _a + "beta_proj.kernel", LINEAR),
+    ("self_attn.g_a_proj.weight", _a + "g_proj.layers.0.kernel", LINEAR),
+    ("self_attn.g_b_proj.weight", _a + "g_proj.layers.1.kernel", LINEAR),
+    ("self_attn.o_norm.weight", _a + "output_norm.scale", COPY),
+    ("self_attn.o_proj.weight", _a + "out_proj.kernel", LINEAR),
 )
-CONV_RULE = Rule("", (_a + "conv.kernel",), "conv")  # q_, k_, v_conv1d: channel ranges
-MLA_Q_RULES = rules(("self_attn.q_proj.weight", _a + "q_proj.kernel", "linear"))
+CONV_RULE = Rule("", (_a + "conv.kernel",), CONV)  # q_, k_, v_conv1d: channel ranges
+MLA_Q_RULES = rules(("self_attn.q_proj.weight", _a + "q_proj.kernel", LINEAR))
 MLA_Q_LORA_RULES = rules(
-    ("self_attn.q_a_proj.weight", _a + "q_a_proj.kernel", "linear"),
-    ("self_attn.q_a_layernorm.weight", _a + "q_a_norm.scale", "copy"),
-    ("self_attn.q_b_proj.weight", _a + "q_b_proj.kernel", "linear"),
+    ("self_attn.q_a_proj.weight", _a + "q_a_proj.kernel", LINEAR),
+    ("self_attn.q_a_layernorm.weight", _a + "q_a_norm.scale", COPY),
+    ("self_attn.q_b_proj.weight", _a + "q_b_proj.kernel", LINEAR),
 )
 MLA_RULES = rules(
-    ("self_attn.kv_a_proj_with_mqa.weight", _a + "kv_a_proj.kernel", "linear"),
-    ("self_attn.kv_a_layernorm.weight", _a + "kv_norm.scale", "copy"),
-    ("self_attn.kv_b_proj.weight", _a + "kv_b_proj.kernel", "linear"),
-    ("self_attn.o_proj.weight", _a + "out_proj.kernel", "linear"),
+    ("self_attn.kv_a_proj_with_mqa.weight", _a + "kv_a_proj.kernel", LINEAR),
+    ("self_attn.kv_a_layernorm.weight", _a + "kv_norm.scale", COPY),
+    ("self_attn.kv_b_proj.weight", _a + "kv_b_proj.kernel", LINEAR),
+    ("self_attn.o_proj.weight", _a + "out_proj.kernel", LINEAR),
 )
-DENSE_RULES = rules(
-    ("block_sparse_moe.gate_proj.weight", "mlp.gate_proj.kernel", "linear"),
-    ("block_sparse_moe.up_proj.weight", "mlp.up_proj.kernel", "linear"),
-    ("block_sparse_moe.down_proj.weight", "mlp.down_proj.kernel", "linear"),
-)
+DENSE_RULES = tables.under(tables.SWIGLU_RULES, "block_sparse_moe.", "mlp.")
 ROUTER_RULES = rules(
-    ("block_sparse_moe.gate.weight", "mlp.router", "linear"),
-    ("block_sparse_moe.gate.e_score_correction_bias", "mlp.bias", "copy"),
+    ("block_sparse_moe.gate.weight", "mlp.router", LINEAR),
+    ("block_sparse_moe.gate.e_score_correction_bias", "mlp.bias", COPY),
 )
 EXPERT_RULES = rules(  # under block_sparse_moe.experts.{j}., slice j
-    ("w1.weight", "mlp.gate", "linear"),
-    ("w2.weight", "mlp.down", "linear"),
-    ("w3.weight", "mlp.up", "linear"),
+    ("w1.weight", "mlp.gate", LINEAR),
+    ("w2.weight", "mlp.down", LINEAR),
+    ("w3.weight", "mlp.up", LINEAR),
 )
-SHARED_RULES = rules(
-    ("block_sparse_moe.shared_experts.gate_proj.weight", "mlp.shared.gate_proj.kernel", "linear"),
-    ("block_sparse_moe.shared_experts.up_proj.weight", "mlp.shared.up_proj.kernel", "linear"),
-    ("block_sparse_moe.shared_experts.down_proj.weight", "mlp.shared.down_proj.kernel", "linear"),
-)
+SHARED_RULES = tables.under(tables.SWIGLU_RULES, "block_sparse_moe.shared_experts.", "mlp.shared.")
 
 
-def weight_table(config: Mapping[str, Any], prefix: str = "model.") -> list[tuple[str, Rule]]:
-    """Every tensor of a checkpoint of ``config``: ``(full name, Rule with our full
-    paths)``, in the model's order."""
+def table(config: Mapping[str, Any], prefix: str) -> tables.Table:
+    """Every tensor of a checkpoint of ``config``, in the model's order."""
     rows = [(prefix + r.hf, r) for r in MODEL_RULES]
     q_rules = MLA_Q_RULES if config["q_lora_rank"] is None else MLA_Q_LORA_RULES
     c = config["linear_num_heads"] * config["linear_head_dim"]  # channels of each of q, k, v
@@ -162,48 +124,39 @@ def weight_table(config: Mapping[str, Any], prefix: str = "model.") -> list[tupl
     ):
         hf_layer, block = f"{prefix}layers.{i}.", f"blocks.{i}."
         if layer == "linear_attention":
-            rows += common.prefixed(KDA_RULES, hf_layer, block)
+            rows += tables.prefixed(KDA_RULES, hf_layer, block)
             for j, part in enumerate("qkv"):
                 name = f"{hf_layer}self_attn.{part}_conv1d.weight"
                 index = (slice(None), slice(j * c, (j + 1) * c))
                 rows.append((name, CONV_RULE.at(name, [block + CONV_RULE.ours[0]], index)))
         else:
-            rows += common.prefixed(q_rules + MLA_RULES, hf_layer, block)
+            rows += tables.prefixed(q_rules + MLA_RULES, hf_layer, block)
         if mlp == "dense":
-            rows += common.prefixed(DENSE_RULES, hf_layer, block)
+            rows += tables.prefixed(DENSE_RULES, hf_layer, block)
         else:
-            rows += common.prefixed(ROUTER_RULES, hf_layer, block)
-            for j in range(config["num_experts"]):
-                expert = f"{hf_layer}block_sparse_moe.experts.{j}."
-                rows += common.prefixed(EXPERT_RULES, expert, block, j)
-            rows += common.prefixed(SHARED_RULES, hf_layer, block)
-        rows += common.prefixed(NORM_RULES, hf_layer, block)
-    rows.append((HEAD_RULE.hf, HEAD_RULE))  # transformers never ties Kimi's head
+            rows += tables.prefixed(ROUTER_RULES, hf_layer, block)
+            n = config["num_experts"]
+            rows += tables.experts(EXPERT_RULES, hf_layer, block, n, "block_sparse_moe.experts.")
+            rows += tables.prefixed(SHARED_RULES, hf_layer, block)
+        rows += tables.prefixed(NORM_RULES, hf_layer, block)
     return rows
 
 
 # ---------------------------------------------------------------------------- the config
 
 
-def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """A ``config.json``'s contents, checked, in ``transformers``' names (``ALIASES``
-    renamed), ``DEFAULTS`` filled in, ``layer_types`` and ``mlp_layer_types`` filled in as
-    ``transformers`` fills them (Moonshot's ``linear_attn_config``,
-    ``first_k_dense_replace``; else every 4th layer from the 5th MLA, the first dense).
-
-    Raises:
-      ValueError: an unknown ``model_type``, or a field missing, of the wrong type or
-        unsupported, named.
-    """
-    common.check_model_type(raw, MODEL_TYPES)
-    config = dict(raw)
+def aliases(config: common.Config) -> None:
+    """The config in ``transformers``' names (``ALIASES`` renamed)."""
     for alias, name in ALIASES.items():
         if alias in config:
             value = config.pop(alias)
             config.setdefault(name, value)
-    for field, value in DEFAULTS.items():
-        if config.get(field) is None:
-            config[field] = value
+
+
+def layers(config: common.Config) -> None:
+    """Moonshot's ``linear_attn_config`` and ``first_k_dense_replace`` folded in as
+    ``transformers`` folds them: the KDA sizes, ``layer_types`` (else every 4th layer from
+    the 5th MLA) and ``mlp_layer_types`` (else the first dense), checked."""
     if config.get("num_key_value_heads") is None:
         config["num_key_value_heads"] = config["num_attention_heads"]
     linear = config.pop("linear_attn_config", None) or {}
@@ -246,6 +199,10 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
                 f"config.json: {field} must list num_hidden_layers={n} of {sorted(allowed)}, "
                 f"got {value!r}"
             )
+
+
+def check_rest(config: common.Config) -> None:
+    """Raises ``ValueError`` naming a field we do not support: MLA's, the mixture's."""
     q = config["q_lora_rank"]
     if q is not None and (not common.is_int(q) or q < 1):
         raise ValueError(f"config.json: q_lora_rank must be null or an int >= 1, got {q!r}")
@@ -267,22 +224,15 @@ def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             f"the {chosen} experts of topk_group={config['topk_group']} groups"
         )
     common.check_bools(config, ("tie_word_embeddings", "moe_renormalize"))
-    for field, lo, hi in (("rms_norm_eps", 0, 1), ("routed_scaling_factor", 0, float("inf"))):
-        v = config[field]
-        if not common.is_number(v) or not lo < v < hi:
-            raise ValueError(f"config.json: {field} must be a number in ({lo}, {hi}), got {v!r}")
-    return config
+    common.check_number(config, "rms_norm_eps", 0, 1)
+    common.check_number(config, "routed_scaling_factor", 0, float("inf"))
 
 
-def model_options(
-    config: Mapping[str, Any], dtype: Any = jnp.float32, param_dtype: Any = None
-) -> dict[str, Any]:
-    """``LanguageModel``'s arguments (all but ``rngs``) for a normalised config."""
+def options(config: Mapping[str, Any]) -> dict[str, Any]:
+    """KDA and MLA by ``layer_types``, SwiGLU and DeepSeek's mixture by
+    ``mlp_layer_types``."""
     dk = config["linear_head_dim"]
     return dict(
-        vocab_size=config["vocab_size"],
-        width=config["hidden_size"],
-        depth=config["num_hidden_layers"],
         num_heads=config["num_attention_heads"],
         attention=[LAYER_KINDS[t] for t in config["layer_types"]],
         kind_options={
@@ -305,8 +255,6 @@ def model_options(
                 rope=False,
             ),
         },  # fmt: skip
-        # KimiLinearForCausalLM has no tied weights, whatever tie_word_embeddings says.
-        tie_embeddings=False,
         mlp=[MLP_KINDS[t] for t in config["mlp_layer_types"]],
         mlp_hidden=config["intermediate_size"],
         moe=dict(
@@ -321,152 +269,28 @@ def model_options(
             top_k_groups=config["topk_group"],
             shared_hidden=config["num_shared_experts"] * config["moe_intermediate_size"],
         ),
-        dtype=dtype,
-        param_dtype=dtype if param_dtype is None else param_dtype,
     )
 
 
-def config_from_model(model) -> dict[str, Any]:
-    """The fields of ``model``'s ``kimi_linear`` config that its layers determine.
-
-    Raises:
-      ValueError: a model not of Kimi Linear's form (scanned layers, a kind other than
-        ``kda`` and ``mla``, a block's MLP or options of another form, layers of one kind
-        with different sizes), naming what differs.
-    """
-    common.check_unrolled(model)
-    kinds = {kind: layer for layer, kind in LAYER_KINDS.items()}
-    fields: dict[str, Any] = {}
-    mlp_types = []
-    for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):
-        where = f"blocks[{i}]"
-        agree = lambda field, value: common.agree(fields, field, value, where)  # noqa: B023
-        if kind not in kinds:
-            raise ValueError(f"{where}: Kimi Linear has kda and mla layers, got {kind!r}")
-        if block.conv is not None or block.attention_norm.zero_centred:
-            raise ValueError(f"{where}: Kimi Linear's blocks have no short_conv, plain RMSNorms")
-        agree("rms_norm_eps", block.attention_norm.epsilon)
-        a, mlp = block.attention, block.mlp
-        if kind == "kda":
-            dk = a.key_dim
-            ok = (
-                isinstance(a, DeltaRuleAttention) and a.variant == "kda" and a.conv is not None
-                and a.value_dim == dk and a.num_v_heads == a.num_heads and a.beta_max == 1.0
-                and isinstance(a.g_proj, nnx.Sequential)
-                and a.g_proj.layers[0].out_features == dk
-                and a.gate.proj.layers[0].out_features == dk
-                and a.output_norm.activation == "sigmoid"
-            )  # fmt: skip
-            if not ok:
-                raise ValueError(
-                    f"{where}: Kimi Linear's KDA has a conv, value_head_dim = head_dim, rank-"
-                    "head_dim forget and output gates, a sigmoid gated norm"
-                )
-            agree("linear_num_heads", a.num_heads)
-            agree("linear_head_dim", dk)
-            agree("linear_conv_kernel_dim", a.conv.size)
-        else:
-            if not isinstance(a, LatentAttention) or a.rotary_dim is not None:
-                raise ValueError(f"{where}: Kimi Linear's MLA has no RoPE (rope=False)")
-            if a.scale != (a.nope_dim + a.rope_dim) ** -0.5:
-                raise ValueError(f"{where}: Kimi Linear's MLA scale is (nope + rope)^-0.5")
-            agree("num_attention_heads", a.num_heads)
-            agree("kv_lora_rank", a.kv_lora_rank)
-            agree("q_lora_rank", a.q_lora_rank)
-            agree("qk_nope_head_dim", a.nope_dim)
-            agree("qk_rope_head_dim", a.rope_dim)
-            agree("v_head_dim", a.v_head_dim)
-        if isinstance(mlp, MoE):
-            ok = (
-                mlp.score == "sigmoid" and mlp.bias is not None and mlp.shared is not None
-                and mlp.shared_gate is None
-                and mlp.shared.gate_proj.out_features % mlp.gate.shape[-1] == 0
-            )  # fmt: skip
-            if not ok:
-                raise ValueError(
-                    f"{where}: Kimi Linear's MoE has a sigmoid router with a score bias and "
-                    "ungated shared experts of a multiple of the experts' width"
-                )
-            hidden = mlp.gate.shape[-1]
-            for field, value in (
-                ("num_experts", mlp.num_experts), ("num_experts_per_token", mlp.top_k),
-                ("moe_intermediate_size", hidden), ("moe_renormalize", mlp.normalize),
-                ("routed_scaling_factor", mlp.scaling),
-                ("num_expert_group", mlp.num_groups), ("topk_group", mlp.top_k_groups),
-                ("num_shared_experts", mlp.shared.gate_proj.out_features // hidden),
-            ):  # fmt: skip
-                agree(field, value)
-            mlp_types.append("sparse")
-        elif type(mlp).__name__ == "SwiGLU":
-            agree("intermediate_size", mlp.gate_proj.out_features)
-            mlp_types.append("dense")
-        else:
-            raise ValueError(f"{where}: Kimi Linear's MLPs are SwiGLU or MoE")
-    if model.head is None:
-        raise ValueError(
-            "head: Kimi Linear's output head is its own (transformers never ties it to the "
-            "embedding): build the model with tie_embeddings=False"
-        )
-    if model.norm.zero_centred:
-        raise ValueError("norm: Kimi Linear's final RMSNorm is plain (not zero-centred)")
-    return {
-        "architectures": ["KimiLinearForCausalLM"],
-        "model_type": "kimi_linear",
-        "vocab_size": model.vocab_size,
-        "hidden_size": model.embed.features,
-        "num_hidden_layers": model.depth,
-        "layer_types": [kinds[kind] for kind in model.layout],
-        "mlp_layer_types": mlp_types,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "dtype": jnp.dtype(model.embed.embedding[...].dtype).name,
-        **fields,
-        **({"num_key_value_heads": fields["num_attention_heads"]} if "num_attention_heads"
-           in fields else {}),
-    }  # fmt: skip
-
-
-UNCHECKED = ("architectures", "dtype", "model_type")
-
-
-def config_for_save(model, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The config ``save_pretrained`` writes for ``model``: ``config_from_model``'s fields
-    over ``config``'s others (token ids, ``model_max_length``, an absent kind's sizes:
-    ``DEFAULTS`` where ``config`` has none; token ids ``transformers``' defaults where they
-    are in the vocabulary, else null).
-
-    Raises:
-      ValueError: ``config_from_model``'s, or a field of ``config`` that describes another
-        model (named).
-    """
-    derived = config_from_model(model)
-    given = None if config is None else normalize_config(dict(config, model_type="kimi_linear"))
-    merged = common.merge_for_save(derived, given, UNCHECKED)
-    for field, default in TOKEN_DEFAULTS.items():
-        # transformers' defaults where they are tokens of the vocabulary, else none
-        merged.setdefault(field, default if default < merged["vocab_size"] else None)
-    return normalize_config(merged)
-
-
-def _finish(model, config: Mapping[str, Any]) -> None:
+def finish(model, config: Mapping[str, Any]) -> None:
+    """The blocks', the final and KDA's gated norms' epsilon ``rms_norm_eps``; MLA's
+    latents' 1e-6."""
     latent = set()
     for _, node in nnx.iter_graph(model):
         if isinstance(node, LatentAttention):
             latent.update(id(n) for n in (node.kv_norm, node.q_a_norm) if n is not None)
     for _, node in nnx.iter_graph(model):
-        # The blocks', the final and KDA's gated norms: rms_norm_eps; MLA's latents': 1e-6.
         if isinstance(node, nnx.RMSNorm):
             node.epsilon = LATENT_NORM_EPS if id(node) in latent else float(config["rms_norm_eps"])
-        if isinstance(node, RouterLosses):  # not a weight: the record starts at zero
-            node.set_value(jnp.zeros(2, jnp.float32))
 
 
 FORMAT = common.ModelFormat(
     name="Kimi Linear",
     model_types=MODEL_TYPES,
-    normalize_config=normalize_config,
-    model_options=model_options,
-    weight_table=weight_table,
-    config_for_save=config_for_save,
-    finish=_finish,
+    architecture="KimiLinearForCausalLM",
+    steps=(aliases, common.defaults(DEFAULTS), layers, check_rest),
+    options=options,
+    table=table,
+    ties_head=False,  # KimiLinearForCausalLM ties nothing, whatever the config says
+    finish=finish,
 )

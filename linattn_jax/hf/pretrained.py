@@ -1,5 +1,5 @@
-"""The shared loader: a directory in Hugging Face format to a ``LanguageModel`` and back,
-one tensor at a time, for every model type in ``FORMATS``.
+"""The shared loader: a directory in Hugging Face format to a ``LanguageModel``, one tensor
+at a time, for every model type in ``FORMATS`` (the way back: ``saving``).
 
 What differs by model type (its config's fields, the model it builds, its weight table)
 is its module's ``FORMAT`` (``common.ModelFormat``); reading, checking, converting,
@@ -8,11 +8,8 @@ casting and placing tensors, and writing shards, is done here for all of them.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +25,7 @@ from linattn_jax.hf import (
     falcon_h1,
     granitemoehybrid,
     kimi_linear,
+    llama,
     mamba2,
     minimax,
     nemotron_h,
@@ -36,30 +34,32 @@ from linattn_jax.hf import (
     qwen3_5_moe,
     qwen3_next,
     safetensors_io,
+    tables,
     xlstm,
 )
-from linattn_jax.layers.moe import RouterBias
 from linattn_jax.models import LanguageModel
+from linattn_jax.models.options import freeze
 
 DTYPES = ("float32", "bfloat16")
 
-# One entry per model type's module; adding a model type is its module plus a line here.
-_MODULES = (
-    qwen3_5,
-    qwen3_5_moe,
-    qwen3_next,
-    mamba2,
-    bamba,
-    nemotron_h,
-    granitemoehybrid,
-    falcon_h1,
-    kimi_linear,
-    minimax,
-    olmo_hybrid,
-    xlstm,
+# Every model type's format; adding a model type is its module plus a line here.
+_FORMATS = (
+    qwen3_5.FORMAT,
+    qwen3_5_moe.FORMAT,
+    qwen3_next.FORMAT,
+    mamba2.FORMAT,
+    bamba.FORMAT,
+    nemotron_h.FORMAT,
+    granitemoehybrid.FORMAT,
+    falcon_h1.FORMAT,
+    kimi_linear.FORMAT,
+    minimax.FORMAT,
+    olmo_hybrid.FORMAT,
+    xlstm.FORMAT,
+    llama.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
-    model_type: module.FORMAT for module in _MODULES for model_type in module.FORMAT.model_types
+    model_type: fmt for fmt in _FORMATS for model_type in fmt.model_types
 }
 MODEL_TYPES = tuple(FORMATS)
 
@@ -110,7 +110,8 @@ def abstract_model(
 ) -> LanguageModel:
     """The ``LanguageModel`` of a normalised config with ``jax.ShapeDtypeStruct``
     parameters (``nnx.eval_shape``: nothing allocated), finished by its format (norms'
-    epsilon and the like); ``scan_layers``: its layers scanned (``models.stack``)."""
+    epsilon and the like), carrying ``config`` (``model.hf_config``); ``scan_layers``: its
+    layers scanned (``models.stack``)."""
     fmt = format_of(config)
     options = fmt.model_options(config, dtype, param_dtype)
     if scan_layers:
@@ -118,20 +119,20 @@ def abstract_model(
     model = nnx.eval_shape(lambda: LanguageModel(**options, rngs=nnx.Rngs(0)))
     if fmt.finish is not None:
         fmt.finish(model, config)
+    model.hf_config = freeze(config)
     return model
 
 
 def expected_tensors(
     config: Mapping[str, Any], prefix: str | None = None
-) -> dict[str, tuple[tuple[int, ...], common.Rule]]:
+) -> dict[str, tuple[tuple[int, ...], tables.Rule]]:
     """Every tensor a checkpoint of ``config`` (normalised) holds: name -> (shape, its
     table row); ``prefix`` None: the format's first."""
     fmt = format_of(config)
-    flat = _flat(nnx.state(abstract_model(config)))
-    table = fmt.weight_table(config, fmt.prefixes[0] if prefix is None else prefix)
+    flat = flat_state(nnx.state(abstract_model(config)))
     return {
-        name: (common.hf_shape(rule, [flat[p].shape for p in rule.ours]), rule)
-        for name, rule in table
+        name: (tables.hf_shape(rule, [flat[p].shape for p in rule.ours]), rule)
+        for name, rule in fmt.weight_table(config, prefix)
     }
 
 
@@ -146,45 +147,19 @@ def check_pretrained(path: str | os.PathLike) -> dict[str, Any]:
     """
     config = read_config(path)
     with safetensors_io.Checkpoint(path) as checkpoint:
-        _table(path, config, checkpoint, _flat(nnx.state(abstract_model(config))))
+        _table(path, config, checkpoint, flat_state(nnx.state(abstract_model(config))))
     return config
 
 
-_LAYER = re.compile(r"^blocks\.(\d+)\.")
-
-
-def scanned_table(
-    table: list[tuple[str, common.Rule]], period: int | None
-) -> list[tuple[str, common.Rule]]:
-    """An unrolled model's weight table for the same model scanned over ``period`` layers
-    (``models.stack``): layer ``l``'s ``blocks.l.*`` is the slice ``l // period`` of block
-    ``l % period``'s stacked parameter (before any index the row had: an expert's).
-    ``period`` None: the table as it is."""
-    if period is None:
-        return table
-    rows = []
-    for name, rule in table:
-        layers = {int(m[1]) for m in map(_LAYER.match, rule.ours) if m}
-        if not layers:
-            rows.append((name, rule))
-            continue
-        (layer,) = layers  # a row fills one layer's parameters
-        ours = tuple(_LAYER.sub(f"blocks.{layer % period}.", p) for p in rule.ours)
-        index = () if rule.index is None else rule.index
-        index = (layer // period, *(index if isinstance(index, tuple) else (index,)))
-        rows.append((name, dataclasses.replace(rule, ours=ours, index=index)))
-    return rows
-
-
-def _table(path, config, checkpoint, flat, period=None) -> list[tuple[str, common.Rule]]:
+def _table(path, config, checkpoint, flat, period=None) -> tables.Table:
     """The model's table under the file's prefix (``scanned_table``'s with ``period``), each
     name and shape checked."""
     fmt = format_of(config)
     names = checkpoint.names()
-    tables = [scanned_table(fmt.weight_table(config, p), period) for p in fmt.prefixes]
-    table = max(tables, key=lambda t: len(set(names).intersection(n for n, _ in t)))
+    candidates = [tables.scanned_table(fmt.weight_table(config, p), period) for p in fmt.prefixes]
+    table = max(candidates, key=lambda t: len(set(names).intersection(n for n, _ in t)))
     wanted = {name for name, _ in table}
-    ignored = fmt.ignored_prefixes(config)
+    ignored = fmt.ignored_names(config)
     unknown = [n for n in names if n not in wanted and not n.startswith(ignored)]
     if unknown:
         raise ValueError(
@@ -196,7 +171,7 @@ def _table(path, config, checkpoint, flat, period=None) -> list[tuple[str, commo
             raise ValueError(
                 f"{os.fspath(path)}: tensor {name!r} is missing (config.json's model has it)"
             )
-        expected = common.hf_shape(rule, [flat[p].shape for p in rule.ours])
+        expected = tables.hf_shape(rule, [flat[p].shape for p in rule.ours])
         found = checkpoint.shape(name)
         if found != expected:
             raise ValueError(
@@ -265,7 +240,7 @@ def from_pretrained(
     dtypes = {
         p: param_dtype if isinstance(v, nnx.Param) else flat[p].dtype for p, v in variables.items()
     }
-    shardings = None if mesh is None else _flat(sharding.place(state, mesh))
+    shardings = None if mesh is None else flat_state(sharding.place(state, mesh))
     stacks: dict[str, np.ndarray] = {}  # indexed rules' parameters, filled slice by slice
     with safetensors_io.Checkpoint(path) as checkpoint:
         table = _table(path, config, checkpoint, flat, abstract.period)
@@ -275,9 +250,9 @@ def from_pretrained(
                 for p in rule.ours:
                     left[p] = left.get(p, 0) + 1
         for name, rule in table:
-            shapes = common.slice_shapes(rule, [flat[p].shape for p in rule.ours])
+            shapes = tables.slice_shapes(rule, [flat[p].shape for p in rule.ours])
             x = checkpoint.get(name)
-            parts = rule.conversion.to_ours(x, shapes)
+            parts = rule.how.to_ours(x, shapes)
             for p, part in zip(rule.ours, parts, strict=True):
                 if rule.index is None:
                     part = np.asarray(part, dtypes[p], order="C")  # cast, transpose: one copy
@@ -292,141 +267,15 @@ def from_pretrained(
                         stacks.pop(p), None if shardings is None else shardings[p]
                     )
             del x, parts  # one tensor at a time
+    for p, x in flat.items():  # not a weight (a MoE's loss record): it starts at zero
+        if isinstance(x, jax.ShapeDtypeStruct) and not isinstance(variables[p], nnx.Param):
+            flat[p] = jnp.zeros(x.shape, x.dtype)
     missing = [p for p, x in flat.items() if isinstance(x, jax.ShapeDtypeStruct)]
     if missing:  # a parameter the table does not fill: a bug of ours, not of the checkpoint
         raise ValueError(f"no tensor of the table fills the parameters {missing}")
     for p, variable in variables.items():
         variable.set_value(flat[p])
     return nnx.merge(graphdef, state), config
-
-
-def _multipliers(model) -> tuple:
-    """What the weights do not hold: ``(embedding_multiplier, logits_scaling, per block
-    (residual_multiplier, the halves' residual factors, branch_multipliers, the MLP's
-    multipliers, per mixer its softmax score scale or Mamba-2 projection multipliers and
-    norm))``."""
-
-    def mixer(layer):
-        if hasattr(layer, "projection_multipliers"):  # Mamba2Mixer
-            return layer.projection_multipliers, getattr(layer.norm, "gate_first", None)
-        if hasattr(layer, "scale"):  # SoftmaxAttention
-            return layer.head_dim**-0.5 if layer.scale is None else layer.scale
-        return None
-
-    blocks = tuple(
-        (
-            b.residual_multiplier,
-            (b.attention_residual, b.mlp_residual),
-            b.branch_multipliers,
-            getattr(b.mlp, "multipliers", None),
-            mixer(b.attention),
-            mixer(b.parallel),
-        )
-        for b in model.blocks
-    )
-    return (model.embedding_multiplier, model.logits_scaling, blocks)
-
-
-def save_pretrained(
-    model: LanguageModel,
-    path: str | os.PathLike,
-    config: Mapping[str, Any] | None = None,
-    *,
-    model_type: str | None = None,
-    max_shard_size: int | str | None = "5GB",
-) -> None:
-    """Writes ``model`` as a directory that ``transformers`` loads (its model type's
-    ``...ForCausalLM.from_pretrained(path)``) and ``from_pretrained`` reads back.
-
-    Args:
-      model: a ``LanguageModel`` in one model type's form (``from_pretrained``'s, or one
-        built with that module's ``model_options``); its dimensions make the config.
-      path: the directory (created if needed). Shards of an earlier save there that this
-        one does not write are removed (no second copy of the weights is left).
-      config: the config ``from_pretrained`` returned: its other fields
-        (``eos_token_id``, ``max_position_embeddings``, ...) are kept; it must describe
-        ``model`` (compared on what the model uses).
-      model_type: the model type to write when ``config`` is None (None: the first of
-        ``MODEL_TYPES`` whose form ``model`` has).
-      max_shard_size: bytes or a size such as ``"5GB"`` per safetensors file (beyond it,
-        shards and an index); None: one file.
-
-    Raises:
-      ValueError: a model not of the model type's form, or a ``config`` that describes
-        another model (the field named).
-    """
-    unrolled = _unrolled_view(model)  # the formats read a model's layers one by one
-    if config is not None:
-        fmt = format_of(config)
-    elif model_type is not None:
-        fmt = format_of({"model_type": model_type})
-    else:
-        fmt = _format_of_model(unrolled)
-    merged = fmt.config_for_save(unrolled, config)
-    weights = nnx.Any(nnx.Param, RouterBias)  # a score bias: a weight the gradient leaves
-    flat = _flat(nnx.state(model, weights))
-    table = scanned_table(fmt.weight_table(merged, fmt.prefixes[0]), model.period)
-    rebuilt = abstract_model(merged, scan_layers=model.period is not None)
-    expected = _flat(nnx.state(rebuilt, weights))
-    if {p: x.shape for p, x in expected.items()} != {p: x.shape for p, x in flat.items()}:
-        # the written config must rebuild this model, parameter by parameter
-        raise ValueError(
-            f"the {fmt.name} config made for the model builds other parameters (a bug of "
-            "its config_for_save)"
-        )
-    if _multipliers(abstract_model(merged)) != _multipliers(unrolled):
-        raise ValueError(
-            f"the model's multipliers {_multipliers(unrolled)} are not the {fmt.name} config's "
-            f"{_multipliers(abstract_model(merged))} (embedding, logits, each block's residual "
-            "and its branches', MLP's and mixers' own; a model type without them has all 1, "
-            "head_dim ** -0.5 and Mamba-2's norm)"
-        )
-    rows = dict(table)
-
-    def hf_tensor(name: str) -> np.ndarray:
-        rule = rows[name]
-        # An indexed row's slice is taken before the copy to the host.
-        xs = [np.asarray(flat[p] if rule.index is None else flat[p][rule.index]) for p in rule.ours]
-        return rule.conversion.to_hf(xs)
-
-    shapes = {
-        name: (
-            common.hf_shape(rule, [flat[p].shape for p in rule.ours]),
-            jnp.dtype(flat[rule.ours[0]].dtype),
-        )
-        for name, rule in table
-    }
-    safetensors_io.write(path, shapes, hf_tensor, max_shard_size)
-    with open(os.path.join(os.fspath(path), "config.json"), "w") as f:
-        json.dump(merged, f, indent=2, sort_keys=True)
-
-
-def _unrolled_view(model: LanguageModel) -> LanguageModel:
-    """``model`` itself if unrolled; for a scanned one, a copy whose blocks are one per
-    layer, with ``jax.ShapeDtypeStruct`` parameters (nothing copied): what a format's
-    ``config_for_save`` reads (kinds, sizes, options), not its weights."""
-    if model.period is None:
-        return model
-    layers = []
-    for layer in range(model.depth):
-        graphdef, state = nnx.split(model.blocks[layer % model.period])
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state)
-        layers.append(nnx.merge(graphdef, shapes))
-    view = copy.copy(model)
-    view.blocks, view.period = nnx.List(layers), None
-    return view
-
-
-def _format_of_model(model) -> common.ModelFormat:
-    reasons = []
-    for fmt in dict.fromkeys(FORMATS.values()):
-        try:
-            fmt.config_for_save(model, None)
-        except ValueError as e:
-            reasons.append(f"{fmt.name}: {e}")
-            continue
-        return fmt
-    raise ValueError("the model has no model type's form: " + "; ".join(reasons))
 
 
 def _check_mesh(mesh) -> None:
@@ -460,6 +309,6 @@ def _dtype(dtype, config, field: str = "dtype") -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def _flat(state) -> dict[str, Any]:
+def flat_state(state) -> dict[str, Any]:
     """``{"blocks.0.attention.q_proj.kernel": value}`` of an ``nnx.State``."""
     return {".".join(map(str, path)): v.get_value() for path, v in nnx.to_flat_state(state)}

@@ -31,73 +31,46 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import jax.numpy as jnp
-from flax import nnx
-
-from linattn_jax.hf import common
-from linattn_jax.hf.common import Rule
-from linattn_jax.layers.mlstm import MultiHeadLayerNorm
+from linattn_jax.hf import common, tables
+from linattn_jax.hf.tables import COPY, LINEAR
 
 MODEL_TYPES = ("xlstm",)
 PREFIX = "backbone."
 
 # The weight table: model-level rows, then each block's.
-MODEL_RULES = common.rules(
-    ("embeddings.weight", "embed.embedding", "copy"),
-    ("out_norm.weight", "norm.scale", "copy"),
+MODEL_RULES = tables.rules(
+    ("embeddings.weight", "embed.embedding", COPY),
+    ("out_norm.weight", "norm.scale", COPY),
 )
-HEAD_RULE = Rule("lm_head.weight", ("head.kernel",), "linear")  # untied only; no prefix
-BLOCK_RULES = common.rules(
-    ("norm_mlstm.weight", "attention_norm.scale", "copy"),
-    ("mlstm_layer.q.weight", "attention.q.kernel", "linear"),
-    ("mlstm_layer.k.weight", "attention.k.kernel", "linear"),
-    ("mlstm_layer.v.weight", "attention.v.kernel", "linear"),
-    ("mlstm_layer.ogate_preact.weight", "attention.ogate_preact.kernel", "linear"),
-    ("mlstm_layer.igate_preact.weight", "attention.igate_preact.kernel", "linear"),
-    ("mlstm_layer.igate_preact.bias", "attention.igate_preact.bias", "copy"),
-    ("mlstm_layer.fgate_preact.weight", "attention.fgate_preact.kernel", "linear"),
-    ("mlstm_layer.fgate_preact.bias", "attention.fgate_preact.bias", "copy"),
-    ("mlstm_layer.multihead_norm.weight", "attention.multihead_norm.weight", "copy"),
-    ("mlstm_layer.out_proj.weight", "attention.out_proj.kernel", "linear"),
-    ("norm_ffn.weight", "mlp_norm.scale", "copy"),
-    ("ffn.proj_up_gate.weight", "mlp.gate_proj.kernel", "linear"),
-    ("ffn.proj_up.weight", "mlp.up_proj.kernel", "linear"),
-    ("ffn.proj_down.weight", "mlp.down_proj.kernel", "linear"),
+HEAD_RULE = tables.HEAD_RULE  # always its own (ties_head=False); no prefix
+BLOCK_RULES = tables.rules(
+    ("norm_mlstm.weight", "attention_norm.scale", COPY),
+    ("mlstm_layer.q.weight", "attention.q.kernel", LINEAR),
+    ("mlstm_layer.k.weight", "attention.k.kernel", LINEAR),
+    ("mlstm_layer.v.weight", "attention.v.kernel", LINEAR),
+    ("mlstm_layer.ogate_preact.weight", "attention.ogate_preact.kernel", LINEAR),
+    ("mlstm_layer.igate_preact.weight", "attention.igate_preact.kernel", LINEAR),
+    ("mlstm_layer.igate_preact.bias", "attention.igate_preact.bias", COPY),
+    ("mlstm_layer.fgate_preact.weight", "attention.fgate_preact.kernel", LINEAR),
+    ("mlstm_layer.fgate_preact.bias", "attention.fgate_preact.bias", COPY),
+    ("mlstm_layer.multihead_norm.weight", "attention.multihead_norm.weight", COPY),
+    ("mlstm_layer.out_proj.weight", "attention.out_proj.kernel", LINEAR),
+    ("norm_ffn.weight", "mlp_norm.scale", COPY),
+    ("ffn.proj_up_gate.weight", "mlp.gate_proj.kernel", LINEAR),
+    ("ffn.proj_up.weight", "mlp.up_proj.kernel", LINEAR),
+    ("ffn.proj_down.weight", "mlp.down_proj.kernel", LINEAR),
 )
-
-
-def weight_table(config: Mapping[str, Any], prefix: str = PREFIX) -> list[tuple[str, Rule]]:
-    """Every tensor of a checkpoint of ``config`` (``normalize_config``'s): ``(its full
-    Hugging Face name, the Rule with our full paths)``, in the model's order."""
-    rows = [(prefix + r.hf, r) for r in MODEL_RULES]
-    for i in range(config["num_hidden_layers"]):
-        rows += common.prefixed(BLOCK_RULES, f"{prefix}blocks.{i}.", f"blocks.{i}.")
-    if not config["tie_word_embeddings"]:
-        rows.append((HEAD_RULE.hf, HEAD_RULE))
-    return rows
-
 
 # ---------------------------------------------------------------------------- the config
 
+# transformers' xLSTMConfig defaults, for fields a config.json leaves out.
 DEFAULTS = dict(
-    vocab_size=50304,
-    hidden_size=4096,
-    num_hidden_layers=32,
-    num_heads=8,
-    use_bias=False,
-    norm_reduction_force_float32=True,
-    tie_word_embeddings=False,
-    add_out_norm=True,
-    norm_eps=1e-6,
-    qk_dim_factor=0.5,
-    v_dim_factor=1.0,
-    eps=1e-6,
-    ffn_proj_factor=2.667,
-    ffn_round_up_to_multiple_of=64,
-    gate_soft_cap=15.0,
-    output_logit_soft_cap=30.0,
+    vocab_size=50304, hidden_size=4096, num_hidden_layers=32, num_heads=8, use_bias=False,
+    norm_reduction_force_float32=True, tie_word_embeddings=False, add_out_norm=True,
+    norm_eps=1e-6, qk_dim_factor=0.5, v_dim_factor=1.0, eps=1e-6, ffn_proj_factor=2.667,
+    ffn_round_up_to_multiple_of=64, gate_soft_cap=15.0, output_logit_soft_cap=30.0,
     weight_mode="single",
-)  # fmt: skip  (transformers' xLSTMConfig defaults, for fields a config.json leaves out)
+)  # fmt: skip
 INT_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "ffn_round_up_to_multiple_of",
 )  # fmt: skip
@@ -122,22 +95,15 @@ def sizes(config: Mapping[str, Any]) -> dict[str, int]:
     )
 
 
-def normalize_config(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """A ``config.json``'s contents with ``transformers``' defaults filled in, checked.
-
-    Raises:
-      ValueError: an unknown ``model_type``, or a field missing, of the wrong type or
-        unsupported, named.
-    """
-    config = common.with_defaults(raw, MODEL_TYPES, DEFAULTS)
+def aliases(config: common.Config) -> None:
+    """``embedding_dim`` and ``num_blocks``, ``transformers``' other names of
+    ``hidden_size`` and ``num_hidden_layers``: equal to them, written alike."""
     for ours, alias in [("hidden_size", "embedding_dim"), ("num_hidden_layers", "num_blocks")]:
         if config.get(alias) is not None and config[alias] != config[ours]:
             raise ValueError(
                 f"config.json: {alias}={config[alias]} must equal {ours}={config[ours]}"
             )
         config[alias] = config[ours]
-    check_config(config)
-    return config
 
 
 def check_config(config: Mapping[str, Any]) -> None:
@@ -172,17 +138,9 @@ def _cap(value) -> float | None:
     return None if value is None else float(value)
 
 
-def model_options(
-    config: Mapping[str, Any], dtype: Any = jnp.float32, param_dtype: Any = None
-) -> dict[str, Any]:
-    """``LanguageModel``'s arguments (all but ``rngs``) for a ``normalize_config`` config:
-    the computation in ``dtype``, the parameters in ``param_dtype`` (None: ``dtype``). The
-    blocks' and the final RMSNorm's epsilon is not an option: ``finish`` sets it on the
-    built model."""
-    return common.language_model_options(
-        config,
-        dtype,
-        param_dtype,
+def options(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Every layer an mLSTM block with a SwiGLU MLP; the logits soft-capped."""
+    return dict(
         num_heads=config["num_heads"],
         attention="mlstm",
         kind_options={
@@ -200,120 +158,15 @@ def model_options(
     )
 
 
-def finish(model, config: Mapping[str, Any]) -> None:
-    """Sets the blocks' and the final RMSNorm's epsilon to ``norm_eps`` (the blocks take no
-    epsilon option; the multi-head norms take it as ``norm_eps``)."""
-    common.set_rms_norm_epsilon(model, config["norm_eps"])
-
-
-def one_epsilon(model) -> float:
-    """The one epsilon of every norm of ``model``, as xLSTM has.
-
-    Raises:
-      ValueError: norms with different epsilons (named).
-    """
-    found = {}
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.RMSNorm | MultiHeadLayerNorm):
-            found.setdefault(float(node.epsilon), ".".join(map(str, path)))
-    if len(found) > 1:
-        where = ", ".join(f"{p} {eps:g}" for eps, p in found.items())
-        raise ValueError(
-            f"the model's norms have different epsilons ({where}); xLSTM's config has one "
-            "(norm_eps; a model built from model_options takes it from finish(model, config))"
-        )
-    return next(iter(found))
-
-
-def config_from_model(model) -> dict[str, Any]:
-    """The ``xlstm`` config of a ``LanguageModel`` in xLSTM's form (its dimensions read from
-    the layers; the size factors as exact ratios, the feed-forward's width rounded to a
-    multiple of itself).
-
-    Raises:
-      ValueError: a model not of that form (scanned layers, a kind other than ``mlstm``,
-        an MLP other than SwiGLU, a short convolution, zero-centred norms, biases, layers
-        of different sizes), naming what differs.
-    """
-    common.check_unrolled(model)
-    fields: dict[str, Any] = {}
-    for i, (kind, block) in enumerate(zip(model.layout, model.blocks, strict=True)):
-        where = f"blocks[{i}]"
-        layer = block.attention
-        if kind != "mlstm":
-            raise ValueError(f"{where}: xLSTM models have only mlstm layers, got {kind!r}")
-        if type(block.mlp).__name__ != "SwiGLU" or block.conv is not None:
-            raise ValueError(f"{where}: xLSTM's blocks have a SwiGLU MLP and no short_conv")
-        if block.attention_norm.zero_centred or layer.q.use_bias:
-            raise ValueError(f"{where}: xLSTM's norms are not zero-centred, its layers unbiased")
-        for field, value in [
-            ("num_heads", layer.num_heads),
-            ("qk_dim", layer.qk_dim),
-            ("v_dim", layer.v_dim),
-            ("ffn_hidden", block.mlp.gate_proj.out_features),
-            ("gate_soft_cap", layer.gate_soft_cap),
-            ("eps", layer.eps),
-        ]:
-            common.agree(fields, field, value, where)
-    width = model.embed.features
-    return {
-        "architectures": ["xLSTMForCausalLM"],
-        "model_type": "xlstm",
-        **common.model_fields(model),
-        "embedding_dim": width,
-        "num_blocks": model.depth,
-        "num_heads": fields["num_heads"],
-        "qk_dim_factor": fields["qk_dim"] / width,
-        "v_dim_factor": fields["v_dim"] / width,
-        "ffn_proj_factor": fields["ffn_hidden"] / width,
-        "ffn_round_up_to_multiple_of": fields["ffn_hidden"],
-        "gate_soft_cap": fields["gate_soft_cap"],
-        "output_logit_soft_cap": model.logit_soft_cap,
-        "norm_eps": one_epsilon(model),
-        "eps": fields["eps"],
-        "use_bias": False,
-        "add_out_norm": True,
-        "weight_mode": "single",
-        "_sizes": {k: fields[k] for k in ("qk_dim", "v_dim", "ffn_hidden")},
-    }
-
-
-UNCHECKED = ("architectures", "dtype", "model_type")  # save_pretrained writes the model's
-# Fields whose values a config may state differently for the same sizes (compared through
-# ``sizes``, not as written).
-SIZE_FIELDS = ("qk_dim_factor", "v_dim_factor", "ffn_proj_factor", "ffn_round_up_to_multiple_of")
-
-
-def config_for_save(model, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The config ``save_pretrained`` writes for ``model``: ``config_from_model``'s fields
-    over ``config``'s others (``chunk_size``, ``pad_token_id``, ...); a ``config``'s size
-    factors are kept when they give the model's sizes.
-
-    Raises:
-      ValueError: ``config_from_model``'s, or a field of ``config`` that describes another
-        model (named).
-    """
-    derived = config_from_model(model)
-    have = derived.pop("_sizes")
-    if config is not None:
-        merged = {**DEFAULTS, **config, "hidden_size": derived["hidden_size"]}
-        stated = sizes(merged)
-        for field, value in have.items():
-            if stated[field] != value:
-                raise ValueError(f"config gives {field}={stated[field]}, but the model has {value}")
-        for field in SIZE_FIELDS:
-            derived.pop(field)
-    return normalize_config(common.merge_for_save(derived, config, UNCHECKED))
-
-
 FORMAT = common.ModelFormat(
     name="xLSTM",
     model_types=MODEL_TYPES,
-    normalize_config=normalize_config,
-    model_options=model_options,
-    weight_table=weight_table,
-    config_for_save=config_for_save,
+    architecture="xLSTMForCausalLM",
+    steps=(common.defaults(DEFAULTS), aliases, check_config),
+    options=options,
+    table=tables.layered(MODEL_RULES, lambda config, i: BLOCK_RULES, layers="blocks."),
     prefixes=(PREFIX,),
-    ignored_prefixes=common.tied_head_ignored,
-    finish=finish,
+    ties_head=False,  # xLSTMForCausalLM ties nothing, whatever the config says
+    # The blocks' and the final RMSNorm's (the multi-head norms take it as norm_eps).
+    finish=common.rms_norm_eps("norm_eps"),
 )

@@ -13,6 +13,7 @@ from linattn_jax import sharding
 from linattn_jax.layers.norms import RMSNorm
 from linattn_jax.models import stack
 from linattn_jax.models.common import check_tokens
+from linattn_jax.models.options import freeze
 from linattn_jax.ops import checks
 
 
@@ -36,6 +37,9 @@ class SequenceClassifier(nnx.Module):
       dtype: the computation dtype (None: the input's), as in Flax.
       param_dtype: the parameters' dtype, as in Flax.
       **block_kwargs: passed to every ``TransformerBlock``.
+
+    Attributes:
+      options: what the model was built from, as ``LanguageModel.options``.
     """
 
     def __init__(
@@ -57,6 +61,15 @@ class SequenceClassifier(nnx.Module):
         param_dtype: Any = jnp.float32,
         **block_kwargs,
     ):
+        self.options = freeze(
+            dict(
+                vocab_size=vocab_size, num_classes=num_classes, width=width, depth=depth,
+                num_heads=num_heads, attention=attention, kind_options=kind_options,
+                mlp_ratio=mlp_ratio, zero_centred_norm=zero_centred_norm,
+                scan_layers=scan_layers, remat=remat, dtype=dtype, param_dtype=param_dtype,
+                **block_kwargs,
+            )
+        )  # fmt: skip
         self.vocab_size = vocab_size
         self.embed = nnx.Embed(
             vocab_size, width, embedding_init=sharding.embedding(sharding.VOCAB, sharding.EMBED),

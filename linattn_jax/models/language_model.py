@@ -15,6 +15,7 @@ from linattn_jax.layers.blocks import check_multiplier
 from linattn_jax.layers.norms import RMSNorm
 from linattn_jax.models import sampling, stack
 from linattn_jax.models.common import check_state, check_tokens
+from linattn_jax.models.options import freeze
 from linattn_jax.ops import checks
 
 
@@ -50,6 +51,14 @@ class LanguageModel(nnx.Module):
       **block_kwargs: passed to every ``TransformerBlock`` (``feature_map``, ``mlp``, ...);
         ``mlp`` may list each layer's kind (``"moe"`` layers read ``moe=``, a dict of
         ``layers.MoE``'s options; ``docs/guide/moe.md``).
+
+    Attributes:
+      options: what the model was built from: every argument above but ``rngs``, a
+        read-only mapping (``models.options.Frozen``; dtypes as ``numpy.dtype``);
+        ``LanguageModel(**models.options.thaw(model.options), rngs=...)`` builds it again.
+      hf_config: the normalised ``config.json`` of the checkpoint the model was loaded
+        from (a ``Frozen`` mapping; ``linattn_jax.hf`` sets it, ``hf.save_pretrained``
+        writes it back), or None.
     """
 
     def __init__(
@@ -75,6 +84,17 @@ class LanguageModel(nnx.Module):
         param_dtype: Any = jnp.float32,
         **block_kwargs,
     ):
+        self.options = freeze(
+            dict(
+                vocab_size=vocab_size, width=width, depth=depth, num_heads=num_heads,
+                attention=attention, kind_options=kind_options, tie_embeddings=tie_embeddings,
+                mlp_ratio=mlp_ratio, short_conv=short_conv, zero_centred_norm=zero_centred_norm,
+                scan_layers=scan_layers, remat=remat, embedding_multiplier=embedding_multiplier,
+                logits_scaling=logits_scaling, logit_soft_cap=logit_soft_cap, dtype=dtype,
+                param_dtype=param_dtype, **block_kwargs,
+            )
+        )  # fmt: skip
+        self.hf_config = None
         check_multiplier("embedding_multiplier", embedding_multiplier)
         check_multiplier("logits_scaling", logits_scaling)
         self.embedding_multiplier = float(embedding_multiplier)
@@ -174,67 +194,4 @@ class LanguageModel(nnx.Module):
             logits = self.logit_soft_cap * jnp.tanh(logits / self.logit_soft_cap)
         return (logits, new_states) if return_state else logits
 
-    def generate(
-        self,
-        prompt: jax.Array,
-        steps: int,
-        rng: jax.Array | None = None,
-        *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_id: int | None = None,
-        pad_id: int | None = None,
-        prompt_mask: jax.Array | None = None,
-    ) -> jax.Array:
-        """Samples up to ``steps`` tokens after ``prompt``, compiled end to end.
-
-        One jitted call prefills the prompt (chunked form) and runs every decoding
-        step in a ``lax.while_loop`` (one O(1) step of each linear-attention layer
-        per token; softmax layers read a KV cache sized ``t + steps``), so a call
-        costs one dispatch. Calls with the same shapes and the same static options
-        (``steps``, greedy or not, ``top_k``, whether ``top_p`` / ``eos_id`` /
-        ``prompt_mask`` are given, the model's structure) reuse the compiled program.
-
-        Args:
-          prompt: int ``[b, t]``, ``t >= 1``, ids in ``[0, vocab_size)``. Rows of
-            different lengths are left-padded (any valid id as padding) and marked
-            by ``prompt_mask``.
-          steps: the most new tokens per row (``>= 0``).
-          rng: a PRNG key, needed unless sampling is greedy; step ``i`` draws with
-            ``fold_in(rng, i)``.
-          temperature: ``> 0`` divides the logits before sampling; ``0`` (or anything
-            below ``sampling.GREEDY_BELOW``, 1e-6, where the division would overflow) is
-            greedy.
-          top_k: sample among the ``top_k`` most likely tokens only (``>= 1``).
-          top_p: nucleus sampling: among the fewest most likely tokens whose
-            probability (after ``temperature`` and ``top_k``) reaches ``top_p``, in (0, 1].
-          eos_id: a row stops after sampling this id; its later tokens are ``pad_id``.
-            The loop ends early once every row has stopped.
-          pad_id: written after a row's ``eos_id`` (default: ``eos_id`` itself); any int.
-          prompt_mask: bool ``[b, t]``, True for real tokens; left padding only (each
-            row: padding, then real tokens to its end; a hole raises). Padded tokens
-            reach nothing: each row's tokens equal those of generating that row alone.
-
-        Returns:
-          int32 ``[b, t + steps]``: the prompt, then the new tokens.
-
-        Raises:
-          ValueError: an empty prompt (``t == 0``: there is no logit to sample the
-            first token from), ids outside ``[0, vocab_size)`` or a badly shaped
-            prompt or mask, ``steps < 0``, ``temperature`` < 0, NaN or inf, ``top_k < 1``,
-            ``top_p`` outside (0, 1], ``eos_id`` outside the vocabulary, or no
-            ``rng`` for sampling.
-        """
-        return sampling.generate(
-            self,
-            prompt,
-            steps,
-            rng,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            eos_id=eos_id,
-            pad_id=pad_id,
-            prompt_mask=prompt_mask,
-        )
+    generate = sampling.generate

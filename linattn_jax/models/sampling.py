@@ -32,10 +32,47 @@ def generate(
     pad_id: int | None = None,
     prompt_mask: jax.Array | None = None,
 ) -> jax.Array:
-    """``model.generate``: see ``LanguageModel.generate`` for the arguments, returns and errors.
+    """``model.generate(prompt, steps, rng, ...)``: samples up to ``steps`` tokens after
+    ``prompt``, compiled end to end.
 
-    ``model`` is a ``LanguageModel`` (anything with its ``vocab_size``, ``init_state`` and
-    call).
+    One jitted call prefills the prompt (chunked form) and runs every decoding
+    step in a ``lax.while_loop`` (one O(1) step of each linear-attention layer
+    per token; softmax layers read a KV cache sized ``t + steps``), so a call
+    costs one dispatch. Calls with the same shapes and the same static options
+    (``steps``, greedy or not, ``top_k``, whether ``top_p`` / ``eos_id`` /
+    ``prompt_mask`` are given, the model's structure) reuse the compiled program.
+
+    Args:
+      model: a ``LanguageModel`` (anything with its ``vocab_size``, ``init_state`` and
+        call).
+      prompt: int ``[b, t]``, ``t >= 1``, ids in ``[0, vocab_size)``. Rows of
+        different lengths are left-padded (any valid id as padding) and marked
+        by ``prompt_mask``.
+      steps: the most new tokens per row (``>= 0``).
+      rng: a PRNG key, needed unless sampling is greedy; step ``i`` draws with
+        ``fold_in(rng, i)``.
+      temperature: ``> 0`` divides the logits before sampling; ``0`` (or anything
+        below ``sampling.GREEDY_BELOW``, 1e-6, where the division would overflow) is
+        greedy.
+      top_k: sample among the ``top_k`` most likely tokens only (``>= 1``).
+      top_p: nucleus sampling: among the fewest most likely tokens whose
+        probability (after ``temperature`` and ``top_k``) reaches ``top_p``, in (0, 1].
+      eos_id: a row stops after sampling this id; its later tokens are ``pad_id``.
+        The loop ends early once every row has stopped.
+      pad_id: written after a row's ``eos_id`` (default: ``eos_id`` itself); any int.
+      prompt_mask: bool ``[b, t]``, True for real tokens; left padding only (each
+        row: padding, then real tokens to its end; a hole raises). Padded tokens
+        reach nothing: each row's tokens equal those of generating that row alone.
+
+    Returns:
+      int32 ``[b, t + steps]``: the prompt, then the new tokens.
+
+    Raises:
+      ValueError: an empty prompt (``t == 0``: there is no logit to sample the
+        first token from), ids outside ``[0, vocab_size)`` or a badly shaped
+        prompt or mask, ``steps < 0``, ``temperature`` < 0, NaN or inf, ``top_k < 1``,
+        ``top_p`` outside (0, 1], ``eos_id`` outside the vocabulary, or no
+        ``rng`` for sampling.
     """
     if not hasattr(prompt, "ndim") or prompt.ndim != 2:
         raise ValueError(f"prompt must be int [batch, length], got {_describe(prompt)}")

@@ -1,0 +1,74 @@
+"""Llama checkpoints (``linattn_jax.hf.llama``) against ``transformers``' own PyTorch
+``LlamaForCausalLM`` (CPU, float32, its pure-torch paths): tiny random models made here with
+GQA, a head width other than ``hidden_size / num_attention_heads``, random norms (so that a
+mapping error shows), untied and tied: logits to 1e-5 normwise, 16 greedy tokens, prefill
+then decode steps against the full forward, left padding, the save/load round trip (and a
+save without a config writing the same files) and a directory ``transformers`` reads."""
+
+import numpy as np
+import pytest
+
+from linattn_jax import hf
+from tests import helpers
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 97
+RTOL = 1e-5
+
+
+def _llama(**options):
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0}, **options,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """``(torch model, its directory, our model, our config)``: untied."""
+    return helpers.torch_pair(tmp_path_factory, "llama", _llama, 1.0)
+
+
+def test_logits_greedy_tokens_decoding_and_left_padding_match(pair):
+    ref, _, model, _ = pair
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (3, 17))
+    helpers.assert_close_normwise(
+        helpers.logits(model, tokens), helpers.torch_logits(ref, tokens), RTOL
+    )
+    helpers.assert_decoding_matches(model, ref, tokens, RTOL)
+    helpers.assert_left_padded_row_alone(model, ref, tokens, 4, RTOL)
+
+
+def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
+    ref, _, model, config = pair
+    back = helpers.assert_save_round_trip(model, config, ref, tmp_path / "ours")
+    helpers.assert_same_torch_tensors(back, ref)  # every tensor, bit for bit
+
+
+def test_tied_embeddings_load_match_and_save(tmp_path):
+    torch.manual_seed(1)
+    tied = helpers.randomized(_llama(tie_word_embeddings=True).eval(), 1.0)
+    model, config = helpers.assert_matches_and_saves(tied, tmp_path, VOCAB, RTOL)
+    assert model.head is None and config["tie_word_embeddings"] is True
+
+
+def test_bad_fields_are_named(pair):
+    _, _, _, config = pair
+    fmt = hf.llama.FORMAT
+    for field, value, message in [
+        ("num_key_value_heads", 3, r"num_key_value_heads=3 must divide num_attention_heads=4"),
+        ("hidden_act", "gelu", r"hidden_act must be 'silu'"),
+        ("attention_bias", True, r"attention_bias must be false"),
+        ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}, r"rope_type 'default'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            fmt.normalize_config({**config, field: value})
+
+
+def test_init_from_builds_the_checkpoints_model(pair, tmp_path):
+    ref, _, model, _ = pair
+    helpers.assert_init_from_builds(model, ref, tmp_path)
