@@ -359,7 +359,7 @@ def test_unexpected_tensor_is_named(broken):
 @pytest.mark.parametrize(
     "fields, message",
     [
-        (dict(model_type="llama"), r"model_type must be one of .* got 'llama'"),
+        (dict(model_type="bert"), r"model_type must be one of .* got 'bert'"),
         (dict(hidden_size=None), r"hidden_size must be an int >= 1, got None"),
         (dict(layer_types=["linear_attention"]), r"layer_types must list num_hidden_layers=4"),
         (dict(hidden_act="gelu"), r"hidden_act must be 'silu'"),
