@@ -3,7 +3,7 @@
 One file per layer kind (``linear``, ``delta``, ``softmax``, ``mamba2``,
 ``lightning``), the pieces they share
 (``conv``, ``gates``, ``feature_maps``, ``norms``, ``rope``, ``common``), the mixture of
-experts (``moe``), the dispatch
+experts (``moe``), the MLPs (``mlp``), the dispatch
 between a decoding step, the sequence-parallel form and the full-sequence form written
 once (``recurrent``), the blocks (``blocks``), and ONE registry of attention kinds
 (``registry``).
@@ -16,15 +16,7 @@ passed in and returned explicitly (``layer.init_state(batch)``, ``state=``,
 """
 
 from linattn_jax.layers import moe, norms, rope
-from linattn_jax.layers.blocks import (
-    MLP,
-    MLPS,
-    BlockState,
-    ReLU2MLP,
-    SwiGLU,
-    TransformerBlock,
-    mlp_layout,
-)
+from linattn_jax.layers.blocks import BlockState, TransformerBlock
 from linattn_jax.layers.conv import CausalConv1D
 from linattn_jax.layers.delta import VARIANTS, DeltaRuleAttention, DeltaRuleCache
 from linattn_jax.layers.feature_maps import (
@@ -37,6 +29,7 @@ from linattn_jax.layers.gates import ChannelGate, HeadGate, MambaGate
 from linattn_jax.layers.lightning import LightningAttention, lightning_decays
 from linattn_jax.layers.linear import GATES, LinearAttention, LinearAttentionCache
 from linattn_jax.layers.mamba2 import GroupedGatedRMSNorm, Mamba2Cache, Mamba2Mixer
+from linattn_jax.layers.mlp import MLP, MLPS, ReLU2MLP, SwiGLU, mlp_layout
 from linattn_jax.layers.mlstm import MLSTMLayer, MultiHeadLayerNorm
 from linattn_jax.layers.moe import MoE
 from linattn_jax.layers.norms import GatedRMSNorm, RMSNorm

@@ -1,9 +1,9 @@
-"""The blocks models stack: a pre-norm transformer block and its MLPs (GELU, SwiGLU, squared
-ReLU, or none), with or without a mixer (the hybrids' mixer-only and MLP-only layers)."""
+"""The blocks models stack: a pre-norm transformer block, its mixer and its MLP (``mlp``'s
+GELU, SwiGLU or squared ReLU, ``moe``'s mixture, or none), with or without a mixer (the
+hybrids' mixer-only and MLP-only layers)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -11,111 +11,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from linattn_jax import sharding
 from linattn_jax.layers import registry
 from linattn_jax.layers.conv import CausalConv1D
+from linattn_jax.layers.mlp import MLP_CLASSES, MLPS, check_multiplier
 from linattn_jax.layers.moe import MoE
 from linattn_jax.layers.norms import RMSNorm
 from linattn_jax.ops import checks
-
-MLPS = ("gelu", "swiglu", "relu2", "moe", "none")
-
-
-def mlp_layout(mlp: str | Sequence[str], depth: int) -> tuple[str, ...]:
-    """The MLP kind of each of ``depth`` layers: ``mlp`` one of ``MLPS`` for every layer,
-    or a list of ``depth`` of them (DeepSeek's and Kimi's first dense layers:
-    ``["swiglu"] + ["moe"] * (depth - 1)``).
-
-    Raises:
-      ValueError: an unknown kind, or a list not of ``depth`` kinds.
-    """
-    kinds = (mlp,) * depth if isinstance(mlp, str) else tuple(mlp)
-    if len(kinds) != depth:
-        raise ValueError(f"mlp must list depth={depth} kinds, got {len(kinds)}: {kinds}")
-    for kind in kinds:
-        if kind not in MLPS:
-            raise ValueError(f"mlp must be one of {MLPS}, got {kind!r}")
-    return kinds
-
-
-class MLP(nnx.Module):
-    """``Linear -> gelu -> Linear`` with hidden width ``hidden`` (with biases)."""
-
-    def __init__(
-        self, width: int, hidden: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32
-    ):
-        options = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        embed, mlp = sharding.EMBED, sharding.MLP
-        zeros = nnx.initializers.zeros_init()
-        self.up = nnx.Linear(
-            width, hidden, kernel_init=sharding.kernel(embed, mlp),
-            bias_init=sharding.with_axes(zeros, mlp), **options,
-        )  # fmt: skip
-        self.down = nnx.Linear(
-            hidden, width, kernel_init=sharding.kernel(mlp, embed),
-            bias_init=sharding.with_axes(zeros, embed), **options,
-        )  # fmt: skip
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(jax.nn.gelu(self.up(x)))
-
-
-class SwiGLU(nnx.Module):
-    """``down(SiLU(gate(x)) * up(x))`` with hidden width ``hidden``, no biases (Shazeer 2020;
-    Llama's and Qwen's MLP: ``gate_proj``, ``up_proj``, ``down_proj``).
-
-    ``multipliers=(m_gate, m_down)`` makes it ``m_down down(SiLU(m_gate gate(x)) * up(x))``
-    (Falcon-H1's ``mlp_multipliers``); (1, 1): none.
-    """
-
-    def __init__(
-        self, width: int, hidden: int, *, multipliers: Sequence[float] = (1.0, 1.0),
-        rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32,
-    ):  # fmt: skip
-        try:
-            m_gate, m_down = multipliers
-        except (TypeError, ValueError):
-            raise ValueError(f"multipliers must be (gate, down), got {multipliers!r}") from None
-        check_multiplier("multipliers[0]", m_gate)
-        check_multiplier("multipliers[1]", m_down)
-        self.multipliers = (float(m_gate), float(m_down))
-        linear = lambda n_in, n_out, *axes: nnx.Linear(
-            n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs,
-        )  # fmt: skip
-        embed, mlp = sharding.EMBED, sharding.MLP
-        self.gate_proj = linear(width, hidden, embed, mlp)
-        self.up_proj = linear(width, hidden, embed, mlp)
-        self.down_proj = linear(hidden, width, mlp, embed)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        m_gate, m_down = self.multipliers
-        gate = self.gate_proj(x)
-        out = self.down_proj(
-            jax.nn.silu(gate if m_gate == 1.0 else gate * m_gate) * self.up_proj(x)
-        )
-        return out if m_down == 1.0 else out * m_down
-
-
-class ReLU2MLP(nnx.Module):
-    """``down(relu(up(x))^2)`` with hidden width ``hidden``, no biases (So et al. 2021's
-    squared ReLU; Nemotron-H's MLP: ``up_proj``, ``down_proj``)."""
-
-    def __init__(
-        self, width: int, hidden: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32
-    ):
-        linear = lambda n_in, n_out, *axes: nnx.Linear(
-            n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs,
-        )  # fmt: skip
-        self.up_proj = linear(width, hidden, sharding.EMBED, sharding.MLP)
-        self.down_proj = linear(hidden, width, sharding.MLP, sharding.EMBED)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jnp.square(jax.nn.relu(self.up_proj(x))))
-
-
-_MLP_CLASSES = {"gelu": MLP, "swiglu": SwiGLU, "relu2": ReLU2MLP}
 
 
 class BlockState(NamedTuple):
@@ -125,13 +26,6 @@ class BlockState(NamedTuple):
     attention: Any
     conv: jax.Array | None
     parallel: Any = None
-
-
-def check_multiplier(name: str, value: Any) -> None:
-    """Raises ``ValueError`` unless ``value`` is a finite number > 0 (a model multiplier)."""
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not (ok and 0 < value < math.inf):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 def _branch_multipliers(value) -> tuple[tuple[float, float], tuple[float, float]]:
@@ -319,7 +213,7 @@ class TransformerBlock(nnx.Module):
                     raise ValueError(f"mlp_multipliers need mlp='swiglu', got mlp={mlp!r}")
                 options = dict(options, multipliers=mlp_multipliers)
             self.mlp = nnx.data(
-                _MLP_CLASSES[mlp](width, hidden, **options) if mlp != "none" else None
+                MLP_CLASSES[mlp](width, hidden, **options) if mlp != "none" else None
             )
         self.width, self.residual_multiplier = width, float(residual_multiplier)
 

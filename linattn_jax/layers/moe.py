@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax import sharding
+from linattn_jax.layers.mlp import SwiGLU
 from linattn_jax.ops import checks
 
 SCORES = ("softmax", "sigmoid")
@@ -357,8 +358,6 @@ class MoE(nnx.Module):
             RouterBias(jnp.zeros(num_experts, jnp.float32)) if score_bias else None
         )
         if shared_hidden:
-            from linattn_jax.layers.blocks import SwiGLU  # blocks imports this module
-
             self.shared = nnx.data(
                 SwiGLU(width, shared_hidden, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
             )
