@@ -254,12 +254,3 @@ class ConstructionTest(parameterized.TestCase):
         # Options of other maps are ignored, so one config can sweep over maps.
         _linear(feature_map="elu", num_features=8, hedgehog_form="paper", max_length=64)
 
-
-def test_the_old_delta_layers_module_still_imports_with_a_deprecation():
-    import importlib
-    import sys
-
-    sys.modules.pop("linattn_jax.delta_layers", None)
-    with pytest.warns(DeprecationWarning, match=r"use linattn_jax.layers.DeltaRuleAttention"):
-        module = importlib.import_module("linattn_jax.delta_layers")
-    assert module.DeltaRuleAttention is layers.DeltaRuleAttention
