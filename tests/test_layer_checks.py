@@ -253,4 +253,3 @@ class ConstructionTest(parameterized.TestCase):
         _linear(feature_map="hedgehog", hedgehog_form="softmax", normalize=False)
         # Options of other maps are ignored, so one config can sweep over maps.
         _linear(feature_map="elu", num_features=8, hedgehog_form="paper", max_length=64)
-
