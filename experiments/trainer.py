@@ -1,7 +1,7 @@
-"""Training: a config's model and optimiser (built by ``builders``), the jitted train and eval steps, data,
-FSDP, tensor and sequence parallelism over every device, and ``train``, the loop that resumes
-exactly from a workdir's latest checkpoint, logs, evaluates and saves at the config's
-cadence, and stops with one line on a non-finite loss.
+"""Training: a config's model and optimiser (built by ``builders``), the jitted train and
+eval steps, data, FSDP, tensor and sequence parallelism over every device, and ``train``, the
+loop that resumes exactly from a workdir's latest checkpoint, logs, evaluates and saves at
+the config's cadence, and stops with one line on a non-finite loss.
 """
 
 from __future__ import annotations

@@ -499,7 +499,7 @@ def decayed_scores(a: Array, b: Array, dec: Decays | None, *, diagonal: bool, dt
         return _per_channel_scores_in_sub_chunks(a, b, dec, diagonal, dtype)
     # Per-channel decays: the [c, c, f] relative decay is formed explicitly; no
     # factorisation exp(G_i) * exp(-G_j) is safe for strong gates.
-    return jnp.einsum("bhif,bhjf,bhijf->bhij", a, b, jnp.exp(_masked_diff(g, dec.run, mask)))
+    return jnp.einsum("bhif,bhjf,bhijf->bhij", a, b, jnp.exp(masked_diff(g, dec.run, mask)))
 
 
 def decay_scores(scores: Array, dec: Decays | None, *, diagonal: bool) -> Array:
@@ -511,13 +511,13 @@ def decay_scores(scores: Array, dec: Decays | None, *, diagonal: bool) -> Array:
         return jnp.where(mask, scores, 0.0)
     if dec.log_cum.shape[-1] != 1:
         raise ValueError(f"decay_scores needs per-head decays, got {dec.log_cum.shape}")
-    return scores * jnp.exp(_masked_diff(dec.log_cum, dec.run, mask)[..., 0])
+    return scores * jnp.exp(masked_diff(dec.log_cum, dec.run, mask)[..., 0])
 
 
 SUB_CHUNK = 16
 
 
-def _masked_diff(g: Array, run: Array | None, mask: Array) -> Array:
+def masked_diff(g: Array, run: Array | None, mask: Array) -> Array:
     """``G_i - G_j`` as ``[b, h, i, j, g]``, -inf where ``mask`` [.., i, j] is False or a
     reset lies between: the mask goes in BEFORE exp (for j > i the difference is positive)."""
     mask = mask[..., None]
@@ -556,7 +556,7 @@ def _per_channel_scores_in_sub_chunks(
     fold = lambda x: blocks(x).reshape(bsz, h * n, s, f)
     run = None if run is None else fold(jnp.broadcast_to(run, g.shape))
     mask = jnp.tril(jnp.ones((1, 1, s, s), bool), 0 if diagonal else -1)
-    decay = jnp.exp(_masked_diff(fold(g), run, mask))
+    decay = jnp.exp(masked_diff(fold(g), run, mask))
     # float32 whatever the inputs: a three-operand product, not a matmul, and the decays
     # stay exact.
     inside = jnp.einsum("bmif,bmjf,bmijf->bmij", fold(a), fold(b), decay)

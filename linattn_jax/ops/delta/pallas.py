@@ -21,7 +21,7 @@ chunk at once, the gated UT transform (one shared code, ``_Chunk`` and ``_chunk_
   ``S' = exp(G_C) S + (exp(G_C - G) * K)^T (U - W S)``.
 
 What stays in XLA around the kernel (``causal_chunks``): the non-finite screening of
-``chunked._finite_inputs`` and ``chunking.nan_from`` (the kernel sees finite inputs only),
+``chunked.finite_inputs`` and ``chunking.nan_from`` (the kernel sees finite inputs only),
 key masks (zeroed tokens, by the caller), padding to whole chunks (zero tokens are
 inert), head grouping (q and k repeated to the value heads), and the gates' cumulative sums
 per chunk and the reset runs, so that the kernel reads two ``[C, 1]`` columns per chunk.
@@ -103,7 +103,7 @@ def causal_chunks(xs, state: Array, chunk_size: int, length: int, *, groups: int
 
 
 def _causal(chunk_size, length, groups, xs, state):
-    xs, first_v = chunked._finite_inputs(xs, groups)
+    xs, first_v = chunked.finite_inputs(xs, groups)
     out, final = _run(xs, state, chunk_size, length, groups)
     out = chunking.nan_from(first_v, out, 2)
     return out, jnp.where(first_v < length, jnp.full((), jnp.nan, final.dtype), final)
