@@ -121,7 +121,7 @@ class SequenceParallelTest(chex.TestCase):
 
     # GLA (additive, per-channel gates) and KDA (delta, per-channel gates); Gated DeltaNet's
     # per-head gate is the delta rule's test below, its layer that of KDA but for the gate.
-    @parameterized.parameters("gla", "kda", "mlstm")
+    @parameterized.parameters("gla", "kda", "mlstm", "mamba2")
     def test_gated_and_delta_layers_with_a_sequence_axis(self, kind):
         mesh = _mesh(4, batch=2)
         plain = layers.make_attention(kind, 16, 2, chunk_size=4, rngs=nnx.Rngs(0))

@@ -106,7 +106,7 @@ class DeltaRuleAttention(nnx.Module):
       method: ``"chunked"`` (default), ``"scan"`` or ``"pallas"`` (the opt-in Pallas
         kernels, no per-channel gate), as in ``linattn_jax.ops.delta.causal``.
       chunk_size: tokens per chunk; None (default): the family's default
-        (``linattn_jax.ops.checks.default_chunk_size``: 64, 16 for KDA's per-channel gate).
+        (``linattn_jax.ops.checks.default_chunk_size``).
       sequence_axis: a mesh axis that splits full-sequence forwards along their
         length (``linattn_jax.ops.delta.sequence_parallel``; no ``key_mask`` or
         ``segment_ids`` then).
@@ -160,8 +160,7 @@ class DeltaRuleAttention(nnx.Module):
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
         if method not in delta.METHODS + delta.KERNEL_METHODS:
             raise ValueError(f"method must be one of {delta.METHODS} or 'pallas', got {method!r}")
-        if chunk_size is not None:
-            checks.check_int("chunk_size", chunk_size, 1)
+        checks.check_chunk_size(chunk_size)
         checks.check_int("conv_size", conv_size, 0)
         check_dropout_rate(dropout_rate)
         for name, flag in [

@@ -72,7 +72,8 @@ class LightningAttention(nnx.Module):
       num_layers: the model's depth ``L``.
       method: the full-sequence form, ``"chunked"``, ``"scan"``, ``"quadratic"`` or the
         opt-in ``"pallas"`` kernel (``additive.causal``).
-      chunk_size: tokens per chunk; None: the family's default.
+      chunk_size: tokens per chunk; None (default): the family's default
+        (``linattn_jax.ops.checks.default_chunk_size``).
       norm_eps: the output RMSNorm's epsilon (``transformers``' default 1e-6).
       sequence_axis: a mesh axis that splits the sequence (the full-sequence forward runs
         ``additive.sequence_parallel``; no key mask or segments there).
@@ -117,8 +118,7 @@ class LightningAttention(nnx.Module):
             raise ValueError(
                 f"method must be one of {additive.METHODS} or 'pallas', got {method!r}"
             )
-        if chunk_size is not None:
-            checks.check_int("chunk_size", chunk_size, 1)
+        checks.check_chunk_size(chunk_size)
         checks.check_number("norm_eps", norm_eps, 0)
         gamma = lightning_decays(num_heads, layer_index, num_layers)
         self.width, self.num_heads, self.causal = width, num_heads, True

@@ -62,7 +62,7 @@ class LinearAttention(nnx.Module):
         opt-in Pallas kernel of the chunked form, as in ``linattn_jax.ops.additive.causal``;
         interpreted on CPU); a non-causal layer ignores it.
       chunk_size: tokens per chunk; None (default): the family's default
-        (``linattn_jax.ops.checks.default_chunk_size``: 64, 16 with a per-channel gate).
+        (``linattn_jax.ops.checks.default_chunk_size``).
       decay: None, ``"retnet"`` (gamma_h = 1 - 2^(-5-h)), a float or one per head.
       gate: learn a data-dependent log-decay per token: ``True`` one per head
         (``log_sigmoid`` of a projection of the input, biased towards slow decay),
@@ -133,8 +133,7 @@ class LinearAttention(nnx.Module):
         param_dtype: Any = jnp.float32,
     ):
         check_width(width, num_heads)
-        if chunk_size is not None:
-            checks.check_int("chunk_size", chunk_size, 1)
+        checks.check_chunk_size(chunk_size)
         check_dropout_rate(dropout_rate)
         checks.check_bool("causal", causal)
         checks.check_bool("normalize", normalize)

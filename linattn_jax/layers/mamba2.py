@@ -28,7 +28,7 @@ from flax import nnx
 from linattn_jax import sharding
 from linattn_jax.layers.common import check_decoding, check_tokens, split_heads
 from linattn_jax.layers.conv import CausalConv1D
-from linattn_jax.layers.recurrent import SequenceSharding
+from linattn_jax.layers.recurrent import SequenceSharding, run_causal
 from linattn_jax.ops import checks, ssd
 
 NORMS = ("gate_first", "norm_first", "none")  # Mamba2Mixer's output norms
@@ -121,7 +121,8 @@ class Mamba2Mixer(nnx.Module):
       causal: True for decoders; with False the layer still reads left to right, and
         refuses decoding.
       method: the SSD's full-sequence form (``ops.ssd.METHODS``).
-      chunk_size: its tokens per chunk (None: its default).
+      chunk_size: tokens per chunk; None (default): the family's default
+        (``linattn_jax.ops.checks.default_chunk_size``).
       sequence_axis: a mesh axis that splits full-sequence forwards along their length
         (``ops.ssd.sequence_parallel``; no ``key_mask`` or ``segment_ids`` then).
       batch_axis: the mesh axis that splits the batch alongside ``sequence_axis``.
@@ -176,8 +177,7 @@ class Mamba2Mixer(nnx.Module):
             raise ValueError(f"n_groups must divide num_heads={num_heads}, got {n_groups}")
         if method not in ssd.METHODS:
             raise ValueError(f"method must be one of {ssd.METHODS}, got {method!r}")
-        if chunk_size is not None:
-            checks.check_chunk_size(chunk_size)
+        checks.check_chunk_size(chunk_size)
         low, high = time_step_limit
         if not 0 <= low <= high:
             raise ValueError(
@@ -314,7 +314,11 @@ class Mamba2Mixer(nnx.Module):
         dt = jnp.clip(dt, *self.time_step_limit)
         A = -jnp.exp(self.A_log[...].astype(jnp.float32))
         D = self.D[...].astype(jnp.float32)
-        y, ssm = self._ssd(xs, dt, A, B, C, D, state, key_mask, segment_ids)
+        y, ssm = run_causal(
+            ssd, xs, dt, A, B, C, state=None if state is None else state.ssm,
+            key_mask=key_mask, segment_ids=segment_ids, method=self.method,
+            chunk_size=self.chunk_size, sharding=self.sharding, options=dict(D=D),
+        )  # fmt: skip
         y = y.reshape(b, t, inner)
         if self.norm is None:
             y = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
@@ -322,25 +326,3 @@ class Mamba2Mixer(nnx.Module):
             y = self.norm(y, z)
         out = self.out_proj(y.astype(projected.dtype))
         return (out, Mamba2Cache(ssm, conv_state)) if return_state else out
-
-    def _ssd(self, x, dt, A, B, C, D, state, key_mask, segment_ids):
-        """``(y [b, t, h, p], the SSD state after)``: one step for a one-token call with a
-        state, the sequence-parallel form on a sharded layer without one, else
-        ``ops.ssd.causal``."""
-        ssm = None if state is None else state.ssm
-        t = x.shape[1]
-        if ssm is not None and t == 1 and key_mask is None and segment_ids is None:
-            y, ssm = ssd.step(x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], ssm, D=D)
-            return y[:, None], ssm
-        if self.sharding is not None and ssm is None:
-            if key_mask is not None or segment_ids is not None:
-                raise ValueError("a sequence-parallel layer takes no key_mask or segment_ids")
-            return ssd.sequence_parallel(
-                x, dt, A, B, C, D=D, axis_name=self.sharding.axis, mesh=self.sharding.mesh,
-                batch_axis=self.sharding.batch_axis, chunk_size=self.chunk_size,
-                return_state=True,
-            )  # fmt: skip
-        return ssd.causal(
-            x, dt, A, B, C, D=D, method=self.method, chunk_size=self.chunk_size,
-            initial_state=ssm, return_state=True, key_mask=key_mask, segment_ids=segment_ids,
-        )  # fmt: skip

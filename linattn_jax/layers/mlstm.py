@@ -30,7 +30,7 @@ from flax import nnx
 
 from linattn_jax import sharding
 from linattn_jax.layers.common import check_decoding, check_tokens, split_heads
-from linattn_jax.layers.recurrent import SequenceSharding
+from linattn_jax.layers.recurrent import SequenceSharding, run_causal
 from linattn_jax.ops import checks, mlstm
 
 
@@ -97,7 +97,8 @@ class MLSTMLayer(nnx.Module):
       causal: True for decoders; with False the layer still reads left to right, and
         refuses decoding.
       method: the full-sequence form (``ops.mlstm.METHODS``).
-      chunk_size: its tokens per chunk (None: 64).
+      chunk_size: tokens per chunk; None (default): the family's default
+        (``linattn_jax.ops.checks.default_chunk_size``).
       sequence_axis: a mesh axis that splits full-sequence forwards along their length
         (``ops.mlstm.sequence_parallel``; no ``key_mask`` or ``segment_ids`` then).
       batch_axis: the mesh axis that splits the batch alongside ``sequence_axis``.
@@ -139,8 +140,7 @@ class MLSTMLayer(nnx.Module):
                 raise ValueError(f"num_heads={num_heads} must divide {name} = {dim} (>= 1)")
         if method not in mlstm.METHODS:
             raise ValueError(f"method must be one of {mlstm.METHODS}, got {method!r}")
-        if chunk_size is not None:
-            checks.check_chunk_size(chunk_size)
+        checks.check_chunk_size(chunk_size)
         if gate_soft_cap is not None:
             checks.check_number("gate_soft_cap", gate_soft_cap, minimum=0.0)
         checks.check_number("eps", eps, minimum=0.0)
@@ -223,28 +223,11 @@ class MLSTMLayer(nnx.Module):
             soft_cap(proj(x).astype(jnp.float32), self.gate_soft_cap)
             for proj in (self.igate_preact, self.fgate_preact)
         )
-        y, state = self._mlstm(q, k, v, i, f, state, key_mask, segment_ids)
+        y, state = run_causal(
+            mlstm, q, k, v, i, f, state=state, key_mask=key_mask, segment_ids=segment_ids,
+            method=self.method, chunk_size=self.chunk_size, sharding=self.sharding,
+            options=dict(eps=self.eps),
+        )  # fmt: skip
         gate = jax.nn.sigmoid(self.ogate_preact(x).astype(jnp.float32))
         out = self.out_proj((gate * self.multihead_norm(y)).astype(v.dtype))
         return (out, state) if return_state else out
-
-    def _mlstm(self, q, k, v, i, f, state, key_mask, segment_ids):
-        """``(y [b, t, h, v_dim / h], the state after)``: one step for a one-token call with
-        a state, the sequence-parallel form on a sharded layer without one, else
-        ``ops.mlstm.causal``."""
-        t = q.shape[1]
-        if state is not None and t == 1 and key_mask is None and segment_ids is None:
-            y, state = mlstm.step(q[:, 0], k[:, 0], v[:, 0], i[:, 0], f[:, 0], state, eps=self.eps)
-            return y[:, None], state
-        if self.sharding is not None and state is None:
-            if key_mask is not None or segment_ids is not None:
-                raise ValueError("a sequence-parallel layer takes no key_mask or segment_ids")
-            return mlstm.sequence_parallel(
-                q, k, v, i, f, axis_name=self.sharding.axis, mesh=self.sharding.mesh,
-                batch_axis=self.sharding.batch_axis, chunk_size=self.chunk_size, eps=self.eps,
-                return_state=True,
-            )  # fmt: skip
-        return mlstm.causal(
-            q, k, v, i, f, eps=self.eps, method=self.method, chunk_size=self.chunk_size,
-            initial_state=state, return_state=True, key_mask=key_mask, segment_ids=segment_ids,
-        )  # fmt: skip

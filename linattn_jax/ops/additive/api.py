@@ -193,8 +193,7 @@ def causal(
     check_options(q, k, normalize=normalize, eps=eps, return_state=return_state, decay=decay)
     if method not in METHODS + KERNEL_METHODS:
         raise ValueError(f"method must be one of {METHODS} or 'pallas', got {method!r}")
-    if chunk_size is not None:
-        checks.check_chunk_size(chunk_size)
+    checks.check_chunk_size(chunk_size)
     check_normalize(feature_map, normalize)
     if positions is not None:
         checks.check_shape("positions", positions, (b, t), "[batch, length]")

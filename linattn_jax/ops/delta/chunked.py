@@ -40,14 +40,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from linattn_jax.ops import chunking
+from linattn_jax.ops import checks, chunking
 from linattn_jax.ops.delta.state import repeat_heads
 from linattn_jax.typing import Array
-
-# Tokens per chunk when the caller gives none (no gate or one per head): the accelerators'
-# usual tile, 64; on CPU 32, measured at t=8192 (docs/benchmarks.md): DeltaNet's
-# forward+backward 14% and Gated DeltaNet's 4% faster than at 64, for 1.2x the scratch.
-CHUNK_SIZE = {"cpu": 32, "default": 64}
 
 
 def causal_chunks(
@@ -77,7 +72,7 @@ def causal_chunks(
         [b,hv,t,1|dk] | None, segment resets [b,1,t,1] | None)``.
       state: ``S [b, hv, dk, dv]`` before the first token.
       chunk_size: tokens per chunk (the last one is padded with inert zeros); None:
-        ``CHUNK_SIZE`` of the backend.
+        ``checks.default_chunk_size`` on the backend compiled for.
       length: ``t``.
       groups: ``hv // h``, the value heads that read each q and k head (repeated one
         group of chunks at a time, never over the whole sequence).
@@ -96,7 +91,7 @@ def causal_chunks(
         )
 
         def on(backend):  # the chunk size and group of each backend where not given
-            size = CHUNK_SIZE[backend] if chunk_size is None else chunk_size
+            size = checks.default_chunk_size(chunk_size, xs[4], delta_on_cpu=backend == "cpu")
             if group_tokens is not None:
                 return functools.partial(run, chunk_size=size, group_tokens=group_tokens)
             cpu = backend == "cpu"
