@@ -80,6 +80,20 @@ def _add(residual, h, factors: tuple[float, float]):
     return residual + h
 
 
+def _build_mlp(mlp: str, width: int, hidden: int, moe, multipliers, options) -> nnx.Module | None:
+    """The block's MLP of kind ``mlp`` (``MLPS``; None for ``"none"``), from the block's
+    ``moe`` and ``mlp_multipliers`` options."""
+    if mlp == "moe":
+        if not isinstance(moe, Mapping):
+            raise ValueError(f"mlp='moe' needs moe= a dict of MoE's options, got {moe!r}")
+        return MoE(width, **{"hidden": hidden, **moe}, **options)
+    if tuple(multipliers) != (1.0, 1.0):
+        if mlp != "swiglu":
+            raise ValueError(f"mlp_multipliers need mlp='swiglu', got mlp={mlp!r}")
+        options = dict(options, multipliers=multipliers)
+    return MLP_CLASSES[mlp](width, hidden, **options) if mlp != "none" else None
+
+
 class TransformerBlock(nnx.Module):
     """Pre-norm block: ``x + attn(conv(norm(x)))`` (with ``parallel``, ``x + out_1
     attn(in_1 norm(x)) + out_2 parallel(in_2 norm(x))``), then ``x + mlp(norm(x))``; either half
@@ -203,18 +217,7 @@ class TransformerBlock(nnx.Module):
         )
         self.branch_multipliers = branch_multipliers
         options = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        if mlp == "moe":
-            if not isinstance(moe, Mapping):
-                raise ValueError(f"mlp='moe' needs moe= a dict of MoE's options, got {moe!r}")
-            self.mlp = MoE(width, **{"hidden": hidden, **moe}, **options)
-        else:
-            if tuple(mlp_multipliers) != (1.0, 1.0):
-                if mlp != "swiglu":
-                    raise ValueError(f"mlp_multipliers need mlp='swiglu', got mlp={mlp!r}")
-                options = dict(options, multipliers=mlp_multipliers)
-            self.mlp = nnx.data(
-                MLP_CLASSES[mlp](width, hidden, **options) if mlp != "none" else None
-            )
+        self.mlp = nnx.data(_build_mlp(mlp, width, hidden, moe, mlp_multipliers, options))
         self.width, self.residual_multiplier = width, float(residual_multiplier)
 
     def init_state(self, batch: int, max_length: int | None = None) -> BlockState:

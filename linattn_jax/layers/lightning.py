@@ -21,6 +21,7 @@ with Lightning Attention" (https://arxiv.org/abs/2405.17381); MiniMax et al. 202
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -33,12 +34,14 @@ from linattn_jax.layers.common import (
     check_decoding,
     check_head_dim,
     check_tokens,
+    next_position,
     positions,
+    projection,
     split_heads,
 )
 from linattn_jax.layers.linear import LinearAttentionCache
 from linattn_jax.layers.norms import RMSNorm
-from linattn_jax.layers.recurrent import SequenceSharding, run_causal
+from linattn_jax.layers.recurrent import run_causal, sequence_sharding
 from linattn_jax.ops import additive, checks
 
 
@@ -125,14 +128,9 @@ class LightningAttention(nnx.Module):
         self.layer_index, self.num_layers = layer_index, num_layers
         self.method, self.chunk_size, self.dtype = method, chunk_size, dtype
         self.decay = tuple(float(g) for g in gamma)  # static: fixed, not a parameter
-        self.sharding = nnx.data(
-            None if sequence_axis is None else SequenceSharding(sequence_axis, batch_axis, mesh)
-        )
+        self.sharding = nnx.data(sequence_sharding(sequence_axis, batch_axis, mesh))
         inner = num_heads * self.head_dim
-        linear = lambda n_in, n_out, *axes: nnx.Linear(
-            n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs,
-        )  # fmt: skip
+        linear = functools.partial(projection, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         heads_in = (sharding.EMBED, sharding.HEADS)
         self.q_proj = linear(width, inner, *heads_in)
         self.k_proj = linear(width, inner, *heads_in)
@@ -201,7 +199,5 @@ class LightningAttention(nnx.Module):
         gate = jax.nn.sigmoid(self.output_gate(x))
         y = self.out_proj(gate * self.norm(out.reshape(b, t, -1)).astype(gate.dtype))
         if return_state:
-            start = jnp.zeros((b,), jnp.int32) if position is None else position
-            seen = t if key_mask is None else jnp.sum(key_mask, axis=1, dtype=jnp.int32)
-            return y, LinearAttentionCache(s, start + seen)
+            return y, LinearAttentionCache(s, next_position(position, b, t, key_mask))
         return y

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax import sharding
-from linattn_jax.layers.common import check_decoding, check_tokens, split_heads
-from linattn_jax.layers.recurrent import SequenceSharding, run_causal
+from linattn_jax.layers.common import check_can_decode, check_decoding, check_tokens, split_heads
+from linattn_jax.layers.recurrent import run_causal, sequence_sharding
 from linattn_jax.ops import checks, mlstm
 
 
@@ -146,14 +146,10 @@ class MLSTMLayer(nnx.Module):
         checks.check_number("eps", eps, minimum=0.0)
         for name, flag in [("use_bias", use_bias), ("causal", causal)]:
             checks.check_bool(name, flag)
-        if sequence_axis is not None and not causal:
-            raise ValueError("sequence_axis needs a causal layer (causal=True)")
         self.width, self.num_heads, self.qk_dim, self.v_dim = width, num_heads, qk_dim, v_dim
         self.gate_soft_cap, self.eps = gate_soft_cap, eps
         self.causal, self.method, self.chunk_size = causal, method, chunk_size
-        self.sharding = nnx.data(
-            None if sequence_axis is None else SequenceSharding(sequence_axis, batch_axis, mesh)
-        )
+        self.sharding = nnx.data(sequence_sharding(sequence_axis, batch_axis, mesh, causal))
         options = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         zeros = nnx.initializers.zeros_init()
         embed, heads = sharding.EMBED, sharding.HEADS
@@ -185,8 +181,7 @@ class MLSTMLayer(nnx.Module):
     def init_state(self, batch: int, max_length: int | None = None) -> mlstm.State:
         """The empty decoding state (``max_length`` is ignored: the state has a fixed size)."""
         del max_length
-        if not self.causal:
-            raise ValueError("decoding needs a causal layer (causal=True)")
+        check_can_decode(self)
         h = self.num_heads
         return mlstm.init_state(batch, h, self.qk_dim // h, self.v_dim // h)
 

@@ -19,6 +19,24 @@ class SequenceSharding(NamedTuple):
     mesh: jax.sharding.Mesh | None = None
 
 
+def sequence_sharding(
+    sequence_axis: str | None,
+    batch_axis: str | tuple[str, ...] | None,
+    mesh: jax.sharding.Mesh | None,
+    causal: bool = True,
+) -> SequenceSharding | None:
+    """A layer's ``SequenceSharding`` from its options (None without ``sequence_axis``).
+
+    Raises:
+      ValueError: a ``sequence_axis`` on a layer that is not causal.
+    """
+    if sequence_axis is None:
+        return None
+    if not causal:
+        raise ValueError("sequence_axis needs a causal layer (causal=True)")
+    return SequenceSharding(sequence_axis, batch_axis, mesh)
+
+
 def run_causal(
     family: ModuleType,
     *inputs: jax.Array,
