@@ -16,8 +16,9 @@ from linattn_jax.layers.delta import DeltaRuleAttention
 from linattn_jax.layers.lightning import LightningAttention
 from linattn_jax.layers.linear import LinearAttention
 from linattn_jax.layers.mamba2 import Mamba2Mixer
+from linattn_jax.layers.mla import LatentAttention
 from linattn_jax.layers.mlstm import MLSTMLayer
-from linattn_jax.layers.softmax import LatentAttention, SoftmaxAttention
+from linattn_jax.layers.softmax import SoftmaxAttention
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,10 +16,8 @@ from linattn_jax.layers.common import (
     check_decoding,
     check_dropout_rate,
     check_head_dim,
-    check_tokens,
     positions,
     project_qkv,
-    split_heads,
 )
 from linattn_jax.layers.norms import RMSNorm
 from linattn_jax.ops import checks
@@ -291,14 +289,9 @@ def attend_cached(layer, q, k, v, key_mask, state):
     held = jnp.sum(state.mask, axis=1, dtype=jnp.int32)  # the real tokens before
     pos = rope_lib.token_positions(b, t, key_mask=key_mask, start=held)
     q, k = _rope(layer, q, pos), _rope(layer, k, pos)
-    write = jax.vmap(
-        lambda cache, new, i: jax.lax.dynamic_update_slice_in_dim(
-            cache, new.astype(cache.dtype), i, axis=0
-        )
-    )
-    k_all, v_all = write(state.k, k, state.position), write(state.v, v, state.position)
+    k_all, v_all = write_slots(state.k, k, state.position), write_slots(state.v, v, state.position)
     real = jnp.ones((b, t), bool) if key_mask is None else key_mask
-    mask = write(state.mask, real, state.position)  # padding stays masked from now on
+    mask = write_slots(state.mask, real, state.position)  # padding stays masked from now on
     query_slot = positions(state.position, b, t)[:, :, None]  # [b, t, 1]
     slots = jnp.arange(n)[None, None, :]
     allowed = (slots <= query_slot) & mask[:, None, :]
@@ -309,6 +302,13 @@ def attend_cached(layer, q, k, v, key_mask, state):
         q, f32(k_all), f32(v_all), mask=allowed[:, None], scale=layer.scale
     )
     return out, KVCache(k_all, v_all, state.position + t, mask), overflow
+
+
+def write_slots(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """``cache [b, n, ...]`` with each row's ``new [b, t, ...]`` written at its slot
+    ``start [b]`` on (in the cache's dtype): a KV cache's write."""
+    write = lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), i, axis=0)
+    return jax.vmap(write)(cache, new, start)
 
 
 def check_heads(width, num_heads, num_kv_heads, head_dim) -> tuple[int, int, int]:
@@ -358,292 +358,3 @@ def check_cache_room(position: jax.Array, t: int, n: int) -> jax.Array:
             f"{t} more do not fit (make the cache longer: init_state(batch, max_length))"
         )
     return position + t > n
-
-
-class LatentKVCache(NamedTuple):
-    """A ``LatentAttention`` layer's decoding state: per token, the compressed latent and
-    the one rope key its heads share, ``kv_lora_rank + qk_rope_head_dim`` floats (not
-    ``2 * num_heads * head_dim``: the point of MLA).
-
-    Attributes:
-      latent: ``[b, max_length, kv_lora_rank]``, after its RMSNorm.
-      k_rope: ``[b, max_length, qk_rope_head_dim]``, after RoPE (when the layer has it).
-      position: ``[b]`` int32, the number of tokens written (the next slot).
-      mask: ``[b, max_length]`` bool, True at slots holding a real key (as ``KVCache``'s).
-    """
-
-    latent: jax.Array
-    k_rope: jax.Array
-    position: jax.Array
-    mask: jax.Array
-
-
-class LatentAttention(nnx.Module):
-    """Multi-head Latent Attention (MLA; DeepSeek-V2, 2024; DeepSeek-V3, Kimi Linear): keys
-    and values decompressed from one low-rank latent per token, which is all the KV cache
-    keeps (with a small rope key shared by the heads).
-
-    Per token ``x`` (``r = kv_lora_rank``, ``n, p, dv`` the nope, rope and value head dims)::
-
-        q            = W_qb RMSNorm(W_qa x)   (q_lora_rank; else W_q x)   # [h, n + p]
-        [c | k_rope] = W_kva x                                          # [r + p]
-        c            = RMSNorm(c)                                       # the latent
-        [k_nope | v] = W_kvb c                                          # [h, n + dv]
-        k            = [k_nope | k_rope]   (k_rope the same for every head)
-        y            = W_o softmax(q k^T * (n + p)^-0.5) v
-
-    With ``rope=True`` the last ``p`` channels of q and ``k_rope`` are rotated
-    (``layers.rope``'s rotate-half form; positions as ``SoftmaxAttention``'s: real tokens
-    only, per segment, continuing from a cache). Kimi Linear's MLA has no RoPE
-    (``rope=False``, the default). DeepSeek-V3 checkpoints rotate interleaved pairs
-    (``rope_interleave``): their rope channels need a permutation to load here.
-
-    Without a cache the latent is decompressed and attention is ordinary. With one
-    (``init_state``: ``LatentKVCache``) the query is absorbed into ``W_kvb``'s key half and
-    the scores are taken against the cached latents directly, the output decompressed by
-    its value half after the softmax: the same function, never ``[h, n + dv]`` per cached
-    token.
-
-    Args:
-      width: model width (input and output features).
-      num_heads: heads h.
-      kv_lora_rank: r, the latent's size (default ``4 * qk_nope_head_dim``).
-      q_lora_rank: the query's low rank (``W_qa``, RMSNorm, ``W_qb``); None: one ``W_q``.
-      qk_nope_head_dim: n, the channels of each q and k head without RoPE (default
-        ``width / num_heads``).
-      qk_rope_head_dim: p, the channels of each q head (and of the shared key) that RoPE
-        rotates (default ``n / 2``).
-      v_head_dim: dv, each value head's channels (default n).
-      rope: rotary embeddings on the rope channels.
-      rope_theta: RoPE's base (default 10000).
-      scale: the scores' factor (default ``(n + p)^-0.5``).
-      causal: causal (decoder) or non-causal (encoder) attention.
-      max_length: the KV cache's length (decoding only).
-      dropout_rate: dropout on the attention's output, as in ``SoftmaxAttention``.
-      rngs: as in Flax.
-      dtype: the computation dtype (None: the input's); scores and softmax in float32.
-      param_dtype: the parameters' dtype, as in Flax.
-      **linear_options: ``LINEAR_ONLY_OPTIONS``, accepted and ignored (as by
-        ``SoftmaxAttention``); any other keyword raises ``TypeError``.
-
-    Parameters: ``q_proj`` or ``q_a_proj``, ``q_a_norm``, ``q_b_proj``; ``kv_a_proj``
-    ``[width, r + p]``, ``kv_norm``, ``kv_b_proj`` ``[r, h (n + dv)]``, ``out_proj``.
-    The norms' epsilon is 1e-6 (``transformers``' DeepSeek-V3 and Kimi Linear latents).
-
-    Raises:
-      ValueError: a size that is not a positive int, a rope size that is odd with
-        ``rope=True``, a RoPE option without ``rope=True``, a flag that is not a bool, a
-        ``scale`` that is not a number > 0.
-    """
-
-    def __init__(
-        self,
-        width: int,
-        num_heads: int,
-        *,
-        kv_lora_rank: int | None = None,
-        q_lora_rank: int | None = None,
-        qk_nope_head_dim: int | None = None,
-        qk_rope_head_dim: int | None = None,
-        v_head_dim: int | None = None,
-        rope: bool = False,
-        rope_theta: float | None = None,
-        scale: float | None = None,
-        causal: bool = True,
-        max_length: int = 4096,
-        dropout_rate: float = 0.0,
-        rngs: nnx.Rngs,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
-        **linear_options: Any,
-    ):
-        unknown = sorted(set(linear_options) - LINEAR_ONLY_OPTIONS)
-        if unknown:
-            raise TypeError(f"LatentAttention got unexpected keyword arguments {unknown}")
-        nope = check_head_dim(width, num_heads, qk_nope_head_dim)
-        rope_dim = max(nope // 2, 1) if qk_rope_head_dim is None else qk_rope_head_dim
-        dv = nope if v_head_dim is None else v_head_dim
-        rank = 4 * nope if kv_lora_rank is None else kv_lora_rank
-        checks.check_sizes(qk_rope_head_dim=rope_dim, v_head_dim=dv, kv_lora_rank=rank)
-        if q_lora_rank is not None:
-            checks.check_int("q_lora_rank", q_lora_rank, 1)
-        check_dropout_rate(dropout_rate)
-        check_flags(rope=rope, causal=causal)
-        if rope and rope_dim % 2:
-            raise ValueError(f"qk_rope_head_dim must be even with rope=True, got {rope_dim}")
-        self.rotary_dim, self.rope_theta = check_rope(rope, rope_dim, rope_theta, None, None)
-        if scale is None:
-            scale = (nope + rope_dim) ** -0.5
-        if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
-            raise ValueError(f"scale must be a number > 0, got {scale!r}")
-        self.width, self.num_heads, self.causal, self.max_length = (
-            width,
-            num_heads,
-            causal,
-            max_length,
-        )
-        self.kv_lora_rank, self.q_lora_rank = rank, q_lora_rank
-        self.nope_dim, self.rope_dim, self.v_head_dim = nope, rope_dim, dv
-        self.scale = float(scale)
-        linear = lambda n_in, n_out, *axes: nnx.Linear(
-            n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs,
-        )  # fmt: skip
-        norm = lambda n: RMSNorm(n, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
-        embed, heads, h = sharding.EMBED, sharding.HEADS, num_heads
-        qk = nope + rope_dim
-        if q_lora_rank is None:
-            self.q_proj = nnx.data(linear(width, h * qk, embed, heads))
-            self.q_a_proj = self.q_a_norm = self.q_b_proj = nnx.data(None)
-        else:
-            self.q_proj = nnx.data(None)
-            self.q_a_proj = nnx.data(linear(width, q_lora_rank, embed, None))
-            self.q_a_norm = nnx.data(norm(q_lora_rank))
-            self.q_b_proj = nnx.data(linear(q_lora_rank, h * qk, None, heads))
-        self.kv_a_proj = linear(width, rank + rope_dim, embed, None)
-        self.kv_norm = norm(rank)
-        self.kv_b_proj = linear(rank, h * (nope + dv), None, heads)
-        self.out_proj = linear(h * dv, width, heads, embed)
-        self.dropout = nnx.Dropout(dropout_rate, rngs=rngs if dropout_rate > 0 else None)
-
-    def init_state(self, batch: int, max_length: int | None = None) -> LatentKVCache:
-        """An empty cache of ``max_length`` (the layer's by default) tokens."""
-        if not self.causal:
-            raise ValueError("decoding needs a causal layer (causal=True)")
-        n = max_length or self.max_length
-        return LatentKVCache(
-            jnp.zeros((batch, n, self.kv_lora_rank)),
-            jnp.zeros((batch, n, self.rope_dim)),
-            jnp.zeros((batch,), jnp.int32),
-            jnp.zeros((batch, n), jnp.bool_),
-        )
-
-    def __call__(
-        self,
-        x: jax.Array,
-        *,
-        key_mask: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
-        state: LatentKVCache | None = None,
-        return_state: bool = False,
-        deterministic: bool | None = None,
-        rngs: nnx.Rngs | None = None,
-    ):
-        """``x [b, t, width] -> [b, t, width]`` (and the new cache if ``return_state``).
-
-        ``key_mask [b, t]`` (True = real): padding is replaced by zeros before the
-        projections, is no key for any query (nor, written to a cache, for any later one)
-        and outputs 0 (then ``out_proj``). ``segment_ids [b, t]`` (no cache): a token
-        attends within its run of equal ids only (``checks.segment_runs``), RoPE restarting
-        there. ``state``, ``deterministic``, ``rngs`` as in ``SoftmaxAttention``.
-
-        Raises:
-          ValueError: as ``SoftmaxAttention``'s (a bad mask, ids with a cache, tokens that
-            do not fit in the cache); rows that overflow under ``jit`` get NaN outputs.
-        """
-        check_decoding(self, state, return_state)
-        check_tokens(x, self.width)
-        if state is not None and not isinstance(state, LatentKVCache):
-            raise ValueError(f"state must be a LatentKVCache, got {type(state).__name__}")
-        b, t, _ = x.shape
-        key_mask = checks.token_mask("key_mask", key_mask, b, t)
-        if segment_ids is not None:
-            checks.segment_resets(segment_ids, b, t, jnp.float32)  # validates
-        x = checks.where_token(key_mask, x)
-        dtype = x.dtype if self.kv_a_proj.dtype is None else self.kv_a_proj.dtype
-        if self.q_proj is not None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)).astype(dtype))
-        q = split_heads(q, self.num_heads).astype(jnp.float32)  # [b, t, h, n + p]
-        q_nope, q_rope = q[..., : self.nope_dim], q[..., self.nope_dim :]
-        compressed = self.kv_a_proj(x).astype(jnp.float32)
-        latent = self.kv_norm(compressed[..., : self.kv_lora_rank])  # [b, t, r]
-        k_rope = compressed[..., self.kv_lora_rank :]  # [b, t, p]
-        new_state = None
-        if state is not None or return_state:
-            if segment_ids is not None:
-                raise ValueError("LatentAttention takes no segment_ids with a KV cache")
-            out, new_state, overflow = self._attend_cached(
-                q_nope, q_rope, latent, k_rope, key_mask, state
-            )
-            out = jnp.where(overflow[:, None, None, None], jnp.nan, out)
-        else:
-            out = self._attend_full(q_nope, q_rope, latent, k_rope, key_mask, segment_ids)
-        out = checks.where_token(key_mask, out)  # a padded query's output is 0
-        out = self.dropout(out.astype(dtype), deterministic=deterministic, rngs=rngs)
-        y = self.out_proj(out.reshape(b, t, self.num_heads * self.v_head_dim))
-        return (y, new_state) if return_state else y
-
-    def _rope(self, x, pos):
-        if self.rotary_dim is None:
-            return x
-        return rope_lib.apply_rope(x, pos, self.rotary_dim, self.rope_theta)
-
-    def _softmax(self, scores, allowed):
-        """``softmax(scores * scale)`` over the last axis where ``allowed``; rows with no
-        key allowed (padding) get finite weights, their outputs replaced later."""
-        scores = jnp.where(allowed, scores * self.scale, jnp.finfo(jnp.float32).min)
-        return jax.nn.softmax(scores, axis=-1)
-
-    def _attend_full(self, q_nope, q_rope, latent, k_rope, key_mask, segment_ids):
-        """Decompressed, ordinary attention over this call's tokens: ``[b, t, h, dv]``."""
-        b, t = latent.shape[:2]
-        pos = rope_lib.token_positions(b, t, key_mask=key_mask, segment_ids=segment_ids)
-        q_rope, k_rope = self._rope(q_rope, pos), self._rope(k_rope[:, :, None], pos)[:, :, 0]
-        kv = split_heads(self.kv_b_proj(latent), self.num_heads)
-        kv = kv.astype(jnp.float32)
-        k_nope, v = kv[..., : self.nope_dim], kv[..., self.nope_dim :]
-        scores = jnp.einsum("bthd,bshd->bhts", q_nope, k_nope)
-        scores = scores + jnp.einsum("bthd,bsd->bhts", q_rope, k_rope)
-        slots = jnp.arange(t)
-        allowed = jnp.ones((b, 1, t, t), bool)
-        if self.causal:
-            allowed = allowed & (slots[None, None, :, None] >= slots[None, None, None, :])
-        if key_mask is not None:
-            allowed = allowed & key_mask[:, None, None, :]
-        if segment_ids is not None:
-            run = checks.segment_runs(segment_ids)
-            allowed = allowed & (run[:, None, :, None] == run[:, None, None, :])
-        return jnp.einsum("bhts,bshd->bthd", self._softmax(scores, allowed), v)
-
-    def _attend_cached(self, q_nope, q_rope, latent, k_rope, key_mask, state):
-        """Attention over the cache after writing this call's latents to it, the query
-        absorbed into ``kv_b_proj``: ``(out [b, t, h, dv], the new cache, [b] overflow)``."""
-        b, t = latent.shape[:2]
-        if state is None:
-            state = self.init_state(b, max(t, self.max_length))
-        n = state.latent.shape[1]
-        checks.check_shape(
-            "state.latent", state.latent, (b, n, self.kv_lora_rank),
-            "[batch, max_length, kv_lora_rank]",
-        )  # fmt: skip
-        checks.check_shape(
-            "state.k_rope", state.k_rope, (b, n, self.rope_dim),
-            "[batch, max_length, qk_rope_head_dim]",
-        )  # fmt: skip
-        overflow = check_cache_room(state.position, t, n)
-        held = jnp.sum(state.mask, axis=1, dtype=jnp.int32)
-        pos = rope_lib.token_positions(b, t, key_mask=key_mask, start=held)
-        q_rope, k_rope = self._rope(q_rope, pos), self._rope(k_rope[:, :, None], pos)[:, :, 0]
-        write = jax.vmap(
-            lambda cache, new, i: jax.lax.dynamic_update_slice_in_dim(
-                cache, new.astype(cache.dtype), i, axis=0
-            )
-        )
-        latents = write(state.latent, latent, state.position)
-        rope_keys = write(state.k_rope, k_rope, state.position)
-        real = jnp.ones((b, t), bool) if key_mask is None else key_mask
-        mask = write(state.mask, real, state.position)
-        query_slot = positions(state.position, b, t)[:, None, :, None]  # [b, 1, t, 1]
-        allowed = (jnp.arange(n)[None, None, None, :] <= query_slot) & mask[:, None, None, :]
-        w = self.kv_b_proj.kernel[...].astype(jnp.float32)
-        w = w.reshape(self.kv_lora_rank, self.num_heads, self.nope_dim + self.v_head_dim)
-        w_k, w_v = w[..., : self.nope_dim], w[..., self.nope_dim :]
-        f32 = lambda a: a.astype(jnp.float32)
-        q_latent = jnp.einsum("bthd,rhd->bthr", q_nope, w_k)  # the query in latent space
-        scores = jnp.einsum("bthr,bsr->bhts", q_latent, f32(latents))
-        scores = scores + jnp.einsum("bthd,bsd->bhts", q_rope, f32(rope_keys))
-        out_latent = jnp.einsum("bhts,bsr->bthr", self._softmax(scores, allowed), f32(latents))
-        out = jnp.einsum("bthr,rhd->bthd", out_latent, w_v)
-        return out, LatentKVCache(latents, rope_keys, state.position + t, mask), overflow
