@@ -13,6 +13,7 @@ from flax import nnx
 from linattn_jax import sharding
 from linattn_jax.layers import rope as rope_lib
 from linattn_jax.layers.common import (
+    check_can_decode,
     check_decoding,
     check_dropout_rate,
     check_head_dim,
@@ -167,8 +168,7 @@ class SoftmaxAttention(nnx.Module):
 
     def init_state(self, batch: int, max_length: int | None = None) -> KVCache:
         """An empty KV cache of ``max_length`` (the layer's by default) tokens."""
-        if not self.causal:
-            raise ValueError("decoding needs a causal layer (causal=True)")
+        check_can_decode(self)
         n = max_length or self.max_length
         zeros = jnp.zeros((batch, n, self.num_kv_heads, self.head_dim))
         return KVCache(
@@ -219,31 +219,40 @@ class SoftmaxAttention(nnx.Module):
                 raise ValueError("segment_ids needs self-attention (no inputs_k / inputs_v)")
             checks.segment_resets(segment_ids, b, t, jnp.float32)  # validates
         dtype = q.dtype
-        gate = None
-        if self.output_gate:
-            q, gate = jnp.split(q, 2, axis=-1)
+        q, gate = jnp.split(q, 2, axis=-1) if self.output_gate else (q, None)
         # Scores and softmax in float32, like linear attention's sums.
         q, k, v = (y.astype(jnp.float32) for y in (q, k, v))
-        if self.q_norm is not None and self.qk_norm_over_heads:
-            over = lambda norm, y: norm(y.reshape(*y.shape[:2], -1)).reshape(y.shape)
-            q, k = over(self.q_norm, q), over(self.k_norm, k)
-        elif self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        new_state = None
-        if state is not None or return_state:
-            if segment_ids is not None:
-                raise ValueError("SoftmaxAttention takes no segment_ids with a KV cache")
-            out, new_state, overflow = attend_cached(self, q, k, v, key_mask, state)
-            out = jnp.where(overflow[:, None, None, None], jnp.nan, out)
-        else:
-            cross = inputs_k is not None or inputs_v is not None
-            out = attend_full(self, q, k, v, key_mask, segment_ids, cross)
+        q, k = _qk_norms(self, q, k)
+        cross = inputs_k is not None or inputs_v is not None
+        out, new_state = _attend(self, q, k, v, key_mask, segment_ids, state, return_state, cross)
         out = checks.where_token(query_mask, out)  # a padded query's output is 0
         if gate is not None:
             out = out * jax.nn.sigmoid(gate.astype(jnp.float32))
         out = self.dropout(out.astype(dtype), deterministic=deterministic, rngs=rngs)
         y = self.out_proj(out.reshape(b, t, self.num_heads * self.head_dim))
         return (y, new_state) if return_state else y
+
+
+def _attend(layer, q, k, v, key_mask, segment_ids, state, return_state: bool, cross: bool):
+    """``(out [b, t, h, hd] float32, the new KVCache or None)``: over the cache (``state``,
+    or a new one for ``return_state``; overflowing rows NaN), else over this call's keys."""
+    if state is None and not return_state:
+        return attend_full(layer, q, k, v, key_mask, segment_ids, cross), None
+    if segment_ids is not None:
+        raise ValueError("SoftmaxAttention takes no segment_ids with a KV cache")
+    out, new_state, overflow = attend_cached(layer, q, k, v, key_mask, state)
+    return jnp.where(overflow[:, None, None, None], jnp.nan, out), new_state
+
+
+def _qk_norms(layer, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``q [b, t, h, hd]`` and ``k [b, s, kv, hd]`` through the layer's QK-norms (each head's,
+    or one over all heads with ``qk_norm_over_heads``), or as they are without."""
+    if layer.q_norm is None:
+        return q, k
+    if layer.qk_norm_over_heads:
+        over = lambda norm, y: norm(y.reshape(*y.shape[:2], -1)).reshape(y.shape)
+        return over(layer.q_norm, q), over(layer.k_norm, k)
+    return layer.q_norm(q), layer.k_norm(k)
 
 
 def _rope(layer, x: jax.Array, positions: jax.Array) -> jax.Array:
