@@ -197,7 +197,8 @@ class LightningAttention(nnx.Module):
             causal_options=dict(positions=positions(position, b, t, key_mask)),
         )
         gate = jax.nn.sigmoid(self.output_gate(x))
-        y = self.out_proj(gate * self.norm(out.reshape(b, t, -1)).astype(gate.dtype))
+        out = out.reshape(b, t, self.num_heads * self.head_dim)  # no -1: t may be 0
+        y = self.out_proj(gate * self.norm(out).astype(gate.dtype))
         if return_state:
             return y, LinearAttentionCache(s, next_position(position, b, t, key_mask))
         return y

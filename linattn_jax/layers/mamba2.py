@@ -84,7 +84,7 @@ class GroupedGatedRMSNorm(nnx.Module):
         """``x [..., features]`` gated by ``z [..., features]``, float32."""
         gate = jax.nn.silu(z.astype(jnp.float32))
         y = x.astype(jnp.float32) * gate if self.gate_first else x.astype(jnp.float32)
-        grouped = y.reshape(*y.shape[:-1], self.groups, -1)
+        grouped = y.reshape(*y.shape[:-1], self.groups, y.shape[-1] // self.groups)
         grouped = grouped * jax.lax.rsqrt(
             jnp.mean(grouped * grouped, axis=-1, keepdims=True) + self.epsilon
         )

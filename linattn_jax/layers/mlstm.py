@@ -72,7 +72,8 @@ class MultiHeadLayerNorm(nnx.Module):
         x = x.astype(jnp.float32)
         mean = jnp.mean(x, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-        y = ((x - mean) * jax.lax.rsqrt(var + self.epsilon)).reshape(*x.shape[:-2], -1)
+        y = (x - mean) * jax.lax.rsqrt(var + self.epsilon)
+        y = y.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])  # no -1: t may be 0
         lead = (1,) * (y.ndim - 1)
         y = y * self.weight[...].astype(jnp.float32).reshape(*lead, -1)
         return y if self.bias is None else y + self.bias[...].astype(jnp.float32).reshape(*lead, -1)

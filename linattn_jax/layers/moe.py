@@ -199,7 +199,8 @@ def combine_experts(
     used = jnp.arange(n * k, dtype=jnp.int32) < jnp.sum(plan.group_sizes, dtype=jnp.int32)
     weights = jnp.take(routing.weights.reshape(n * k), plan.order)
     out = jnp.where(used[:, None], out * weights[:, None].astype(out.dtype), 0)
-    return jnp.take(out, plan.inverse, axis=0).reshape(n, k, -1).sum(1).astype(x.dtype)
+    out = jnp.take(out, plan.inverse, axis=0).reshape(n, k, out.shape[-1])  # n may be 0
+    return out.sum(1).astype(x.dtype)
 
 
 def _router_dtype(dtype) -> jnp.dtype:
@@ -209,7 +210,7 @@ def _router_dtype(dtype) -> jnp.dtype:
 
 def _count(valid: jax.Array | None, n: int, dtype) -> jax.Array:
     """The real tokens (at least 1) in ``dtype``."""
-    return jnp.asarray(n if valid is None else jnp.maximum(jnp.sum(valid), 1), dtype)
+    return jnp.asarray(max(n, 1) if valid is None else jnp.maximum(jnp.sum(valid), 1), dtype)
 
 
 def load_balancing_loss(

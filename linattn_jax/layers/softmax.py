@@ -250,7 +250,8 @@ def _qk_norms(layer, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
     if layer.q_norm is None:
         return q, k
     if layer.qk_norm_over_heads:
-        over = lambda norm, y: norm(y.reshape(*y.shape[:2], -1)).reshape(y.shape)
+        flat = lambda y: y.reshape(*y.shape[:2], y.shape[2] * y.shape[3])  # no -1: t may be 0
+        over = lambda norm, y: norm(flat(y)).reshape(y.shape)
         return over(layer.q_norm, q), over(layer.k_norm, k)
     return layer.q_norm(q), layer.k_norm(k)
 
