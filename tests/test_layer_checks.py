@@ -253,3 +253,18 @@ class ConstructionTest(parameterized.TestCase):
         _linear(feature_map="hedgehog", hedgehog_form="softmax", normalize=False)
         # Options of other maps are ignored, so one config can sweep over maps.
         _linear(feature_map="elu", num_features=8, hedgehog_form="paper", max_length=64)
+
+
+# #53 item 6: every layer kind (and the block) names the state type it expects.
+@pytest.mark.parametrize("kind", [k for k in layers.ATTENTION_KINDS if k != "mlp"] + ["block"])
+def test_a_state_of_another_layer_is_refused_by_name(kind):
+    options = {"mamba2": dict(state_dim=4)}.get(kind, {})
+    if kind == "block":
+        layer = layers.TransformerBlock(8, 2, rngs=nnx.Rngs(0))
+    else:
+        layer = layers.make_attention(kind, 8, 2, rngs=nnx.Rngs(0), **options)
+    other = layers.MLSTMLayer(8, 2, rngs=nnx.Rngs(0)) if kind == "mamba2" else None
+    other = other or layers.Mamba2Mixer(8, 2, state_dim=4, rngs=nnx.Rngs(0))
+    expected = type(layer.init_state(1)).__name__
+    with pytest.raises(ValueError, match=rf"state must be an? {expected}, got "):
+        layer(jnp.zeros((1, 1, 8)), state=other.init_state(1), return_state=True)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax.layers import registry
+from linattn_jax.layers.common import check_state
 from linattn_jax.layers.conv import CausalConv1D
 from linattn_jax.layers.mlp import MLP_CLASSES, MLPS, check_multiplier
 from linattn_jax.layers.moe import MoE
@@ -228,6 +229,7 @@ class TransformerBlock(nnx.Module):
         return BlockState(self.attention.init_state(batch, max_length), conv, parallel)
 
     def __call__(self, x, *, key_mask=None, segment_ids=None, state=None, return_state=False):
+        check_state(state, BlockState)
         if self.attention is None:  # an MLP-only layer
             x = self._mlp_half(x, key_mask, state is None and not return_state)
             return (x, BlockState(None, None)) if return_state else x

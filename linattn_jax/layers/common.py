@@ -61,6 +61,13 @@ def check_decoding(layer, state, return_state: bool) -> None:
         raise ValueError("decoding (state=, return_state=) needs a causal layer (causal=True)")
 
 
+def check_state(state, expected: type, article: str = "a") -> None:
+    """A layer's decoding ``state``: None or an ``expected`` (its ``init_state``'s type), or
+    a ValueError naming that type (``article`` before its name)."""
+    if state is not None and not isinstance(state, expected):
+        raise ValueError(f"state must be {article} {expected.__name__}, got {type(state).__name__}")
+
+
 def check_can_decode(layer) -> None:
     """``init_state`` needs a causal layer."""
     if not layer.causal:

@@ -41,6 +41,7 @@ from linattn_jax.layers.common import (
     check_decoding,
     check_dropout_rate,
     check_head_dim,
+    check_state,
     check_tokens,
     projection,
     split_heads,
@@ -231,8 +232,7 @@ class DeltaRuleAttention(nnx.Module):
         """
         check_tokens(x, self.width)
         check_decoding(self, state, return_state)
-        if state is not None and not isinstance(state, DeltaRuleCache):
-            raise ValueError(f"state must be a DeltaRuleCache, got {type(state).__name__}")
+        check_state(state, DeltaRuleCache)
         b, t, _ = x.shape
         key_mask = checks.token_mask("key_mask", key_mask, b, t)
         x = checks.where_token(key_mask, x)

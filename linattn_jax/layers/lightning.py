@@ -33,6 +33,7 @@ from linattn_jax import sharding
 from linattn_jax.layers.common import (
     check_decoding,
     check_head_dim,
+    check_state,
     check_tokens,
     next_position,
     positions,
@@ -170,6 +171,7 @@ class LightningAttention(nnx.Module):
         step, a longer one is prefilled.
         """
         check_decoding(self, state, return_state)
+        check_state(state, LinearAttentionCache)
         check_tokens(x, self.width)
         b, t, _ = x.shape
         key_mask = checks.token_mask("key_mask", key_mask, b, t)

@@ -21,6 +21,7 @@ from linattn_jax.layers.common import (
     check_can_decode,
     check_decoding,
     check_dropout_rate,
+    check_state,
     check_width,
     next_position,
     positions,
@@ -226,6 +227,7 @@ class LinearAttention(nnx.Module):
         ``deterministic`` and ``rngs`` drive the output dropout.
         """
         check_decoding(self, state, return_state)
+        check_state(state, LinearAttentionCache)
         x, (q, k, v), key_mask, query_mask = project_qkv(
             self, x, inputs_k, inputs_v, key_mask, query_mask
         )

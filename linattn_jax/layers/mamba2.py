@@ -26,7 +26,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax import sharding
-from linattn_jax.layers.common import check_can_decode, check_decoding, check_tokens, split_heads
+from linattn_jax.layers.common import (
+    check_can_decode,
+    check_decoding,
+    check_state,
+    check_tokens,
+    split_heads,
+)
 from linattn_jax.layers.conv import CausalConv1D
 from linattn_jax.layers.recurrent import run_causal, sequence_sharding
 from linattn_jax.ops import checks, ssd
@@ -242,8 +248,7 @@ class Mamba2Mixer(nnx.Module):
         """
         check_tokens(x, self.width)
         check_decoding(self, state, return_state)
-        if state is not None and not isinstance(state, Mamba2Cache):
-            raise ValueError(f"state must be a Mamba2Cache, got {type(state).__name__}")
+        check_state(state, Mamba2Cache)
         b, t, _ = x.shape
         h, g, n, inner = self.num_heads, self.n_groups, self.state_dim, self.inner
         key_mask = checks.token_mask("key_mask", key_mask, b, t)

@@ -22,6 +22,7 @@ from linattn_jax.layers.common import (
     check_decoding,
     check_dropout_rate,
     check_head_dim,
+    check_state,
     check_tokens,
     positions,
     projection,
@@ -200,8 +201,7 @@ class LatentAttention(nnx.Module):
         """
         check_decoding(self, state, return_state)
         check_tokens(x, self.width)
-        if state is not None and not isinstance(state, LatentKVCache):
-            raise ValueError(f"state must be a LatentKVCache, got {type(state).__name__}")
+        check_state(state, LatentKVCache)
         b, t, _ = x.shape
         key_mask = checks.token_mask("key_mask", key_mask, b, t)
         if segment_ids is not None:

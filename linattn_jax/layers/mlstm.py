@@ -29,7 +29,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax import sharding
-from linattn_jax.layers.common import check_can_decode, check_decoding, check_tokens, split_heads
+from linattn_jax.layers.common import (
+    check_can_decode,
+    check_decoding,
+    check_state,
+    check_tokens,
+    split_heads,
+)
 from linattn_jax.layers.recurrent import run_causal, sequence_sharding
 from linattn_jax.ops import checks, mlstm
 
@@ -208,8 +214,7 @@ class MLSTMLayer(nnx.Module):
         """
         check_tokens(x, self.width)
         check_decoding(self, state, return_state)
-        if state is not None and not isinstance(state, mlstm.State):
-            raise ValueError(f"state must be an MLSTMState, got {type(state).__name__}")
+        check_state(state, mlstm.State, "an")
         b, t, _ = x.shape
         key_mask = checks.token_mask("key_mask", key_mask, b, t)
         x = checks.where_token(key_mask, x)

@@ -17,6 +17,7 @@ from linattn_jax.layers.common import (
     check_decoding,
     check_dropout_rate,
     check_head_dim,
+    check_state,
     positions,
     project_qkv,
 )
@@ -210,6 +211,7 @@ class SoftmaxAttention(nnx.Module):
             Under ``jit`` the position is not known: rows that overflow get NaN outputs.
         """
         check_decoding(self, state, return_state)
+        check_state(state, KVCache)
         x, (q, k, v), key_mask, query_mask = project_qkv(
             self, x, inputs_k, inputs_v, key_mask, query_mask
         )
