@@ -399,6 +399,8 @@ class MoE(nnx.Module):
         and give zeros. ``record``: store this call's losses in ``self.losses`` (skipped
         where the layer cannot be updated, as inside a loop over a module it closes over).
         """
+        if x.ndim < 1 or x.shape[-1] != self.router.shape[0]:
+            raise ValueError(f"x must have shape [..., {self.router.shape[0]}], got {x.shape}")
         lead, width = x.shape[:-1], x.shape[-1]
         dtype = x.dtype if self.dtype is None else self.dtype
         if key_mask is not None and key_mask.shape != lead:
