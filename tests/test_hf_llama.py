@@ -18,12 +18,13 @@ VOCAB = 97
 RTOL = 1e-5
 
 
-def _llama(**options):
-    config = transformers.LlamaConfig(
+def _llama(rope=None, **options):
+    sizes = dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0}, **options,
     )  # fmt: skip
+    rope = {"rope_type": "default", "rope_theta": 500.0, **(rope or {})}
+    config = transformers.LlamaConfig(**{**sizes, **options}, rope_parameters=rope)
     return transformers.LlamaForCausalLM(config)
 
 
@@ -49,6 +50,31 @@ def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
     helpers.assert_same_torch_tensors(back, ref)  # every tensor, bit for bit
 
 
+SCALED_ROPES = [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4},
+    {"rope_type": "dynamic", "factor": 3.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("rope", SCALED_ROPES, ids=lambda rope: rope["rope_type"])
+def test_scaled_rope_matches_past_the_original_length_and_saves(rope, tmp_path):
+    """One layer, 20 tokens past ``max_position_embeddings=16``: logits, then greedy decoding
+    (dynamic: its frequencies per call, from the prefill's length to each step's, as
+    ``transformers``' growing ones); saved, ``transformers`` reads the same scaling."""
+    torch.manual_seed(2)
+    ref = helpers.randomized(_llama(rope, num_hidden_layers=1, max_position_embeddings=16), 1.0)
+    model, config = helpers.from_torch(ref.eval(), tmp_path / "hf")
+    tokens = np.random.default_rng(2).integers(0, VOCAB, (2, 20))
+    expected = helpers.torch_logits(ref, tokens)
+    helpers.assert_close_normwise(helpers.logits(model, tokens), expected, RTOL)
+    helpers.assert_greedy_tokens_match(model, ref, tokens[:1, :6])
+    back = helpers.assert_save_round_trip(model, config, ref, tmp_path / "ours")
+    assert back.config.rope_parameters == ref.config.rope_parameters
+    helpers.assert_close_normwise(helpers.torch_logits(back, tokens), expected, RTOL)
+
+
 def test_tied_embeddings_load_match_and_save(tmp_path):
     torch.manual_seed(1)
     tied = helpers.randomized(_llama(tie_word_embeddings=True).eval(), 1.0)
@@ -63,7 +89,7 @@ def test_bad_fields_are_named(pair):
         ("num_key_value_heads", 3, r"num_key_value_heads=3 must divide num_attention_heads=4"),
         ("hidden_act", "gelu", r"hidden_act must be 'silu'"),
         ("attention_bias", True, r"attention_bias must be false"),
-        ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}, r"rope_type 'default'"),
+        ("rope_parameters", {"rope_type": "longrope"}, r"rope_type must be one of .*'longrope'"),
     ]:
         with pytest.raises(ValueError, match=message):
             fmt.normalize_config({**config, field: value})

@@ -17,7 +17,8 @@ The layout: one module per model type over a shared loader.
   ``options`` for ``LanguageModel``, its weight ``table``) and the steps as values
   (``defaults``, ``ints``, ``choice``, ...); ``tables``: a weight table's rows (``Rule``),
   the conversions as values (``COPY``, ``LINEAR``, ``SPLIT``, ``CONV``, ``grouped(n)``,
-  ...), and the rows several model types share.
+  ...), and the rows several model types share; ``rope``: RoPE's config fields and
+  scalings (``rope_parameters``, the legacy ``rope_scaling``).
 * one module per model type, its ``FORMAT``. A derived model type is its base's
   ``FORMAT.derive(...)``, stating only what differs (docs/development.md: "Adding a model
   type")::
@@ -66,6 +67,7 @@ from linattn_jax.hf import (  # noqa: E402
     qwen3_5,
     qwen3_5_moe,
     qwen3_next,
+    rope,
     safetensors_io,
     tables,
     text,
@@ -109,6 +111,7 @@ __all__ = [
     "qwen3_5_moe",
     "qwen3_next",
     "read_config",
+    "rope",
     "safetensors_io",
     "save_pretrained",
     "tables",

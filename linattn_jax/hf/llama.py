@@ -4,8 +4,9 @@
 Every layer is softmax attention (GQA, RoPE over whole heads, ``rotate_half``; our
 ``"softmax"`` kind) and a SwiGLU MLP, each after an RMSNorm of epsilon ``rms_norm_eps``;
 ``head_dim`` is ``hidden_size / num_attention_heads`` unless given, ``num_key_value_heads``
-``num_attention_heads`` unless given. The tensors are Llama's (``tables``' shared rows)
-under ``model.``, ``lm_head.weight`` apart (untied only).
+``num_attention_heads`` unless given; RoPE scaled as ``rope_parameters`` (or the legacy
+``rope_scaling``) says (``hf.rope``: linear, dynamic, yarn, llama3). The tensors are
+Llama's (``tables``' shared rows) under ``model.``, ``lm_head.weight`` apart (untied only).
 """
 
 from __future__ import annotations
@@ -13,17 +14,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from linattn_jax.hf import common, tables
+from linattn_jax.hf import common, rope, tables
 
 # transformers' LlamaConfig defaults, for the fields a config.json leaves out.
 DEFAULTS = dict(
     vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
     num_attention_heads=32, hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False,
-    attention_bias=False, mlp_bias=False, pretraining_tp=1,
+    attention_bias=False, mlp_bias=False, pretraining_tp=1, max_position_embeddings=2048,
 )  # fmt: skip
 INT_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
 )  # fmt: skip
 
 
@@ -44,8 +45,7 @@ def softmax_options(config: Mapping[str, Any], **more: Any) -> dict[str, Any]:
         num_heads=config["num_attention_heads"],
         num_kv_heads=config["num_key_value_heads"],
         head_dim=config["head_dim"],
-        rope=True,
-        rope_theta=float(config["rope_parameters"]["rope_theta"]),
+        **rope.options(config),
         **more,
     )
 
@@ -75,7 +75,7 @@ FORMAT = common.ModelFormat(
         common.unsupported({"pretraining_tp": 1}),
         common.bools(("tie_word_embeddings",)),
         common.numbers(("rms_norm_eps",)),
-        common.plain_rope(10000.0),
+        rope.parameters(10000.0),
     ),
     options=options,
     table=tables.layered(

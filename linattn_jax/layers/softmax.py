@@ -4,6 +4,7 @@ attention layer of today's hybrids (GQA, RoPE, QK-norm, gated output, sliding wi
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -22,6 +23,7 @@ from linattn_jax.layers.common import (
     split_heads,
 )
 from linattn_jax.layers.norms import RMSNorm
+from linattn_jax.layers.rope_scaling import parse_rope_scaling
 from linattn_jax.ops import checks
 
 LINEAR_ONLY_OPTIONS = frozenset(
@@ -73,6 +75,10 @@ class SoftmaxAttention(nnx.Module):
       partial_rotary_factor: rotate only the first ``int(head_dim * factor)`` channels of
         each head; default all.
       rotary_dim: rotate only the first ``rotary_dim`` channels (instead of a factor).
+      rope_scaling: RoPE's frequencies scaled as long-context checkpoints do
+        (``layers.rope_scaling``: ``{"rope_type": "yarn", "factor": 4.0,
+        "original_max_position_embeddings": 4096}``, ``"linear"``, ``"dynamic"``,
+        ``"llama3"``); None: none.
       qk_norm: an RMSNorm over each head's q and k, before RoPE (Qwen3, Qwen3-Next).
       zero_centred_qk_norm: those RMSNorms in the ``x * (1 + w)`` form (``layers.norms``).
       qk_norm_over_heads: with ``qk_norm``, one RMSNorm over all of q's heads
@@ -113,6 +119,7 @@ class SoftmaxAttention(nnx.Module):
         rope_theta: float | None = None,
         partial_rotary_factor: float | None = None,
         rotary_dim: int | None = None,
+        rope_scaling: Mapping[str, Any] | None = None,
         qk_norm: bool = False,
         zero_centred_qk_norm: bool = False,
         qk_norm_over_heads: bool = False,
@@ -147,6 +154,9 @@ class SoftmaxAttention(nnx.Module):
         self.rotary_dim, self.rope_theta = check_rope(
             rope, hd, rope_theta, partial_rotary_factor, rotary_dim
         )
+        if rope_scaling is not None and not rope:
+            raise ValueError(f"rope_scaling needs rope=True, got rope=False with {rope_scaling}")
+        self.rope_scaling = parse_rope_scaling(rope_scaling, self.rotary_dim or 0)
         self.output_gate = output_gate
         linear = lambda n_in, n_out, *axes: nnx.Linear(
             n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), dtype=dtype,
@@ -251,7 +261,7 @@ class SoftmaxAttention(nnx.Module):
 def _rope(layer, x: jax.Array, positions: jax.Array) -> jax.Array:
     if layer.rotary_dim is None:
         return x
-    return rope_lib.apply_rope(x, positions, layer.rotary_dim, layer.rope_theta)
+    return rope_lib.apply_rope(x, positions, layer.rotary_dim, layer.rope_theta, layer.rope_scaling)
 
 
 def attend_full(layer, q, k, v, key_mask, segment_ids, cross: bool):
