@@ -1,9 +1,10 @@
 """Llama checkpoints (``linattn_jax.hf.llama``) against ``transformers``' own PyTorch
 ``LlamaForCausalLM`` (CPU, float32, its pure-torch paths): tiny random models made here with
 GQA, a head width other than ``hidden_size / num_attention_heads``, random norms (so that a
-mapping error shows), untied and tied: logits to 1e-5 normwise, 16 greedy tokens, prefill
-then decode steps against the full forward, left padding, the save/load round trip (and a
-save without a config writing the same files) and a directory ``transformers`` reads."""
+mapping error shows), untied and tied (with random ``attention_bias`` biases), RoPE scaled
+(yarn, dynamic, llama3): logits to 1e-5 normwise, 16 greedy tokens, prefill then decode
+steps against the full forward, left padding, the save/load round trip (and a save without
+a config writing the same files) and a directory ``transformers`` reads."""
 
 import numpy as np
 import pytest
@@ -75,9 +76,10 @@ def test_scaled_rope_matches_past_the_original_length_and_saves(rope, tmp_path):
     helpers.assert_close_normwise(helpers.torch_logits(back, tokens), expected, RTOL)
 
 
-def test_tied_embeddings_load_match_and_save(tmp_path):
+def test_tied_embeddings_and_attention_biases_load_match_and_save(tmp_path):
     torch.manual_seed(1)
-    tied = helpers.randomized(_llama(tie_word_embeddings=True).eval(), 1.0)
+    tied = helpers.randomized(_llama(tie_word_embeddings=True, attention_bias=True).eval(), 1.0)
+    helpers.randomized_biases(tied)
     model, config = helpers.assert_matches_and_saves(tied, tmp_path, VOCAB, RTOL)
     assert model.head is None and config["tie_word_embeddings"] is True
 
@@ -88,7 +90,7 @@ def test_bad_fields_are_named(pair):
     for field, value, message in [
         ("num_key_value_heads", 3, r"num_key_value_heads=3 must divide num_attention_heads=4"),
         ("hidden_act", "gelu", r"hidden_act must be 'silu'"),
-        ("attention_bias", True, r"attention_bias must be false"),
+        ("mlp_bias", True, r"mlp_bias must be false"),
         ("rope_parameters", {"rope_type": "longrope"}, r"rope_type must be one of .*'longrope'"),
     ]:
         with pytest.raises(ValueError, match=message):

@@ -36,6 +36,9 @@ The layout: one module per model type over a shared loader.
       olmo_hybrid (Gated DeltaNet + post-normed softmax)
       xlstm (mLSTM)
       llama (softmax attention + SwiGLU: the softmax model types' base)
+      ├── mistral (every layer a sliding window)
+      └── qwen2 (q/k/v biases, sliding-window layers: "local_softmax")
+          └── qwen3 (QK-norm)
 
 * ``safetensors_io``: the streaming reads and the sharded writes; ``text``: the tokenizer
   and ``generate_text``.
@@ -62,8 +65,11 @@ from linattn_jax.hf import (  # noqa: E402
     llama,
     mamba2,
     minimax,
+    mistral,
     nemotron_h,
     olmo_hybrid,
+    qwen2,
+    qwen3,
     qwen3_5,
     qwen3_5_moe,
     qwen3_next,
@@ -105,8 +111,11 @@ __all__ = [
     "load_tokenizer",
     "mamba2",
     "minimax",
+    "mistral",
     "nemotron_h",
     "olmo_hybrid",
+    "qwen2",
+    "qwen3",
     "qwen3_5",
     "qwen3_5_moe",
     "qwen3_next",

@@ -2,16 +2,17 @@
 ``llama``) <-> ``LanguageModel``: the base of the softmax model types.
 
 Every layer is softmax attention (GQA, RoPE over whole heads, ``rotate_half``; our
-``"softmax"`` kind) and a SwiGLU MLP, each after an RMSNorm of epsilon ``rms_norm_eps``;
-``head_dim`` is ``hidden_size / num_attention_heads`` unless given, ``num_key_value_heads``
-``num_attention_heads`` unless given; RoPE scaled as ``rope_parameters`` (or the legacy
-``rope_scaling``) says (``hf.rope``: linear, dynamic, yarn, llama3). The tensors are
-Llama's (``tables``' shared rows) under ``model.``, ``lm_head.weight`` apart (untied only).
+``"softmax"`` kind; biases on its four projections with ``attention_bias``) and a SwiGLU
+MLP, each after an RMSNorm of epsilon ``rms_norm_eps``; ``head_dim`` is ``hidden_size /
+num_attention_heads`` unless given, ``num_key_value_heads`` ``num_attention_heads`` unless
+given; RoPE scaled as ``rope_parameters`` (or the legacy ``rope_scaling``) says
+(``hf.rope``: linear, dynamic, yarn, llama3). The tensors are Llama's (``tables``' shared
+rows) under ``model.``, ``lm_head.weight`` apart (untied only).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from linattn_jax.hf import common, rope, tables
@@ -50,16 +51,54 @@ def softmax_options(config: Mapping[str, Any], **more: Any) -> dict[str, Any]:
     )
 
 
-def options(config: Mapping[str, Any]) -> dict[str, Any]:
-    """Every layer softmax attention with a SwiGLU MLP."""
+def layered_options(
+    config: Mapping[str, Any], kinds: Sequence[str], kind_options: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Layer ``i`` of our kind ``kinds[i]`` (``"softmax"``, ``"local_softmax"``: those
+    of ``kind_options``), each with a SwiGLU MLP."""
+    used = dict.fromkeys(kinds)
     return dict(
         num_heads=config["num_attention_heads"],
-        attention="softmax",
-        kind_options={"softmax": softmax_options(config)},
+        attention=kinds[0] if len(used) == 1 else list(kinds),
+        kind_options={kind: kind_options[kind] for kind in used},
         mlp="swiglu",
         mlp_hidden=config["intermediate_size"],
     )
 
+
+def options(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Every layer softmax attention (biased by ``attention_bias``) with a SwiGLU MLP."""
+    bias = config["attention_bias"]
+    softmax = softmax_options(config, qkv_bias=bias, out_bias=bias)
+    return layered_options(config, ["softmax"], {"softmax": softmax})
+
+
+def attention_rules(qkv_bias: bool, out_bias: bool) -> tuple[tables.Rule, ...]:
+    """The attention's rows, with the biases' rows where it has them."""
+    rows = tables.ATTENTION_RULES + (tables.QKV_BIAS_RULES if qkv_bias else ())
+    return rows + (tables.OUT_BIAS_RULES if out_bias else ())
+
+
+def table(attention: Callable[[Mapping[str, Any]], tuple[tables.Rule, ...]]) -> Callable:
+    """The weight table of layers of two norms, ``attention(config)``'s rows and a SwiGLU
+    MLP (``tables.layered``)."""
+    return tables.layered(
+        tables.MODEL_RULES,
+        lambda config, i: tables.NORM_RULES + attention(config) + tables.MLP_RULES,
+    )
+
+
+# What the softmax types check alike after their defaults: the sizes, the activation, the
+# tied head, the norms' epsilon, RoPE.
+CHECKS = (
+    heads,
+    common.ints(INT_FIELDS),
+    common.divides("num_key_value_heads", "num_attention_heads"),
+    common.choice("hidden_act", ("silu",)),
+    common.bools(("tie_word_embeddings",)),
+    common.numbers(("rms_norm_eps",)),
+    rope.parameters(10000.0),
+)
 
 FORMAT = common.ModelFormat(
     name="Llama",
@@ -67,20 +106,12 @@ FORMAT = common.ModelFormat(
     architecture="LlamaForCausalLM",
     steps=(
         common.defaults(DEFAULTS),
-        heads,
-        common.ints(INT_FIELDS),
-        common.divides("num_key_value_heads", "num_attention_heads"),
-        common.choice("hidden_act", ("silu",)),
-        common.false(("attention_bias", "mlp_bias")),
+        *CHECKS,
+        common.bools(("attention_bias",)),
+        common.false(("mlp_bias",)),
         common.unsupported({"pretraining_tp": 1}),
-        common.bools(("tie_word_embeddings",)),
-        common.numbers(("rms_norm_eps",)),
-        rope.parameters(10000.0),
     ),
     options=options,
-    table=tables.layered(
-        tables.MODEL_RULES,
-        lambda config, i: tables.NORM_RULES + tables.ATTENTION_RULES + tables.MLP_RULES,
-    ),
+    table=table(lambda config: attention_rules(*(config["attention_bias"],) * 2)),
     finish=common.rms_norm_eps("rms_norm_eps"),
 )

@@ -28,8 +28,11 @@ from linattn_jax.hf import (
     llama,
     mamba2,
     minimax,
+    mistral,
     nemotron_h,
     olmo_hybrid,
+    qwen2,
+    qwen3,
     qwen3_5,
     qwen3_5_moe,
     qwen3_next,
@@ -57,6 +60,9 @@ _FORMATS = (
     olmo_hybrid.FORMAT,
     xlstm.FORMAT,
     llama.FORMAT,
+    mistral.FORMAT,
+    qwen2.FORMAT,
+    qwen3.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: fmt for fmt in _FORMATS for model_type in fmt.model_types

@@ -79,6 +79,8 @@ class SoftmaxAttention(nnx.Module):
         (``layers.rope_scaling``: ``{"rope_type": "yarn", "factor": 4.0,
         "original_max_position_embeddings": 4096}``, ``"linear"``, ``"dynamic"``,
         ``"llama3"``); None: none.
+      qkv_bias: biases on the q, k and v projections (Qwen2; Llama's ``attention_bias``).
+      out_bias: a bias on the output projection (Llama's and Qwen3's ``attention_bias``).
       qk_norm: an RMSNorm over each head's q and k, before RoPE (Qwen3, Qwen3-Next).
       zero_centred_qk_norm: those RMSNorms in the ``x * (1 + w)`` form (``layers.norms``).
       qk_norm_over_heads: with ``qk_norm``, one RMSNorm over all of q's heads
@@ -120,6 +122,8 @@ class SoftmaxAttention(nnx.Module):
         partial_rotary_factor: float | None = None,
         rotary_dim: int | None = None,
         rope_scaling: Mapping[str, Any] | None = None,
+        qkv_bias: bool = False,
+        out_bias: bool = False,
         qk_norm: bool = False,
         zero_centred_qk_norm: bool = False,
         qk_norm_over_heads: bool = False,
@@ -158,15 +162,17 @@ class SoftmaxAttention(nnx.Module):
             raise ValueError(f"rope_scaling needs rope=True, got rope=False with {rope_scaling}")
         self.rope_scaling = parse_rope_scaling(rope_scaling, self.rotary_dim or 0)
         self.output_gate = output_gate
-        linear = lambda n_in, n_out, *axes: nnx.Linear(
-            n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), dtype=dtype,
+        check_flags(qkv_bias=qkv_bias, out_bias=out_bias)
+        linear = lambda n_in, n_out, bias, *axes: nnx.Linear(
+            n_in, n_out, use_bias=bias, kernel_init=sharding.kernel(*axes),
+            bias_init=sharding.with_axes(nnx.initializers.zeros_init(), axes[1]), dtype=dtype,
             param_dtype=param_dtype, rngs=rngs,
         )  # fmt: skip
         embed, heads, kv_heads = sharding.EMBED, sharding.HEADS, sharding.KV_HEADS
-        self.q_proj = linear(width, h * hd * (2 if output_gate else 1), embed, heads)
-        self.k_proj = linear(width, kv * hd, embed, kv_heads)
-        self.v_proj = linear(width, kv * hd, embed, kv_heads)
-        self.out_proj = linear(h * hd, width, heads, embed)
+        self.q_proj = linear(width, h * hd * (2 if output_gate else 1), qkv_bias, embed, heads)
+        self.k_proj = linear(width, kv * hd, qkv_bias, embed, kv_heads)
+        self.v_proj = linear(width, kv * hd, qkv_bias, embed, kv_heads)
+        self.out_proj = linear(h * hd, width, out_bias, heads, embed)
         norm = lambda heads: RMSNorm(
             hd * (heads if qk_norm_over_heads else 1), zero_centred=zero_centred_qk_norm,
             dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs,
