@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax import sharding
+from linattn_jax.layers import kv_window
 from linattn_jax.layers import rope as rope_lib
 from linattn_jax.layers.common import (
     check_decoding,
@@ -35,21 +36,25 @@ LINEAR_ONLY_OPTIONS = frozenset(
 
 
 class KVCache(NamedTuple):
-    """A ``SoftmaxAttention`` layer's decoding state: keys and values seen so far.
+    """A ``SoftmaxAttention`` layer's decoding state: keys and values seen so far (a
+    windowed layer's: the last ``sliding_window`` only, a ring buffer: ``layers.kv_window``).
 
     Attributes:
-      k: ``[b, max_length, num_kv_heads, head_dim]`` (after RoPE, when the layer has it).
-      v: ``[b, max_length, num_kv_heads, head_dim]``.
-      position: ``[b]`` int32, the number of tokens written (the next slot).
-      mask: ``[b, max_length]`` bool, True at slots holding a real key (written,
-        and not masked out by the ``key_mask`` of the call that wrote it); their count is
-        the RoPE position of the next token.
+      k: ``[b, n, num_kv_heads, head_dim]`` (after RoPE, when the layer has it); ``n`` the
+        cache's length, ``max_length`` (a windowed layer's: at most ``sliding_window``).
+      v: ``[b, n, num_kv_heads, head_dim]``.
+      position: ``[b]`` int32, the number of tokens written (padding too; the next slot,
+        or a ring's next slot modulo ``n``).
+      mask: ``[b, n]`` bool, True at slots holding a real key (written, and not masked
+        out by the ``key_mask`` of the call that wrote it).
+      real: ``[b]`` int32, the real tokens written: the RoPE position of the next one.
     """
 
     k: jax.Array
     v: jax.Array
     position: jax.Array
     mask: jax.Array
+    real: jax.Array
 
 
 class SoftmaxAttention(nnx.Module):
@@ -184,14 +189,15 @@ class SoftmaxAttention(nnx.Module):
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs if dropout_rate > 0 else None)
 
     def init_state(self, batch: int, max_length: int | None = None) -> KVCache:
-        """An empty KV cache of ``max_length`` (the layer's by default) tokens."""
+        """An empty KV cache of ``max_length`` (the layer's by default) tokens; with a
+        ``sliding_window``, a ring of at most that many, which decodes any length."""
         if not self.causal:
             raise ValueError("decoding needs a causal layer (causal=True)")
         n = max_length or self.max_length
+        n = n if self.sliding_window is None else min(n, self.sliding_window)
         zeros = jnp.zeros((batch, n, self.num_kv_heads, self.head_dim))
-        return KVCache(
-            zeros, zeros, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, n), jnp.bool_)
-        )
+        none = jnp.zeros((batch,), jnp.int32)
+        return KVCache(zeros, zeros, none, jnp.zeros((batch, n), jnp.bool_), none)
 
     def __call__(
         self,
@@ -303,28 +309,33 @@ def attend_cached(layer, q, k, v, key_mask, state):
         "state.k", state.k, (b, n, layer.num_kv_heads, layer.head_dim),
         "[batch, max_length, num_kv_heads, head_dim]",
     )  # fmt: skip
-    overflow = check_cache_room(state.position, t, n)
-    held = jnp.sum(state.mask, axis=1, dtype=jnp.int32)  # the real tokens before
-    pos = rope_lib.token_positions(b, t, key_mask=key_mask, start=held)
+    window = layer.sliding_window
+    ring = window is not None and n >= window  # a ring never overflows
+    overflow = jnp.zeros((b,), bool) if ring else check_cache_room(state.position, t, n)
+    pos = rope_lib.token_positions(b, t, key_mask=key_mask, start=state.real)
     q, k = _rope(layer, q, pos), _rope(layer, k, pos)
+    real = jnp.ones((b, t), bool) if key_mask is None else key_mask
+    count = state.real + jnp.sum(real, axis=1, dtype=jnp.int32)
+    if window is not None:  # a ring, or a cache too short to wrap (overflow says so)
+        cache = (state.k, state.v, state.mask)
+        out, (k_all, v_all, mask) = kv_window.attend_window(
+            q, k, v, real, cache, state.position, window, layer.scale
+        )
+        return out, KVCache(k_all, v_all, state.position + t, mask, count), overflow
     write = jax.vmap(
         lambda cache, new, i: jax.lax.dynamic_update_slice_in_dim(
             cache, new.astype(cache.dtype), i, axis=0
         )
     )
     k_all, v_all = write(state.k, k, state.position), write(state.v, v, state.position)
-    real = jnp.ones((b, t), bool) if key_mask is None else key_mask
     mask = write(state.mask, real, state.position)  # padding stays masked from now on
     query_slot = positions(state.position, b, t)[:, :, None]  # [b, t, 1]
-    slots = jnp.arange(n)[None, None, :]
-    allowed = (slots <= query_slot) & mask[:, None, :]
-    if layer.sliding_window is not None:
-        allowed = allowed & (slots > query_slot - layer.sliding_window)
+    allowed = (jnp.arange(n)[None, None, :] <= query_slot) & mask[:, None, :]
     f32 = lambda a: a.astype(jnp.float32)
     out = jax.nn.dot_product_attention(
         q, f32(k_all), f32(v_all), mask=allowed[:, None], scale=layer.scale
     )
-    return out, KVCache(k_all, v_all, state.position + t, mask), overflow
+    return out, KVCache(k_all, v_all, state.position + t, mask, count), overflow
 
 
 def check_heads(width, num_heads, num_kv_heads, head_dim) -> tuple[int, int, int]:
