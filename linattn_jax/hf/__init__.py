@@ -37,6 +37,7 @@ The layout: one module per model type over a shared loader.
       xlstm (mLSTM)
       llama (softmax attention + SwiGLU: the softmax model types' base)
       ├── mistral (every layer a sliding window)
+      │   └── phi3 (fused qkv and gate_up projections, partial RoPE)
       └── qwen2 (q/k/v biases, sliding-window layers: "local_softmax")
           └── qwen3 (QK-norm)
 
@@ -68,6 +69,7 @@ from linattn_jax.hf import (  # noqa: E402
     mistral,
     nemotron_h,
     olmo_hybrid,
+    phi3,
     qwen2,
     qwen3,
     qwen3_5,
@@ -114,6 +116,7 @@ __all__ = [
     "mistral",
     "nemotron_h",
     "olmo_hybrid",
+    "phi3",
     "qwen2",
     "qwen3",
     "qwen3_5",

@@ -89,7 +89,7 @@ def table(attention: Callable[[Mapping[str, Any]], tuple[tables.Rule, ...]]) -> 
 
 
 # What the softmax types check alike after their defaults: the sizes, the activation, the
-# tied head, the norms' epsilon, RoPE.
+# tied head, the norms' epsilon (then RoPE: ``rope.parameters``, whose fields differ).
 CHECKS = (
     heads,
     common.ints(INT_FIELDS),
@@ -97,7 +97,6 @@ CHECKS = (
     common.choice("hidden_act", ("silu",)),
     common.bools(("tie_word_embeddings",)),
     common.numbers(("rms_norm_eps",)),
-    rope.parameters(10000.0),
 )
 
 FORMAT = common.ModelFormat(
@@ -107,6 +106,7 @@ FORMAT = common.ModelFormat(
     steps=(
         common.defaults(DEFAULTS),
         *CHECKS,
+        rope.parameters(10000.0),
         common.bools(("attention_bias",)),
         common.false(("mlp_bias",)),
         common.unsupported({"pretraining_tp": 1}),

@@ -5,7 +5,7 @@ all of them); ``layer_types``, which ``transformers``' Mistral does not read, is
 
 from __future__ import annotations
 
-from linattn_jax.hf import common, llama, tables
+from linattn_jax.hf import common, llama, rope, tables
 
 # transformers' MistralConfig defaults, for the fields a config.json leaves out.
 DEFAULTS = dict(
@@ -26,7 +26,12 @@ FORMAT = llama.FORMAT.derive(
     name="Mistral",
     model_types=("mistral",),
     architecture="MistralForCausalLM",
-    steps=(common.defaults(DEFAULTS, keep_none=("sliding_window",)), *llama.CHECKS, window),
+    steps=(
+        common.defaults(DEFAULTS, keep_none=("sliding_window",)),
+        *llama.CHECKS,
+        rope.parameters(10000.0),
+        window,
+    ),
     options=lambda config: llama.layered_options(
         config,
         ["softmax"],

@@ -31,6 +31,7 @@ from linattn_jax.hf import (
     mistral,
     nemotron_h,
     olmo_hybrid,
+    phi3,
     qwen2,
     qwen3,
     qwen3_5,
@@ -61,6 +62,7 @@ _FORMATS = (
     xlstm.FORMAT,
     llama.FORMAT,
     mistral.FORMAT,
+    phi3.FORMAT,
     qwen2.FORMAT,
     qwen3.FORMAT,
 )

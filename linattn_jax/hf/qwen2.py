@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from linattn_jax.hf import common, llama
+from linattn_jax.hf import common, llama, rope
 
 # transformers' Qwen2Config defaults, for the fields a config.json leaves out.
 DEFAULTS = dict(
@@ -59,7 +59,12 @@ FORMAT = llama.FORMAT.derive(
     name="Qwen2",
     model_types=("qwen2",),
     architecture="Qwen2ForCausalLM",
-    steps=(common.defaults(DEFAULTS, keep_none=("sliding_window",)), *llama.CHECKS, layer_types),
+    steps=(
+        common.defaults(DEFAULTS, keep_none=("sliding_window",)),
+        *llama.CHECKS,
+        rope.parameters(10000.0),
+        layer_types,
+    ),
     options=lambda config: windowed_options(config, qkv_bias=True),
     table=llama.table(lambda config: llama.attention_rules(True, False)),
 )

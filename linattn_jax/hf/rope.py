@@ -75,12 +75,15 @@ def scaling(
     return {"rope_type": rope["rope_type"], **options}
 
 
-def options(config: Mapping[str, Any], keys: Sequence[str] = ()) -> dict[str, Any]:
+def options(config: Mapping[str, Any]) -> dict[str, Any]:
     """``SoftmaxAttention``'s RoPE options of a normalised config: ``rope=True``,
-    ``rope_theta`` and ``rope_scaling``."""
+    ``rope_theta``, ``rope_scaling`` and a ``partial_rotary_factor`` where the type reads
+    one (the steps refused it elsewhere)."""
     rope = config["rope_parameters"]
+    partial = rope.get("partial_rotary_factor")
     return dict(
         rope=True,
         rope_theta=float(rope["rope_theta"]),
-        rope_scaling=scaling(rope, config, keys),
+        rope_scaling=scaling(rope, config, ("partial_rotary_factor",)),
+        **({} if partial is None else {"partial_rotary_factor": float(partial)}),
     )
