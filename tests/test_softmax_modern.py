@@ -1,5 +1,5 @@
 """SoftmaxAttention's modern options (RoPE, GQA, head_dim, QK-norm, output gate, sliding
-window) against a float64 numpy reference of the whole layer written here, and the norms."""
+window, soft-capped scores) against a float64 numpy reference of the whole layer written here, and the norms."""
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +69,8 @@ def reference(layer, x, key_mask=None, segment_ids=None, zero_centred=False):
     for r in range(b):
         for n in range(h):
             scores = q[r, :, n] @ k[r, :, n // group].T / np.sqrt(hd)
+            if layer.logit_soft_cap is not None:
+                scores = layer.logit_soft_cap * np.tanh(scores / layer.logit_soft_cap)
             i, j = np.arange(t)[:, None], np.arange(t)[None, :]
             allowed = np.broadcast_to(mask[r][None, :], (t, t)).copy()
             if layer.causal:
@@ -107,6 +109,7 @@ OPTIONS = {
     "qk_norm_zero_centred": dict(qk_norm=True, zero_centred_qk_norm=True),
     "output_gate": dict(output_gate=True),
     "window": dict(sliding_window=3),
+    "soft_cap": dict(logit_soft_cap=0.5, sliding_window=4, num_kv_heads=2),
     "qwen_next": dict(
         num_kv_heads=1,
         head_dim=8,
@@ -197,7 +200,7 @@ def test_token_positions_restart_per_segment_and_skip_padding():
     )
 
 
-@pytest.mark.parametrize("name", ["qwen_next", "window", "gqa"])
+@pytest.mark.parametrize("name", ["qwen_next", "window", "gqa", "soft_cap"])
 def test_prefill_then_steps_equal_full_forward_and_cache_holds_kv_heads(name):
     layer, x = _randomise(_layer(**OPTIONS[name])), _x(3)
     full = layer(x)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from linattn_jax.layers import soft_cap
+
 
 def slot_tokens(position: jax.Array, n: int) -> jax.Array:
     """``[b, n]`` int32: the token each of ``n`` ring slots holds after ``position [b]``
@@ -40,6 +42,7 @@ def attend_window(
     position: jax.Array,
     window: int,
     scale: float | None,
+    cap: float | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
     """Windowed causal attention of this call's tokens over a ring cache and themselves.
 
@@ -52,6 +55,7 @@ def attend_window(
       position: ``[b]`` int32, the tokens written before this call.
       window: a query sees itself and the ``window - 1`` tokens before it.
       scale: the scores' factor (None: ``d ** -0.5``).
+      cap: the scores' soft cap (``layers.soft_cap``), or None.
 
     Returns:
       ``(out [b, t, h, d] float32, the new (k, v, mask))``.
@@ -66,6 +70,8 @@ def attend_window(
     f32 = lambda a: a.astype(jnp.float32)
     k_all = jnp.concatenate([f32(cache_k), f32(k)], axis=1)
     v_all = jnp.concatenate([f32(cache_v), f32(v)], axis=1)
-    out = jax.nn.dot_product_attention(q, k_all, v_all, mask=allowed[:, None], scale=scale)
+    out = soft_cap.dot_product_attention(
+        q, k_all, v_all, mask=allowed[:, None], scale=scale, soft_cap=cap
+    )
     new = tuple(write_ring(c, x, position) for c, x in [(cache_k, k), (cache_v, v)])
     return out, (*new, write_ring(cache_mask, real, position))

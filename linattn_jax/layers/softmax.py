@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax import sharding
-from linattn_jax.layers import kv_window
+from linattn_jax.layers import kv_window, soft_cap
 from linattn_jax.layers import rope as rope_lib
 from linattn_jax.layers.common import (
     check_decoding,
@@ -98,6 +98,8 @@ class SoftmaxAttention(nnx.Module):
         before it (and, non-causal, after it); None: all.
       scale: the scores' factor, ``softmax(scale q . k)``; None: ``head_dim ** -0.5``
         (Granite's ``attention_multiplier`` sets its own).
+      logit_soft_cap: the scores ``cap * tanh(scores / cap)`` before the softmax (Gemma
+        2's ``attn_logit_softcapping``; ``layers.soft_cap``); None: uncapped.
       dropout_rate: dropout on the attention's output, as in ``LinearAttention``.
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
@@ -135,6 +137,7 @@ class SoftmaxAttention(nnx.Module):
         output_gate: bool = False,
         sliding_window: int | None = None,
         scale: float | None = None,
+        logit_soft_cap: float | None = None,
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -158,6 +161,7 @@ class SoftmaxAttention(nnx.Module):
         if scale is not None and not (isinstance(scale, int | float) and 0 < scale < math.inf):
             raise ValueError(f"scale must be None or a finite number > 0, got {scale!r}")
         self.scale = None if scale is None else float(scale)
+        self.logit_soft_cap = soft_cap.check_soft_cap("logit_soft_cap", logit_soft_cap)
         self.width, self.num_heads, self.num_kv_heads, self.head_dim = width, h, kv, hd
         self.causal, self.max_length, self.sliding_window = causal, max_length, sliding_window
         self.rotary_dim, self.rope_theta = check_rope(
@@ -293,9 +297,10 @@ def attend_full(layer, q, k, v, key_mask, segment_ids, cross: bool):
     window = None
     if layer.sliding_window is not None:
         window = (layer.sliding_window - 1, 0 if layer.causal else layer.sliding_window - 1)
-    return jax.nn.dot_product_attention(
-        q, k, v, mask=mask, is_causal=layer.causal, local_window_size=window, scale=layer.scale
-    )
+    return soft_cap.dot_product_attention(
+        q, k, v, mask=mask, is_causal=layer.causal, local_window_size=window, scale=layer.scale,
+        soft_cap=layer.logit_soft_cap,
+    )  # fmt: skip
 
 
 def attend_cached(layer, q, k, v, key_mask, state):
@@ -319,7 +324,7 @@ def attend_cached(layer, q, k, v, key_mask, state):
     if window is not None:  # a ring, or a cache too short to wrap (overflow says so)
         cache = (state.k, state.v, state.mask)
         out, (k_all, v_all, mask) = kv_window.attend_window(
-            q, k, v, real, cache, state.position, window, layer.scale
+            q, k, v, real, cache, state.position, window, layer.scale, layer.logit_soft_cap
         )
         return out, KVCache(k_all, v_all, state.position + t, mask, count), overflow
     write = jax.vmap(
@@ -332,9 +337,10 @@ def attend_cached(layer, q, k, v, key_mask, state):
     query_slot = positions(state.position, b, t)[:, :, None]  # [b, t, 1]
     allowed = (jnp.arange(n)[None, None, :] <= query_slot) & mask[:, None, :]
     f32 = lambda a: a.astype(jnp.float32)
-    out = jax.nn.dot_product_attention(
-        q, f32(k_all), f32(v_all), mask=allowed[:, None], scale=layer.scale
-    )
+    out = soft_cap.dot_product_attention(
+        q, f32(k_all), f32(v_all), mask=allowed[:, None], scale=layer.scale,
+        soft_cap=layer.logit_soft_cap,
+    )  # fmt: skip
     return out, KVCache(k_all, v_all, state.position + t, mask, count), overflow
 
 
