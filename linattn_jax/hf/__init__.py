@@ -38,8 +38,9 @@ The layout: one module per model type over a shared loader.
       llama (softmax attention + SwiGLU: the softmax model types' base)
       ├── mistral (every layer a sliding window)
       │   └── phi3 (fused qkv and gate_up projections, partial RoPE)
-      └── qwen2 (q/k/v biases, sliding-window layers: "local_softmax")
-          └── qwen3 (QK-norm)
+      ├── qwen2 (q/k/v biases, sliding-window layers: "local_softmax")
+      │   └── qwen3 (QK-norm)
+      └── gemma2 ((1 + w) sandwich norms, GeGLU, soft caps, alternating windows)
 
 * ``safetensors_io``: the streaming reads and the sharded writes; ``text``: the tokenizer
   and ``generate_text``.
@@ -61,6 +62,7 @@ from linattn_jax.hf import (  # noqa: E402
     bamba,
     common,
     falcon_h1,
+    gemma2,
     granitemoehybrid,
     kimi_linear,
     llama,
@@ -105,6 +107,7 @@ __all__ = [
     "expected_tensors",
     "falcon_h1",
     "format_of",
+    "gemma2",
     "from_pretrained",
     "generate_text",
     "kimi_linear",

@@ -52,18 +52,43 @@ def softmax_options(config: Mapping[str, Any], **more: Any) -> dict[str, Any]:
 
 
 def layered_options(
-    config: Mapping[str, Any], kinds: Sequence[str], kind_options: Mapping[str, Any]
+    config: Mapping[str, Any],
+    kinds: Sequence[str],
+    kind_options: Mapping[str, Any],
+    mlp: str = "swiglu",
 ) -> dict[str, Any]:
     """Layer ``i`` of our kind ``kinds[i]`` (``"softmax"``, ``"local_softmax"``: those
-    of ``kind_options``), each with a SwiGLU MLP."""
+    of ``kind_options``), each with an ``mlp`` MLP."""
     used = dict.fromkeys(kinds)
     return dict(
         num_heads=config["num_attention_heads"],
         attention=kinds[0] if len(used) == 1 else list(kinds),
         kind_options={kind: kind_options[kind] for kind in used},
-        mlp="swiglu",
+        mlp=mlp,
         mlp_hidden=config["intermediate_size"],
     )
+
+
+# ``layer_types``' values as our kinds: the windowed layers' own kind beside the global's.
+LAYER_KINDS = {"full_attention": "softmax", "sliding_attention": "local_softmax"}
+
+
+def windowed_options(
+    config: Mapping[str, Any], softmax: Mapping[str, Any], local: Mapping[str, Any], **more: Any
+) -> dict[str, Any]:
+    """Each layer of ``layer_types``: ``"full_attention"`` of ``softmax``'s options,
+    ``"sliding_attention"`` of ``local``'s (its window among them); ``more``:
+    ``layered_options``' ``mlp``."""
+    kinds = [LAYER_KINDS[t] for t in config["layer_types"]]
+    return layered_options(config, kinds, {"softmax": softmax, "local_softmax": local}, **more)
+
+
+def check_windows(config: Mapping[str, Any]) -> None:
+    """Raises ``ValueError`` unless ``layer_types`` lists ``num_hidden_layers`` of
+    ``LAYER_KINDS`` and, with a sliding one, ``sliding_window`` is an int >= 1."""
+    common.check_layer_types(config, tuple(LAYER_KINDS))
+    if "sliding_attention" in config["layer_types"]:
+        common.check_ints(config, ("sliding_window",))
 
 
 def options(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -88,16 +113,17 @@ def table(attention: Callable[[Mapping[str, Any]], tuple[tables.Rule, ...]]) -> 
     )
 
 
-# What the softmax types check alike after their defaults: the sizes, the activation, the
-# tied head, the norms' epsilon (then RoPE: ``rope.parameters``, whose fields differ).
-CHECKS = (
+# What the softmax types check alike after their defaults: the sizes, the tied head, the
+# norms' epsilon (then RoPE: ``rope.parameters``, whose fields differ); ``CHECKS`` the
+# activation too (SiLU: Gemma's differs).
+SIZE_CHECKS = (
     heads,
     common.ints(INT_FIELDS),
     common.divides("num_key_value_heads", "num_attention_heads"),
-    common.choice("hidden_act", ("silu",)),
     common.bools(("tie_word_embeddings",)),
     common.numbers(("rms_norm_eps",)),
 )
+CHECKS = SIZE_CHECKS + (common.choice("hidden_act", ("silu",)),)
 
 FORMAT = common.ModelFormat(
     name="Llama",

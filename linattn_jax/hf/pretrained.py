@@ -23,6 +23,7 @@ from linattn_jax.hf import (
     bamba,
     common,
     falcon_h1,
+    gemma2,
     granitemoehybrid,
     kimi_linear,
     llama,
@@ -63,6 +64,7 @@ _FORMATS = (
     llama.FORMAT,
     mistral.FORMAT,
     phi3.FORMAT,
+    gemma2.FORMAT,
     qwen2.FORMAT,
     qwen3.FORMAT,
 )

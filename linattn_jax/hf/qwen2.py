@@ -20,7 +20,6 @@ DEFAULTS = dict(
     num_attention_heads=32, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
     tie_word_embeddings=False, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
 )  # fmt: skip
-LAYER_KINDS = {"full_attention": "softmax", "sliding_attention": "local_softmax"}
 
 
 def window(config: Mapping[str, Any]) -> int | None:
@@ -39,20 +38,16 @@ def layer_types(config: common.Config) -> None:
             "sliding_attention" if sliding(i) else "full_attention"
             for i in range(config["num_hidden_layers"])
         ]
-    common.check_layer_types(config, tuple(LAYER_KINDS))
-    if "sliding_attention" in config["layer_types"]:
-        if not config["use_sliding_window"]:
-            raise ValueError("config.json: sliding_attention layers need use_sliding_window true")
-        common.check_ints(config, ("sliding_window",))
+    llama.check_windows(config)
+    if "sliding_attention" in config["layer_types"] and not config["use_sliding_window"]:
+        raise ValueError("config.json: sliding_attention layers need use_sliding_window true")
 
 
 def windowed_options(config: Mapping[str, Any], **more: Any) -> dict[str, Any]:
     """Each layer of ``layer_types`` softmax attention (``more`` its options), the sliding
     ones with their window, and a SwiGLU MLP."""
     softmax = llama.softmax_options(config, **more)
-    kinds = [LAYER_KINDS[t] for t in config["layer_types"]]
-    local = dict(softmax, sliding_window=window(config))
-    return llama.layered_options(config, kinds, {"softmax": softmax, "local_softmax": local})
+    return llama.windowed_options(config, softmax, dict(softmax, sliding_window=window(config)))
 
 
 FORMAT = llama.FORMAT.derive(
