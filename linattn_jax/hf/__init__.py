@@ -41,6 +41,7 @@ The layout: one module per model type over a shared loader.
       ├── qwen2 (q/k/v biases, sliding-window layers: "local_softmax")
       │   └── qwen3 (QK-norm)
       └── gemma2 ((1 + w) sandwich norms, GeGLU, soft caps, alternating windows)
+          └── gemma3 (gemma3_text: QK-norm, 5 local : 1 global, RoPE per layer type)
 
 * ``safetensors_io``: the streaming reads and the sharded writes; ``text``: the tokenizer
   and ``generate_text``.
@@ -63,6 +64,7 @@ from linattn_jax.hf import (  # noqa: E402
     common,
     falcon_h1,
     gemma2,
+    gemma3,
     granitemoehybrid,
     kimi_linear,
     llama,
@@ -108,6 +110,7 @@ __all__ = [
     "falcon_h1",
     "format_of",
     "gemma2",
+    "gemma3",
     "from_pretrained",
     "generate_text",
     "kimi_linear",

@@ -41,14 +41,24 @@ NORM_RULES = rules(
 )
 
 
-def layer_types(pattern: int) -> common.Step:
+def layer_rules(config: Mapping[str, Any], *more: tables.Rule) -> tuple[tables.Rule, ...]:
+    """A layer's rows: its four norms, its attention (with ``more`` rows), its MLP."""
+    attention = llama.attention_rules(*(config["attention_bias"],) * 2) + more
+    return NORM_RULES + attention + tables.MLP_RULES
+
+
+def layer_types(pattern: int, field: str | None = None) -> common.Step:
     """The step filling in ``layer_types`` where absent (a full layer every ``pattern``-th,
-    the others sliding) and checking the Gemma fields."""
+    or ``config[field]``-th where given, the others sliding) and checking Gemma's fields."""
 
     def step(config: common.Config) -> None:
         if config.get("layer_types") is None:
+            if field is not None:
+                config.setdefault(field, pattern)
+                common.check_ints(config, (field,))
+            pattern_ = config[field] if field is not None else pattern
             config["layer_types"] = [
-                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                "full_attention" if (i + 1) % pattern_ == 0 else "sliding_attention"
                 for i in range(config["num_hidden_layers"])
             ]
         llama.check_windows(config)
@@ -63,7 +73,7 @@ def layer_types(pattern: int) -> common.Step:
 
 
 def attention_options(config: Mapping[str, Any], **more: Any) -> dict[str, Any]:
-    """Gemma's attention options (beside ``llama.softmax_options``')."""
+    """Gemma's attention options (beside ``llama.softmax_options``'), with ``more``."""
     bias = config["attention_bias"]
     return dict(
         scale=float(config["query_pre_attn_scalar"]) ** -0.5,

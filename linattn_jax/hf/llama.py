@@ -40,13 +40,16 @@ def heads(config: common.Config) -> None:
             config["head_dim"] = config["hidden_size"] // n
 
 
-def softmax_options(config: Mapping[str, Any], **more: Any) -> dict[str, Any]:
-    """Llama's attention as ``kind_options["softmax"]``, with ``more`` options."""
+def softmax_options(
+    config: Mapping[str, Any], rope_parameters: Mapping[str, Any] | None = None, **more: Any
+) -> dict[str, Any]:
+    """Llama's attention as ``kind_options["softmax"]``, RoPE of ``rope_parameters`` (by
+    default the config's), with ``more`` options."""
     return dict(
         num_heads=config["num_attention_heads"],
         num_kv_heads=config["num_key_value_heads"],
         head_dim=config["head_dim"],
-        **rope.options(config),
+        **rope.options(config, rope_parameters),
         **more,
     )
 

@@ -24,6 +24,7 @@ from linattn_jax.hf import (
     common,
     falcon_h1,
     gemma2,
+    gemma3,
     granitemoehybrid,
     kimi_linear,
     llama,
@@ -65,6 +66,7 @@ _FORMATS = (
     mistral.FORMAT,
     phi3.FORMAT,
     gemma2.FORMAT,
+    gemma3.FORMAT,
     qwen2.FORMAT,
     qwen3.FORMAT,
 )

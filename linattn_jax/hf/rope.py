@@ -24,41 +24,49 @@ def parameters(theta: float, keys: Sequence[str] = ()) -> common.Step:
 
     def step(config: common.Config) -> None:
         field = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
-        given = config.get(field) or {}
-        if not isinstance(given, Mapping):
-            raise ValueError(f"config.json: {field} must be a dict, got {given!r}")
-        rope = dict(given)
-        legacy = rope.pop("type", "default")
-        rope.setdefault("rope_type", legacy)
-        rope.setdefault("rope_theta", config.get("rope_theta", theta))
-        kind = rope["rope_type"]
-        if kind not in ROPE_TYPES:
-            raise ValueError(
-                f"config.json: rope_parameters' rope_type must be one of {list(ROPE_TYPES)}, "
-                f"got {kind!r}"
-            )
-        if kind in ("yarn", "llama3"):
-            original = config.get("original_max_position_embeddings")
-            if original is not None:  # Phi-3's top-level one wins, as in transformers
-                rope["original_max_position_embeddings"] = original
-            rope.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
-        if kind == "yarn" and rope.get("factor") is None:
-            rope["factor"] = (
-                config["max_position_embeddings"] / rope["original_max_position_embeddings"]
-            )
-        if not common.is_number(rope["rope_theta"]) or not rope["rope_theta"] > 0:
-            raise ValueError(
-                f"config.json: rope_parameters' rope_theta must be > 0, got {rope['rope_theta']!r}"
-            )
-        try:  # the rotated channels are the layer's to check
-            parse_rope_scaling(scaling(rope, config, keys), rotary_dim=4)
-        except ValueError as e:
-            raise ValueError(f"config.json: rope_parameters: {e}") from None
+        rope = normalize(config.get(field) or {}, config, config.get("rope_theta", theta), keys)
         config.pop("rope_scaling", None)
         config.pop("rope_theta", None)
         config["rope_parameters"] = rope
 
     return step
+
+
+def normalize(
+    given: Any, config: Mapping[str, Any], theta: Any, keys: Sequence[str] = (), name=""
+) -> dict[str, Any]:
+    """One RoPE dict (``rope_parameters``, or its entry ``name`` for a layer type) as
+    ``transformers`` fills it in (``rope_theta`` ``theta`` where absent), checked."""
+    field = f"rope_parameters[{name!r}]" if name else "rope_parameters"
+    if not isinstance(given, Mapping):
+        raise ValueError(f"config.json: {field} must be a dict, got {given!r}")
+    rope = dict(given)
+    legacy = rope.pop("type", "default")
+    rope.setdefault("rope_type", legacy)
+    rope.setdefault("rope_theta", theta)
+    kind = rope["rope_type"]
+    if kind not in ROPE_TYPES:
+        raise ValueError(
+            f"config.json: {field}' rope_type must be one of {list(ROPE_TYPES)}, got {kind!r}"
+        )
+    if kind in ("yarn", "llama3"):
+        original = config.get("original_max_position_embeddings")
+        if original is not None:  # Phi-3's top-level one wins, as in transformers
+            rope["original_max_position_embeddings"] = original
+        rope.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
+    if kind == "yarn" and rope.get("factor") is None:
+        rope["factor"] = (
+            config["max_position_embeddings"] / rope["original_max_position_embeddings"]
+        )
+    if not common.is_number(rope["rope_theta"]) or not rope["rope_theta"] > 0:
+        raise ValueError(
+            f"config.json: {field}' rope_theta must be > 0, got {rope['rope_theta']!r}"
+        )
+    try:  # the rotated channels are the layer's to check
+        parse_rope_scaling(scaling(rope, config, keys), rotary_dim=4)
+    except ValueError as e:
+        raise ValueError(f"config.json: {field}: {e}") from None
+    return rope
 
 
 def scaling(
@@ -75,11 +83,11 @@ def scaling(
     return {"rope_type": rope["rope_type"], **options}
 
 
-def options(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``SoftmaxAttention``'s RoPE options of a normalised config: ``rope=True``,
-    ``rope_theta``, ``rope_scaling`` and a ``partial_rotary_factor`` where the type reads
-    one (the steps refused it elsewhere)."""
-    rope = config["rope_parameters"]
+def options(config: Mapping[str, Any], rope: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``SoftmaxAttention``'s RoPE options of a normalised config (of its ``rope``, by
+    default its ``rope_parameters``): ``rope=True``, ``rope_theta``, ``rope_scaling`` and a
+    ``partial_rotary_factor`` where the type reads one (the steps refused it elsewhere)."""
+    rope = config["rope_parameters"] if rope is None else rope
     partial = rope.get("partial_rotary_factor")
     return dict(
         rope=True,
