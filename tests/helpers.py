@@ -231,6 +231,18 @@ def randomized(torch_model, norm_mean: float):
     return torch_model
 
 
+def randomized_biases(torch_model):
+    """``torch_model`` with random biases (``N(0, 0.5)``; ``transformers`` makes them 0), so
+    that a mapping error shows."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in torch_model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    return torch_model
+
+
 def randomized_mamba(torch_model):
     """``torch_model`` with random ``A_log``, ``dt_bias``, ``D`` and convolution biases
     (``N(0, 1)``) and norms (``1 + 0.5 N(0, 1)``), so that a mapping error shows."""

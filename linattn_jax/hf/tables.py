@@ -233,6 +233,18 @@ ATTENTION_RULES = rules(
     ("self_attn.v_proj.weight", "attention.v_proj.kernel", LINEAR),
     ("self_attn.o_proj.weight", "attention.out_proj.kernel", LINEAR),
 )
+# The attention's biases: Qwen2's on q, k and v; Llama's and Qwen3's ``attention_bias`` on
+# all four projections.
+QKV_BIAS_RULES = rules(
+    ("self_attn.q_proj.bias", "attention.q_proj.bias", COPY),
+    ("self_attn.k_proj.bias", "attention.k_proj.bias", COPY),
+    ("self_attn.v_proj.bias", "attention.v_proj.bias", COPY),
+)
+OUT_BIAS_RULES = rules(("self_attn.o_proj.bias", "attention.out_proj.bias", COPY))
+QK_NORM_RULES = rules(
+    ("self_attn.q_norm.weight", "attention.q_norm.scale", COPY),
+    ("self_attn.k_norm.weight", "attention.k_norm.scale", COPY),
+)
 SWIGLU_RULES = rules(
     ("gate_proj.weight", "gate_proj.kernel", LINEAR),
     ("up_proj.weight", "up_proj.kernel", LINEAR),

@@ -30,7 +30,7 @@ from linattn_jax.layers.lightning import LightningAttention, lightning_decays
 from linattn_jax.layers.linear import GATES, LinearAttention, LinearAttentionCache
 from linattn_jax.layers.mamba2 import GroupedGatedRMSNorm, Mamba2Cache, Mamba2Mixer
 from linattn_jax.layers.mla import LatentAttention, LatentKVCache
-from linattn_jax.layers.mlp import MLP, MLPS, ReLU2MLP, SwiGLU, mlp_layout
+from linattn_jax.layers.mlp import MLP, MLPS, GeGLU, ReLU2MLP, SwiGLU, mlp_layout
 from linattn_jax.layers.mlstm import MLSTMLayer, MultiHeadLayerNorm
 from linattn_jax.layers.moe import MoE
 from linattn_jax.layers.norms import GatedRMSNorm, RMSNorm
@@ -72,6 +72,7 @@ __all__ = [
     "MultiHeadLayerNorm",
     "RMSNorm",
     "RandomProjection",
+    "GeGLU",
     "ReLU2MLP",
     "SequenceSharding",
     "SoftmaxAttention",
