@@ -108,6 +108,12 @@ def finetune_step(teacher, student, optimizer, inputs, labels, wrt, kl_weight: f
 
 
 @nnx.jit
+def logits(model, tokens):
+    """``model(tokens)``, jitted."""
+    return model(tokens)
+
+
+@nnx.jit
 def eval_loss(model, inputs, labels):
     """Mean next-token cross-entropy and accuracy of ``model`` on one batch."""
     logits = model(inputs)
