@@ -88,7 +88,8 @@ def figure(workdir: Path, results: dict):
     left.set(xlabel="tokens", ylabel="transfer loss (relative MSE)", yscale="log",
              title="stage 1: attention transfer")  # fmt: skip
     offset = results["transfer"]["tokens"]
-    for name, shift, label in [("finetune", offset, "student (stage 2)"), ("scratch", 0, "scratch")]:
+    curves = [("finetune", offset, "student (stage 2)"), ("scratch", 0, "scratch")]
+    for name, shift, label in curves:
         evals = [r for r in rows[name] if r["split"] == "eval"]
         right.plot([r["tokens"] + shift for r in evals], [r["loss"] for r in evals], "o-",
                    label=label)  # fmt: skip

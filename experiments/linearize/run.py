@@ -88,7 +88,7 @@ def check_config(config: ConfigDict) -> None:
         if value < 0:
             raise ValueError(f"{name} is too small, got {flatten(config)[name]}")
     if config.transfer.ce_weight and config.student.kind == "gated_deltanet":
-        raise ValueError("transfer.ce_weight needs a linearised-softmax student, not gated_deltanet")
+        raise ValueError("transfer.ce_weight needs a linearised softmax, not gated_deltanet")
 
 
 def prepare(config: ConfigDict, workdir: Path) -> None:
@@ -253,7 +253,8 @@ def linearize(config: ConfigDict, workdir: str | Path, *, verbose: bool = False)
         teacher, candidates, s.kind, window=s.window, conv_size=s.conv_size, seed=config.seed
     )
     results = {"teacher": held_out(teacher, corpus_, config) | {"tokens": teacher_tokens}}
-    n1, n2, tokens = config.transfer.steps, config.finetune.steps, config.batch_size * config.seq_len
+    n1, n2 = config.transfer.steps, config.finetune.steps
+    tokens = config.batch_size * config.seq_len
 
     # Stage 1: attention transfer, the new parameters only.
     opt_config = optimizer_config(n1, config.transfer)
