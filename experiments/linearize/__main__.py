@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from absl import logging
 
@@ -29,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, FloatingPointError) as e:
         return cli.report(parser.prog, e, cli.wants_verbose(argv))
     print(json.dumps(results["goal"], indent=2))
-    print((results_md := f"{args.workdir}/results.md") and open(results_md).read(), end="")
+    print(Path(args.workdir, "results.md").read_text(), end="")
     return 0
 
 
