@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -26,7 +26,7 @@ from ml_collections import ConfigDict
 
 from experiments import checkpoints, data, reporting, trainer
 from experiments.configuration import flatten
-from experiments.linearize import export, report, stages, student
+from experiments.linearize import evaluation, export, report, stages, student
 from linattn_jax import hf
 from linattn_jax.models import LanguageModel
 from linattn_jax.models.options import thaw
@@ -34,38 +34,6 @@ from linattn_jax.models.options import thaw
 STAGES = ("transfer", "finetune", "scratch")
 # Fields a rerun may change without starting over.
 FREE_FIELDS = ("progress", "resume")
-
-
-@dataclasses.dataclass(frozen=True)
-class Corpus:
-    """The token ids of the corpus's two splits and how they were made."""
-
-    train: np.ndarray
-    val: np.ndarray
-    source: str
-
-
-def corpus(config: ConfigDict, vocab_size: int) -> Corpus:
-    """The text corpus (``teacher.text``) as token ids: tokenised by ``teacher_dir``'s
-    ``tokenizer.json`` where there is one, else its bytes.
-
-    Raises:
-      ValueError: bytes as ids for a vocabulary of fewer than 256, or ids beyond it.
-    """
-    train, val = data.stdlib_text(config.teacher.text.num_files, config.teacher.text.val_fraction)
-    tokenizer = Path(config.teacher_dir or ".", "tokenizer.json")
-    if config.teacher_dir and tokenizer.is_file():
-        encode = hf.load_tokenizer(config.teacher_dir).encode
-        ids = lambda b: np.asarray(encode(bytes(b).decode("utf-8", "replace")).ids, np.int32)
-        train, val, source = ids(train), ids(val), f"tokenised by {tokenizer}"
-    else:
-        source = "bytes as token ids"
-    if int(max(train.max(), val.max())) >= vocab_size:
-        raise ValueError(
-            f"the corpus ({source}) has ids up to {int(max(train.max(), val.max()))}, the "
-            f"teacher's vocabulary {vocab_size}: give teacher_dir a tokenizer.json"
-        )
-    return Corpus(train.astype(np.int32), val.astype(np.int32), source)
 
 
 def check_config(config: ConfigDict) -> None:
@@ -132,52 +100,50 @@ def optimizer_config(steps: int, section: ConfigDict) -> ConfigDict:
     return ConfigDict({"steps": steps, "optim": dict(optim, grad_clip=1.0, b1=0.9, b2=0.98)})
 
 
-def batch(corpus_: Corpus, config: ConfigDict, step: int) -> data.Batch:
-    """Training batch ``step`` of the student's stages (stage 2 continues stage 1's steps,
-    the scratch baseline reads the same ones)."""
-    return data.text_batch(
-        corpus_.train, config.seed, step, config.batch_size, config.seq_len, "train"
-    )
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What every stage reads: the config, the workdir, the teacher, the corpus and the
+    batch the transfer loss is evaluated on."""
 
+    config: ConfigDict
+    workdir: Path
+    teacher: LanguageModel
+    corpus: evaluation.Corpus
+    eval_inputs: jax.Array
 
-def held_out(model, corpus_: Corpus, config: ConfigDict) -> dict:
-    """Mean held-out cross-entropy (nats per token), perplexity and accuracy."""
-    loss = accuracy = 0.0
-    for i in range(config.eval_batches):
-        b = data.text_batch(corpus_.val, config.seed, i, config.batch_size, config.seq_len, "eval")
-        values = stages.eval_loss(model, b.inputs, b.labels)
-        loss, accuracy = loss + float(values[0]), accuracy + float(values[1])
-    loss, accuracy = loss / config.eval_batches, accuracy / config.eval_batches
-    return {"loss": loss, "perplexity": float(np.exp(loss)), "accuracy": accuracy}
+    def student(self, swapped: tuple[int, ...]) -> tuple[LanguageModel, student.NewParams]:
+        s = self.config.student
+        return student.make_student(
+            self.teacher, swapped, s.kind, window=s.window, conv_size=s.conv_size,
+            seed=self.config.seed,
+        )  # fmt: skip
 
+    def held_out(self, model) -> dict:
+        return evaluation.held_out(model, self.corpus, self.config)
 
-def copy_accuracy(model, corpus_: Corpus, config: ConfigDict) -> float:
-    """The recall probe: held-out windows of ``recall.length`` tokens each followed by
-    themselves; the accuracy of predicting the copy's tokens from the copy so far (its
-    first token aside)."""
-    n, hits = config.recall.length, []
-    for i in range(config.recall.batches):
-        b = data.text_batch(corpus_.val, config.seed + 1, i, config.batch_size, n, "eval")
-        tokens = jnp.concatenate([b.inputs, b.inputs], axis=1)
-        logits = stages.logits(model, tokens[:, :-1])
-        hits.append(np.asarray(jnp.argmax(logits[:, n:], -1) == tokens[:, n + 1 :]))
-    return float(np.mean(hits))
+    def batch(self, step: int) -> data.Batch:
+        return evaluation.batch(self.corpus, self.config, step)
 
 
 def run_stage(
+    job: Job,
     name: str,
-    config: ConfigDict,
-    workdir: Path,
     model,
-    optimizer,
+    wrt,
     steps: int,
-    step: Callable[[int], dict],
+    section: ConfigDict,
+    step: Callable[[nnx.Optimizer, int], dict],
     evaluate: Callable[[], dict],
 ) -> None:
-    """Steps ``1..steps`` of a stage in ``workdir/name``, resumed from its latest checkpoint:
-    ``step(i)`` runs step ``i`` (its metrics), ``evaluate()`` the held-out metrics logged
-    every ``eval_every`` steps and at the end."""
-    folder = workdir / name
+    """Steps ``1..steps`` of a stage in ``workdir/name`` (AdamW on ``section``'s ``lr`` and
+    ``warmup_steps``, over the parameters ``wrt`` selects), resumed from its latest
+    checkpoint: ``step(optimizer, i)`` runs step ``i`` and returns its metrics,
+    ``evaluate()`` the held-out ones logged at the start, every ``eval_every`` steps and at
+    the end."""
+    config, folder = job.config, job.workdir / name
+    optim = optimizer_config(steps, section)
+    schedule = trainer.learning_rate(optim)
+    optimizer = nnx.Optimizer(model, trainer.build_optimizer(optim), wrt=wrt)
     manager = ocp.CheckpointManager(
         (folder / "checkpoints").absolute(),
         options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True),
@@ -198,16 +164,17 @@ def run_stage(
                 log.write({"step": 0, "split": "eval", "tokens": 0} | evaluate())
             last = time.perf_counter()
             for i in range(start, steps):
-                metrics = step(i)
+                metrics = _floats(step(optimizer, i)) | {"learning_rate": float(schedule(i))}
                 progress.step()
                 done = i + 1
                 if done % config.log_every == 0 or done == steps:
                     now = time.perf_counter()
+                    rate = tokens * config.log_every / max(now - last, 1e-9)
                     row = {"step": done, "split": "train", "tokens": done * tokens}
-                    row |= _floats(metrics) | {"tokens_per_s": tokens / max(now - last, 1e-9)}
+                    row |= metrics | {"tokens_per_s": rate}
                     last = now
                     log.write(row)
-                    progress.row({"learning_rate": float(metrics["learning_rate"])} | row)
+                    progress.row(row)
                 if done % config.eval_every == 0 or done == steps:
                     log.write({"step": done, "split": "eval", "tokens": done * tokens} | evaluate())
                 if done % config.checkpoint_every == 0 or done == steps:
@@ -232,6 +199,79 @@ def _floats(metrics: dict) -> dict:
     return out
 
 
+def transfer(job: Job) -> tuple[LanguageModel, student.NewParams, dict]:
+    """Stage 1 on the layers ``keep_softmax`` leaves (all softmax layers when it ranks),
+    then the student of the layers it keeps swapped, holding what they learnt; and stage
+    1's results (``layer_losses``: each candidate's final transfer loss)."""
+    config, s = job.config, job.config.student
+    ranked = s.keep_softmax.strip().startswith("ranked")
+    candidates = student.swapped_layers(job.teacher, "" if ranked else s.keep_softmax)
+    first, new = job.student(candidates)
+    ce = float(config.transfer.ce_weight)
+
+    def step(optimizer, i: int) -> dict:
+        inputs = job.batch(i).inputs
+        return stages.transfer_step(job.teacher, first, optimizer, inputs, candidates, new, ce)
+
+    def losses() -> np.ndarray:
+        return np.asarray(stages.transfer_eval(job.teacher, first, job.eval_inputs, candidates))
+
+    evaluate = lambda: {"loss": float(np.mean(losses()))} | _floats({"mse": losses()})
+    run_stage(job, "transfer", first, new, config.transfer.steps, config.transfer, step, evaluate)
+    layer_losses = dict(zip(candidates, map(float, losses()), strict=True))
+    swapped = student.swapped_layers(job.teacher, s.keep_softmax, layer_losses)
+    model, new = job.student(swapped)
+    trained = dict(nnx.to_flat_state(nnx.state(first)))
+    for path, variable in nnx.to_flat_state(nnx.state(model)):
+        if path in new.paths:
+            variable.set_value(trained[path].get_value())
+    tokens = config.transfer.steps * config.batch_size * config.seq_len
+    results = job.held_out(model) | {
+        "tokens": tokens, "layer_losses": {str(i): v for i, v in layer_losses.items()},
+        "candidates": list(candidates), "swapped": list(swapped),
+    }  # fmt: skip
+    return model, new, results
+
+
+def finetune(job: Job, model: LanguageModel, new: student.NewParams, swapped) -> dict:
+    """Stage 2 on ``model`` (in place): LoRA on the swapped layers' q/k/v/o and the new
+    parameters, merged after (``lora_rank`` 0: every parameter); its results."""
+    config = job.config
+    rank, kl = config.finetune.lora_rank, float(config.finetune.kl_weight)
+    wrt = nnx.Param
+    if rank:
+        stages.add_lora(model, swapped, rank, config.seed)
+        wrt = nnx.Any(nnx.LoRAParam, new)
+    first = config.transfer.steps  # stage 2 reads the batches after stage 1's
+
+    def step(optimizer, i: int) -> dict:
+        b = job.batch(first + i)
+        return stages.finetune_step(job.teacher, model, optimizer, b.inputs, b.labels, wrt, kl)
+
+    steps = config.finetune.steps
+    run_stage(job, "finetune", model, wrt, steps, config.finetune, step,
+              lambda: job.held_out(model))  # fmt: skip
+    if rank:
+        stages.merge_lora(model, swapped)
+    return job.held_out(model) | {"tokens": steps * config.batch_size * config.seq_len}
+
+
+def from_scratch(job: Job, model: LanguageModel) -> tuple[LanguageModel, dict]:
+    """The scratch baseline: ``model``'s architecture from a random start, trained on the
+    batches both stages read; the model and its results."""
+    config = job.config
+    scratch = LanguageModel(**thaw(model.options), rngs=nnx.Rngs(config.seed + 1))
+
+    def step(optimizer, i: int) -> dict:
+        b = job.batch(i)
+        return trainer.train_step(scratch, optimizer, b.inputs, b.labels, b.key_mask, "lm")
+
+    steps = config.transfer.steps + config.finetune.steps
+    run_stage(job, "scratch", scratch, nnx.Param, steps, config.scratch, step,
+              lambda: job.held_out(scratch))  # fmt: skip
+    return scratch, job.held_out(scratch) | {"tokens": steps * config.batch_size * config.seq_len}
+
+
 def linearize(config: ConfigDict, workdir: str | Path, *, verbose: bool = False) -> dict:
     """Runs (or resumes) the whole linearisation in ``workdir``; returns ``results.json``'s
     contents.
@@ -245,94 +285,21 @@ def linearize(config: ConfigDict, workdir: str | Path, *, verbose: bool = False)
     workdir = Path(workdir).absolute()
     prepare(config, workdir)
     teacher, teacher_tokens = load_teacher(config, workdir, verbose)
-    corpus_ = corpus(config, teacher.vocab_size)
-    s = config.student
-    candidates = student.swapped_layers(teacher, "" if s.keep_softmax.startswith("ranked") else
-                                        s.keep_softmax)  # fmt: skip
-    first, new = student.make_student(
-        teacher, candidates, s.kind, window=s.window, conv_size=s.conv_size, seed=config.seed
-    )
-    results = {"teacher": held_out(teacher, corpus_, config) | {"tokens": teacher_tokens}}
-    n1, n2 = config.transfer.steps, config.finetune.steps
-    tokens = config.batch_size * config.seq_len
-
-    # Stage 1: attention transfer, the new parameters only.
-    opt_config = optimizer_config(n1, config.transfer)
-    schedule = trainer.learning_rate(opt_config)
-    optimizer = nnx.Optimizer(first, trainer.build_optimizer(opt_config), wrt=new)
-    eval_batch = data.text_batch(corpus_.val, config.seed, 0, config.batch_size, config.seq_len,
-                                 "eval")  # fmt: skip
-
-    def transfer_eval() -> dict:
-        losses = stages.transfer_eval(teacher, first, eval_batch.inputs, candidates)
-        return {"loss": float(np.mean(losses))} | _floats({"mse": losses})
-
-    def transfer_step(i: int) -> dict:
-        inputs = batch(corpus_, config, i).inputs
-        ce = float(config.transfer.ce_weight)
-        m = stages.transfer_step(teacher, first, optimizer, inputs, candidates, new, ce)
-        return m | {"learning_rate": schedule(i)}
-
-    run_stage("transfer", config, workdir, first, optimizer, n1, transfer_step, transfer_eval)
-    layer_losses = dict(zip(candidates, map(float, stages.transfer_eval(
-        teacher, first, eval_batch.inputs, candidates)), strict=True))  # fmt: skip
-    swapped = student.swapped_layers(teacher, s.keep_softmax, layer_losses)
-    model, new = student.make_student(
-        teacher, swapped, s.kind, window=s.window, conv_size=s.conv_size, seed=config.seed
-    )
-    trained = dict(nnx.to_flat_state(nnx.state(first)))
-    for path, variable in nnx.to_flat_state(nnx.state(model)):
-        if path in new.paths:
-            variable.set_value(trained[path].get_value())
-    results["transfer"] = held_out(model, corpus_, config) | {
-        "tokens": n1 * tokens, "layer_losses": {str(i): v for i, v in layer_losses.items()},
-        "candidates": list(candidates), "swapped": list(swapped),
-    }  # fmt: skip
-
-    # Stage 2: LoRA on the swapped layers' q/k/v/o and the new parameters (or everything).
-    rank = config.finetune.lora_rank
-    if rank:
-        stages.add_lora(model, swapped, rank, config.seed)
-        wrt = nnx.Any(nnx.LoRAParam, new)
-    else:
-        wrt = nnx.Param
-    opt_config = optimizer_config(n2, config.finetune)
-    schedule = trainer.learning_rate(opt_config)
-    optimizer = nnx.Optimizer(model, trainer.build_optimizer(opt_config), wrt=wrt)
-
-    def finetune_step(i: int) -> dict:
-        b = batch(corpus_, config, n1 + i)
-        kl = float(config.finetune.kl_weight)
-        m = stages.finetune_step(teacher, model, optimizer, b.inputs, b.labels, wrt, kl)
-        return m | {"learning_rate": schedule(i)}
-
-    run_stage("finetune", config, workdir, model, optimizer, n2, finetune_step,
-              lambda: held_out(model, corpus_, config))  # fmt: skip
-    if rank:
-        stages.merge_lora(model, swapped)
-    results["finetune"] = held_out(model, corpus_, config) | {"tokens": n2 * tokens}
-
-    # The scratch baseline: the student's architecture, random, on the stages' batches.
-    scratch = LanguageModel(**thaw(model.options), rngs=nnx.Rngs(config.seed + 1))
-    opt_config = optimizer_config(n1 + n2, config.scratch)
-    schedule = trainer.learning_rate(opt_config)
-    optimizer = nnx.Optimizer(scratch, trainer.build_optimizer(opt_config), wrt=nnx.Param)
-
-    def scratch_step(i: int) -> dict:
-        b = batch(corpus_, config, i)
-        m = trainer.train_step(scratch, optimizer, b.inputs, b.labels, b.key_mask, "lm")
-        return m | {"learning_rate": schedule(i)}
-
-    run_stage("scratch", config, workdir, scratch, optimizer, n1 + n2, scratch_step,
-              lambda: held_out(scratch, corpus_, config))  # fmt: skip
-    results["scratch"] = held_out(scratch, corpus_, config) | {"tokens": (n1 + n2) * tokens}
-
+    corpus = evaluation.corpus(config, teacher.vocab_size)
+    eval_inputs = data.text_batch(
+        corpus.val, config.seed, 0, config.batch_size, config.seq_len, "eval"
+    ).inputs
+    job = Job(config, workdir, teacher, corpus, eval_inputs)
+    results = {"teacher": job.held_out(teacher) | {"tokens": teacher_tokens}}
+    model, new, results["transfer"] = transfer(job)
+    results["finetune"] = finetune(job, model, new, tuple(results["transfer"]["swapped"]))
+    scratch, results["scratch"] = from_scratch(job, model)
     for name, m in (("teacher", teacher), ("finetune", model), ("scratch", scratch)):
-        results[name]["copy_accuracy"] = copy_accuracy(m, corpus_, config)
+        results[name]["copy_accuracy"] = evaluation.copy_accuracy(m, corpus, config)
     results["student_dir"] = str(workdir / "student")
-    results["export"] = _export(model, workdir / "student", eval_batch.inputs)
-    results |= {"corpus": corpus_.source, "kind": s.kind, "layout": list(model.layout)}
-    results["stages"] = list(STAGES)
+    results["export"] = _export(model, workdir / "student", eval_inputs)
+    results |= {"corpus": corpus.source, "kind": config.student.kind}
+    results |= {"layout": list(model.layout), "stages": list(STAGES)}
     report.write(workdir, results)
     return results
 
