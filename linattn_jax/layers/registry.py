@@ -15,6 +15,7 @@ from flax import nnx
 from linattn_jax.layers.delta import DeltaRuleAttention
 from linattn_jax.layers.lightning import LightningAttention
 from linattn_jax.layers.linear import LinearAttention
+from linattn_jax.layers.linearized import LinearizedAttention
 from linattn_jax.layers.mamba2 import Mamba2Mixer
 from linattn_jax.layers.mla import LatentAttention
 from linattn_jax.layers.mlstm import MLSTMLayer
@@ -173,6 +174,15 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
             MLSTMLayer,
             "mLSTM (xLSTM)",
             options=("method", "chunk_size"),
+        ),
+        # A softmax layer's parameters with a learned linear core (linearised transformers).
+        "linearized": AttentionKind(
+            LinearizedAttention,
+            "linearised softmax (Hedgehog, LoLCATs)",
+            options=("method", "chunk_size"),
+            sequence_parallel=False,
+            section="softmax",
+            section_options=tuple(o for o in _SOFTMAX_OPTIONS if o != "sliding_window"),
         ),
         # No mixer: an MLP-only block (Nemotron-H's "-" layers).
         "mlp": AttentionKind(None, "MLP only"),
