@@ -4,7 +4,6 @@ and the check of a model multiplier; ``blocks`` and ``moe`` (whose shared expert
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -92,7 +91,8 @@ class SwiGLU(nnx.Module):
         self.up_proj = linear(width, hidden, embed, mlp)
         self.down_proj = linear(hidden, width, mlp, embed)
 
-    activation = staticmethod(jax.nn.silu)
+    def activation(self, gate: jax.Array) -> jax.Array:
+        return jax.nn.silu(gate)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         m_gate, m_down = self.multipliers
@@ -107,7 +107,8 @@ class GeGLU(SwiGLU):
     """``down(GELU(gate(x)) * up(x))``, GELU in its tanh form (Gemma's MLP,
     ``gelu_pytorch_tanh``); otherwise ``SwiGLU``, its projections' names too."""
 
-    activation = staticmethod(functools.partial(jax.nn.gelu, approximate=True))
+    def activation(self, gate: jax.Array) -> jax.Array:
+        return jax.nn.gelu(gate, approximate=True)
 
 
 class ReLU2MLP(nnx.Module):
