@@ -54,9 +54,8 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.scratch.warmup_steps = 10
     c.eval_batches = 8
     c.eval_every = 50
-    c.recall = ConfigDict()  # the copy probe: a window of text repeated, the copy predicted
-    c.recall.length = 48
-    c.recall.batches = 2
+    # The recall probe: held-out windows of seq_len / 2 tokens repeated, the copy predicted.
+    c.copy_batches = 2
     c.log_every = 10
     c.checkpoint_every = 100
     c.keep_checkpoints = 2

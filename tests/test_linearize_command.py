@@ -17,7 +17,7 @@ TINY = [
     "--config.batch_size=2", "--config.seq_len=24", "--config.eval_batches=1",
     "--config.eval_every=2", "--config.log_every=1", "--config.checkpoint_every=2",
     "--config.transfer.steps=2", "--config.finetune.steps=2", "--config.finetune.lora_rank=2",
-    "--config.recall.length=8", "--config.recall.batches=1", "--config.teacher.text.num_files=1",
+    "--config.copy_batches=1", "--config.teacher.text.num_files=1",
     "--config.student.window=4", "--config.progress=false",
 ]  # fmt: skip
 

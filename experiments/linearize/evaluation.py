@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
@@ -58,22 +57,25 @@ def batch(corpus: Corpus, config: ConfigDict, step: int) -> data.Batch:
 def held_out(model, corpus: Corpus, config: ConfigDict) -> dict:
     """Mean held-out cross-entropy (nats per token), perplexity and accuracy."""
     loss = accuracy = 0.0
+    ones = np.ones((config.batch_size, config.seq_len), np.float32)
     for i in range(config.eval_batches):
         b = data.text_batch(corpus.val, config.seed, i, config.batch_size, config.seq_len, "eval")
-        values = stages.eval_loss(model, b.inputs, b.labels)
+        values = stages.eval_loss(model, b.inputs, b.labels, ones)
         loss, accuracy = loss + float(values[0]), accuracy + float(values[1])
     loss, accuracy = loss / config.eval_batches, accuracy / config.eval_batches
     return {"loss": loss, "perplexity": float(np.exp(loss)), "accuracy": accuracy}
 
 
 def copy_accuracy(model, corpus: Corpus, config: ConfigDict) -> float:
-    """The recall probe: held-out windows of ``recall.length`` tokens each followed by
-    themselves; the accuracy of predicting the copy's tokens from the copy so far (its
-    first token aside)."""
-    n, hits = config.recall.length, []
-    for i in range(config.recall.batches):
-        b = data.text_batch(corpus.val, config.seed + 1, i, config.batch_size, n, "eval")
-        tokens = jnp.concatenate([b.inputs, b.inputs], axis=1)
-        logits = stages.logits(model, tokens[:, :-1])
-        hits.append(np.asarray(jnp.argmax(logits[:, n:], -1) == tokens[:, n + 1 :]))
+    """The recall probe: held-out windows of ``n = seq_len / 2`` tokens each followed by
+    themselves (the evaluation's shape); the accuracy of predicting the copy's tokens
+    from the copy so far (its first token aside)."""
+    n, t = config.seq_len // 2, config.seq_len
+    weights = np.zeros((config.batch_size, t), np.float32)
+    weights[:, n : 2 * n - 1] = 1.0  # position i predicts token i + 1 of the copy
+    hits = []
+    for i in range(config.copy_batches):
+        w = data.text_batch(corpus.val, config.seed + 1, i, config.batch_size, n, "eval").inputs
+        tokens = np.concatenate([w, w, w[:, : t + 1 - 2 * n]], axis=1)
+        hits.append(float(stages.eval_loss(model, tokens[:, :t], tokens[:, 1:], weights)[1]))
     return float(np.mean(hits))

@@ -43,18 +43,16 @@ def check_config(config: ConfigDict) -> None:
             f"student.kind must be one of {tuple(student.STUDENT_KINDS)}, got "
             f"{config.student.kind!r}"
         )
-    counts = {
-        "transfer.steps": config.transfer.steps, "finetune.steps": config.finetune.steps,
-        "finetune.lora_rank": config.finetune.lora_rank, "student.window": config.student.window,
-        "student.conv_size": config.student.conv_size, "eval_batches": config.eval_batches - 1,
-        "batch_size": config.batch_size - 1, "seq_len": config.seq_len - 2,
-        "recall.length": config.recall.length - 2, "recall.batches": config.recall.batches,
-        "log_every": config.log_every - 1, "eval_every": config.eval_every - 1,
-        "checkpoint_every": config.checkpoint_every - 1,
+    minimum = {
+        "transfer.steps": 0, "finetune.steps": 0, "finetune.lora_rank": 0, "student.window": 0,
+        "student.conv_size": 0, "eval_batches": 1, "batch_size": 1, "seq_len": 4,
+        "copy_batches": 1, "log_every": 1, "eval_every": 1, "checkpoint_every": 1,
     }  # fmt: skip
-    for name, value in counts.items():
-        if value < 0:
-            raise ValueError(f"{name} is too small, got {flatten(config)[name]}")
+    fields = flatten(config)
+    for name, low in minimum.items():
+        value = fields[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     if config.transfer.ce_weight and config.student.kind == "gated_deltanet":
         raise ValueError("transfer.ce_weight needs a linearised softmax, not gated_deltanet")
 
@@ -248,9 +246,13 @@ def finetune(job: Job, model: LanguageModel, new: student.NewParams, swapped) ->
         b = job.batch(first + i)
         return stages.finetune_step(job.teacher, model, optimizer, b.inputs, b.labels, wrt, kl)
 
+    def evaluate() -> dict:  # on a merged copy: the model the stage ends with, compiled once
+        merged = nnx.clone(model)
+        stages.merge_lora(merged, swapped)
+        return job.held_out(merged)
+
     steps = config.finetune.steps
-    run_stage(job, "finetune", model, wrt, steps, config.finetune, step,
-              lambda: job.held_out(model))  # fmt: skip
+    run_stage(job, "finetune", model, wrt, steps, config.finetune, step, evaluate)
     if rank:
         stages.merge_lora(model, swapped)
     return job.held_out(model) | {"tokens": steps * config.batch_size * config.seq_len}

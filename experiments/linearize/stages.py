@@ -114,11 +114,14 @@ def logits(model, tokens):
 
 
 @nnx.jit
-def eval_loss(model, inputs, labels):
-    """Mean next-token cross-entropy and accuracy of ``model`` on one batch."""
+def eval_loss(model, inputs, labels, weights):
+    """Next-token cross-entropy and accuracy of ``model`` on one batch ``[b, t]``, each
+    averaged over the positions of ``weights [b, t]`` (1 counted, 0 not)."""
     logits = model(inputs)
-    correct = jnp.mean((jnp.argmax(logits, -1) == labels).astype(jnp.float32))
-    return language_model_loss(logits, labels), correct
+    total = jnp.maximum(jnp.sum(weights), 1.0)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+    return jnp.sum(loss * weights) / total, jnp.sum(correct * weights) / total
 
 
 def add_lora(model, layers: tuple[int, ...], rank: int, seed: int = 0) -> None:

@@ -211,6 +211,8 @@ def make_attention(kind: str, width: int, num_heads: int, **options: Any) -> nnx
     ``Mamba2Mixer`` (``num_heads`` its SSD heads); ``"lightning"``: ``LightningAttention``
     (MiniMax-01; ``layer_index``, ``num_layers`` its place in the model).
     ``"mla"``: ``LatentAttention`` (multi-head latent attention).
+    ``"linearized"``: ``LinearizedAttention`` (a softmax layer's parameters with a learned
+    linear core: a linearised transformer's student layers).
     ``"mlstm"``: ``MLSTMLayer`` (xLSTM).
 
     Raises:
