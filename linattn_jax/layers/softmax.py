@@ -429,7 +429,7 @@ class LatentAttention(nnx.Module):
     (``layers.rope``'s rotate-half form; positions as ``SoftmaxAttention``'s: real tokens
     only, per segment, continuing from a cache). Kimi Linear's MLA has no RoPE
     (``rope=False``, the default). DeepSeek-V3 checkpoints rotate interleaved pairs
-    (``rope_interleave``): their rope channels need a permutation to load here.
+    (``rope_interleave``): ``hf.deepseek_v3`` permutes their rope rows as it loads them.
 
     Without a cache the latent is decompressed and attention is ordinary. With one
     (``init_state``: ``LatentKVCache``) the query is absorbed into ``W_kvb``'s key half and
@@ -449,6 +449,8 @@ class LatentAttention(nnx.Module):
       v_head_dim: dv, each value head's channels (default n).
       rope: rotary embeddings on the rope channels.
       rope_theta: RoPE's base (default 10000).
+      rope_scaling: RoPE's frequencies scaled (``layers.rope_scaling``: DeepSeek-V3's
+        ``yarn``); None: none.
       scale: the scores' factor (default ``(n + p)^-0.5``).
       causal: causal (decoder) or non-causal (encoder) attention.
       max_length: the KV cache's length (decoding only).
@@ -481,6 +483,7 @@ class LatentAttention(nnx.Module):
         v_head_dim: int | None = None,
         rope: bool = False,
         rope_theta: float | None = None,
+        rope_scaling: Mapping[str, Any] | None = None,
         scale: float | None = None,
         causal: bool = True,
         max_length: int = 4096,
@@ -505,6 +508,9 @@ class LatentAttention(nnx.Module):
         if rope and rope_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even with rope=True, got {rope_dim}")
         self.rotary_dim, self.rope_theta = check_rope(rope, rope_dim, rope_theta, None, None)
+        if rope_scaling is not None and not rope:
+            raise ValueError(f"rope_scaling needs rope=True, got rope=False with {rope_scaling}")
+        self.rope_scaling = parse_rope_scaling(rope_scaling, rope_dim)
         if scale is None:
             scale = (nope + rope_dim) ** -0.5
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
@@ -611,7 +617,7 @@ class LatentAttention(nnx.Module):
     def _rope(self, x, pos):
         if self.rotary_dim is None:
             return x
-        return rope_lib.apply_rope(x, pos, self.rotary_dim, self.rope_theta)
+        return rope_lib.apply_rope(x, pos, self.rotary_dim, self.rope_theta, self.rope_scaling)
 
     def _softmax(self, scores, allowed):
         """``softmax(scores * scale)`` over the last axis where ``allowed``; rows with no
