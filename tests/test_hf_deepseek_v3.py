@@ -7,7 +7,6 @@ prefill then decode steps == the full forward, 16 greedy tokens, a left-padded r
 row alone, the save round trip, the fused layout, ``--config.init_from``; MLA without
 ``q_lora_rank`` nor interleaving; bad fields."""
 
-import numpy as np
 import pytest
 
 from linattn_jax import hf
@@ -36,12 +35,7 @@ def _deepseek(**options):
         ),
         **options,
     })  # fmt: skip
-    model = transformers.DeepseekV3ForCausalLM(config)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 0.5)
-    return model
+    return helpers.randomized_biases(transformers.DeepseekV3ForCausalLM(config))
 
 
 @pytest.fixture(scope="module")
@@ -51,22 +45,14 @@ def pair(tmp_path_factory):
 
 
 def test_logits_decoding_and_left_padding_match(pair):
-    ref, _, model, _ = pair
+    _, _, model, _ = pair
     assert [type(b.mlp).__name__ for b in model.blocks] == ["SwiGLU", "MoE", "MoE"]
-    tokens = np.random.default_rng(0).integers(0, VOCAB, (3, 17))
-    helpers.assert_close_normwise(
-        helpers.logits(model, tokens), helpers.torch_logits(ref, tokens), RTOL
-    )
-    helpers.assert_decoding_matches(model, ref, tokens, RTOL)
-    helpers.assert_left_padded_row_alone(model, ref, tokens, 4, RTOL)
+    helpers.assert_matches_decodes_and_pads(pair, VOCAB, RTOL)
 
 
 def test_save_round_trip_and_the_fused_layout(pair, tmp_path):
-    ref, directory, model, config = pair
-    back = helpers.assert_save_round_trip(model, config, ref, tmp_path / "ours")
-    helpers.assert_same_torch_tensors(back, ref)  # the rope rows interleaved again
-    (tmp_path / "fused").mkdir()
-    helpers.assert_same_params(helpers.load_state_dict(ref, tmp_path / "fused", directory), model)
+    helpers.assert_round_trips(pair, tmp_path)  # the rope rows interleaved again
+    helpers.assert_reads_the_fused_layout(pair, tmp_path)
 
 
 def test_init_from_builds_the_checkpoints_model(pair, tmp_path):
