@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 97
 RTOL = 1e-5
 SIZES = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, use_sliding_window=True,
     sliding_window=5, max_window_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
 )  # fmt: skip
@@ -42,7 +42,7 @@ def pair(request, tmp_path_factory):
 
 def test_logits_decoding_past_the_window_and_left_padding_match(pair):
     _, _, model, _ = pair
-    assert model.layout == ("softmax", "local_softmax", "local_softmax")
+    assert model.layout == ("softmax", "local_softmax")
     helpers.assert_matches_decodes_and_pads(pair, VOCAB, RTOL)
 
 
@@ -60,7 +60,7 @@ def test_init_from_builds_the_checkpoints_model(pair, tmp_path):
 def test_bad_fields_are_named(pair):
     _, _, _, config = pair
     fmt = hf.FORMATS[config["model_type"]]
-    sliding = ["full_attention", "sliding_attention", "sliding_attention"]
+    sliding = ["full_attention", "sliding_attention"]
     for changes, message in [
         ({"layer_types": ["full_attention", "chunked_attention"]}, r"layer_types must list"),
         ({"layer_types": sliding, "use_sliding_window": False}, r"need use_sliding_window"),
