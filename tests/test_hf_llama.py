@@ -36,19 +36,11 @@ def pair(tmp_path_factory):
 
 
 def test_logits_greedy_tokens_decoding_and_left_padding_match(pair):
-    ref, _, model, _ = pair
-    tokens = np.random.default_rng(0).integers(0, VOCAB, (3, 17))
-    helpers.assert_close_normwise(
-        helpers.logits(model, tokens), helpers.torch_logits(ref, tokens), RTOL
-    )
-    helpers.assert_decoding_matches(model, ref, tokens, RTOL)
-    helpers.assert_left_padded_row_alone(model, ref, tokens, 4, RTOL)
+    helpers.assert_matches_decodes_and_pads(pair, VOCAB, RTOL)
 
 
 def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
-    ref, _, model, config = pair
-    back = helpers.assert_save_round_trip(model, config, ref, tmp_path / "ours")
-    helpers.assert_same_torch_tensors(back, ref)  # every tensor, bit for bit
+    helpers.assert_round_trips(pair, tmp_path)
 
 
 SCALED_ROPES = [

@@ -5,7 +5,6 @@ num_attention_heads`` and random norms: logits to 1e-5 normwise past the window,
 then decode steps == the full forward, 16 greedy tokens, a left-padded row == the row
 alone, the save round trip, ``--config.init_from``, a null window, the bad fields named."""
 
-import numpy as np
 import pytest
 
 from linattn_jax import hf
@@ -34,19 +33,11 @@ def pair(tmp_path_factory):
 
 
 def test_logits_decoding_past_the_window_and_left_padding_match(pair):
-    ref, _, model, _ = pair
-    tokens = np.random.default_rng(0).integers(0, VOCAB, (3, 17))
-    helpers.assert_close_normwise(
-        helpers.logits(model, tokens), helpers.torch_logits(ref, tokens), RTOL
-    )
-    helpers.assert_decoding_matches(model, ref, tokens, RTOL)
-    helpers.assert_left_padded_row_alone(model, ref, tokens, 4, RTOL)
+    helpers.assert_matches_decodes_and_pads(pair, VOCAB, RTOL)
 
 
 def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
-    ref, _, model, config = pair
-    back = helpers.assert_save_round_trip(model, config, ref, tmp_path / "ours")
-    helpers.assert_same_torch_tensors(back, ref)
+    helpers.assert_round_trips(pair, tmp_path)
 
 
 def test_init_from_builds_the_checkpoints_model(pair, tmp_path):

@@ -43,8 +43,9 @@ The layout: one module per model type over a shared loader.
       ├── qwen2 (q/k/v biases, sliding-window layers: "local_softmax")
       │   └── qwen3 (QK-norm)
       │       └── qwen3_moe (mixtures on decoder_sparse_step's layers)
-      └── gemma2 ((1 + w) sandwich norms, GeGLU, soft caps, alternating windows)
-          └── gemma3 (gemma3_text: QK-norm, 5 local : 1 global, RoPE per layer type)
+      ├── gemma2 ((1 + w) sandwich norms, GeGLU, soft caps, alternating windows)
+      │   └── gemma3 (gemma3_text: QK-norm, 5 local : 1 global, RoPE per layer type)
+      └── deepseek_v3 (MLA, DeepSeek's mixture after the first dense layers)
 
 * ``safetensors_io``: the streaming reads and the sharded writes; ``text``: the tokenizer
   and ``generate_text``.
@@ -65,6 +66,7 @@ if _MISSING:
 from linattn_jax.hf import (  # noqa: E402
     bamba,
     common,
+    deepseek_v3,
     experts,
     falcon_h1,
     gemma2,
@@ -111,6 +113,7 @@ __all__ = [
     "bamba",
     "check_pretrained",
     "common",
+    "deepseek_v3",
     "eos_ids",
     "experts",
     "expected_tensors",

@@ -22,6 +22,7 @@ from linattn_jax import sharding
 from linattn_jax.hf import (
     bamba,
     common,
+    deepseek_v3,
     falcon_h1,
     gemma2,
     gemma3,
@@ -71,6 +72,7 @@ _FORMATS = (
     gemma3.FORMAT,
     qwen3_moe.FORMAT,
     mixtral.FORMAT,
+    deepseek_v3.FORMAT,
     qwen2.FORMAT,
     qwen3.FORMAT,
 )

@@ -105,6 +105,20 @@ def reshaped(hf_shape: Callable[[int], tuple[int, ...]], name: str) -> Conversio
     )
 
 
+@functools.cache
+def rope_pairs(block: int, pairs: int) -> Conversion:
+    """``LINEAR`` but the last ``2 pairs`` rows of each ``block`` rows, interleaved pairs
+    ``(x0, x1), (x2, x3), ...``, read as rotate-half's halves, evens then odds, and written
+    back interleaved (DeepSeek-V3's ``rope_interleave``: q's rows per head, the shared key's)."""
+    order = np.arange(block)
+    order[block - 2 * pairs :] = np.concatenate([order[-2 * pairs :: 2], order[1 - 2 * pairs :: 2]])
+    rows = lambda x, o: x.reshape(-1, block, x.shape[-1])[:, o].reshape(x.shape)
+    return Conversion(
+        f"rope_pairs_{block}_{pairs}", LINEAR.hf_shape, lambda x, s: [rows(x, order).T],
+        lambda xs: rows(xs[0].T, np.argsort(order)),
+    )  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """One row of a weight table.

@@ -9,6 +9,7 @@ Mixture-of-Experts Language Model" (https://arxiv.org/abs/2405.04434).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -29,6 +30,7 @@ from linattn_jax.layers.common import (
     split_heads,
 )
 from linattn_jax.layers.norms import RMSNorm
+from linattn_jax.layers.rope_scaling import parse_rope_scaling
 from linattn_jax.layers.softmax import (
     LINEAR_ONLY_OPTIONS,
     check_cache_room,
@@ -75,7 +77,7 @@ class LatentAttention(nnx.Module):
     (``layers.rope``'s rotate-half form; positions as ``SoftmaxAttention``'s: real tokens
     only, per segment, continuing from a cache). Kimi Linear's MLA has no RoPE
     (``rope=False``, the default). DeepSeek-V3 checkpoints rotate interleaved pairs
-    (``rope_interleave``): their rope channels need a permutation to load here.
+    (``rope_interleave``): ``hf.deepseek_v3`` permutes their rope rows as it loads them.
 
     Without a cache the latent is decompressed and attention is ordinary. With one
     (``init_state``: ``LatentKVCache``) the query is absorbed into ``W_kvb``'s key half and
@@ -95,6 +97,8 @@ class LatentAttention(nnx.Module):
       v_head_dim: dv, each value head's channels (default n).
       rope: rotary embeddings on the rope channels.
       rope_theta: RoPE's base (default 10000).
+      rope_scaling: RoPE's frequencies scaled (``layers.rope_scaling``: DeepSeek-V3's
+        ``yarn``); None: none.
       scale: the scores' factor (default ``(n + p)^-0.5``).
       causal: causal (decoder) or non-causal (encoder) attention.
       max_length: the KV cache's length (decoding only).
@@ -127,6 +131,7 @@ class LatentAttention(nnx.Module):
         v_head_dim: int | None = None,
         rope: bool = False,
         rope_theta: float | None = None,
+        rope_scaling: Mapping[str, Any] | None = None,
         scale: float | None = None,
         causal: bool = True,
         max_length: int = 4096,
@@ -143,6 +148,9 @@ class LatentAttention(nnx.Module):
             width, num_heads, kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
             v_head_dim, rope, rope_theta, scale, causal, dropout_rate,
         )  # fmt: skip
+        if rope_scaling is not None and not rope:
+            raise ValueError(f"rope_scaling needs rope=True, got rope=False with {rope_scaling}")
+        self.rope_scaling = parse_rope_scaling(rope_scaling, rope_dim)
         self.width, self.num_heads, self.scale = width, num_heads, scale
         self.causal, self.max_length = causal, max_length
         self.kv_lora_rank, self.q_lora_rank = rank, q_lora_rank
@@ -236,7 +244,7 @@ class LatentAttention(nnx.Module):
 def _rope(layer, x, pos):
     if layer.rotary_dim is None:
         return x
-    return rope_lib.apply_rope(x, pos, layer.rotary_dim, layer.rope_theta)
+    return rope_lib.apply_rope(x, pos, layer.rotary_dim, layer.rope_theta, layer.rope_scaling)
 
 
 def _softmax(layer, scores, allowed):
