@@ -30,7 +30,6 @@ from linattn_jax.layers.common import (
     split_heads,
 )
 from linattn_jax.layers.norms import RMSNorm
-from linattn_jax.layers.rope_scaling import parse_rope_scaling
 from linattn_jax.layers.softmax import (
     LINEAR_ONLY_OPTIONS,
     check_cache_room,
@@ -144,13 +143,11 @@ class LatentAttention(nnx.Module):
         unknown = sorted(set(linear_options) - LINEAR_ONLY_OPTIONS)
         if unknown:
             raise TypeError(f"LatentAttention got unexpected keyword arguments {unknown}")
-        nope, rope_dim, dv, rank, self.rotary_dim, self.rope_theta, scale = _check_options(
+        nope, rope_dim, dv, rank, rotary, scale = _check_options(
             width, num_heads, kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
-            v_head_dim, rope, rope_theta, scale, causal, dropout_rate,
+            v_head_dim, rope, rope_theta, rope_scaling, scale, causal, dropout_rate,
         )  # fmt: skip
-        if rope_scaling is not None and not rope:
-            raise ValueError(f"rope_scaling needs rope=True, got rope=False with {rope_scaling}")
-        self.rope_scaling = parse_rope_scaling(rope_scaling, rope_dim)
+        self.rotary_dim, self.rope_theta, self.rope_scaling = rotary
         self.width, self.num_heads, self.scale = width, num_heads, scale
         self.causal, self.max_length = causal, max_length
         self.kv_lora_rank, self.q_lora_rank = rank, q_lora_rank
@@ -315,11 +312,11 @@ def attend_cached(layer: LatentAttention, q_nope, q_rope, latent, k_rope, key_ma
 
 def _check_options(
     width, num_heads, kv_lora_rank, q_lora_rank, nope, rope_dim, v_head_dim, rope, rope_theta,
-    scale, causal, dropout_rate,
-) -> tuple[int, int, int, int, int | None, float, float]:  # fmt: skip
-    """``(qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank, rotary_dim or None,
-    rope_theta, scale)`` of ``LatentAttention``'s options, the defaults filled in, or a
-    ValueError naming the first bad one."""
+    rope_scaling, scale, causal, dropout_rate,
+) -> tuple[int, int, int, int, tuple, float]:  # fmt: skip
+    """``(qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank, (rotary_dim or
+    None, rope_theta, the scaling or None), scale)`` of ``LatentAttention``'s options, the
+    defaults filled in, or a ValueError naming the first bad one."""
     nope = check_head_dim(width, num_heads, nope)
     rope_dim = max(nope // 2, 1) if rope_dim is None else rope_dim
     dv = nope if v_head_dim is None else v_head_dim
@@ -331,9 +328,9 @@ def _check_options(
     check_flags(rope=rope, causal=causal)
     if rope and rope_dim % 2:
         raise ValueError(f"qk_rope_head_dim must be even with rope=True, got {rope_dim}")
-    rotary_dim, rope_theta = check_rope(rope, rope_dim, rope_theta, None, None)
+    rotary = check_rope(rope, rope_dim, rope_theta, None, None, rope_scaling)
     if scale is None:
         scale = (nope + rope_dim) ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
         raise ValueError(f"scale must be a number > 0, got {scale!r}")
-    return nope, rope_dim, dv, rank, rotary_dim, rope_theta, float(scale)
+    return nope, rope_dim, dv, rank, rotary, float(scale)

@@ -80,10 +80,8 @@ class SoftmaxAttention(nnx.Module):
       partial_rotary_factor: rotate only the first ``int(head_dim * factor)`` channels of
         each head; default all.
       rotary_dim: rotate only the first ``rotary_dim`` channels (instead of a factor).
-      rope_scaling: RoPE's frequencies scaled as long-context checkpoints do
-        (``layers.rope_scaling``: ``{"rope_type": "yarn", "factor": 4.0,
-        "original_max_position_embeddings": 4096}``, ``"linear"``, ``"dynamic"``,
-        ``"llama3"``); None: none.
+      rope_scaling: RoPE's frequencies scaled as long-context checkpoints do, e.g.
+        ``{"rope_type": "yarn", "factor": 4.0, ...}`` (``layers.rope_scaling``); None: none.
       qkv_bias: biases on the q, k and v projections (Qwen2; Llama's ``attention_bias``).
       out_bias: a bias on the output projection (Llama's and Qwen3's ``attention_bias``).
       qk_norm: an RMSNorm over each head's q and k, before RoPE (Qwen3, Qwen3-Next).
@@ -151,7 +149,7 @@ class SoftmaxAttention(nnx.Module):
         h, kv, hd = check_heads(width, num_heads, num_kv_heads, head_dim)
         check_dropout_rate(dropout_rate)
         check_flags(rope=rope, qk_norm=qk_norm, output_gate=output_gate, causal=causal)
-        check_flags(zero_centred_qk_norm=zero_centred_qk_norm)
+        check_flags(zero_centred_qk_norm=zero_centred_qk_norm, qkv_bias=qkv_bias, out_bias=out_bias)
         check_flags(qk_norm_over_heads=qk_norm_over_heads)
         if qk_norm_over_heads and not qk_norm:
             raise ValueError("qk_norm_over_heads=True needs qk_norm=True")
@@ -164,14 +162,10 @@ class SoftmaxAttention(nnx.Module):
         self.logit_soft_cap = soft_cap.check_soft_cap("logit_soft_cap", logit_soft_cap)
         self.width, self.num_heads, self.num_kv_heads, self.head_dim = width, h, kv, hd
         self.causal, self.max_length, self.sliding_window = causal, max_length, sliding_window
-        self.rotary_dim, self.rope_theta = check_rope(
-            rope, hd, rope_theta, partial_rotary_factor, rotary_dim
+        self.rotary_dim, self.rope_theta, self.rope_scaling = check_rope(
+            rope, hd, rope_theta, partial_rotary_factor, rotary_dim, rope_scaling
         )
-        if rope_scaling is not None and not rope:
-            raise ValueError(f"rope_scaling needs rope=True, got rope=False with {rope_scaling}")
-        self.rope_scaling = parse_rope_scaling(rope_scaling, self.rotary_dim or 0)
         self.output_gate = output_gate
-        check_flags(qkv_bias=qkv_bias, out_bias=out_bias)
         linear = lambda n_in, n_out, bias, *axes: nnx.Linear(
             n_in, n_out, use_bias=bias, kernel_init=sharding.kernel(*axes),
             bias_init=sharding.with_axes(nnx.initializers.zeros_init(), axes[1]), dtype=dtype,
@@ -374,19 +368,24 @@ def check_flags(**flags) -> None:
             raise ValueError(f"{name} must be True or False, got {flag!r}")
 
 
-def check_rope(rope, head_dim, theta, factor, rotary_dim) -> tuple[int | None, float]:
-    """``(rotary_dim or None without RoPE, theta)``; RoPE's options need ``rope=True``."""
+def check_rope(rope, head_dim, theta, factor, rotary_dim, scaling=None) -> tuple:
+    """``(rotary_dim or None without RoPE, theta, the checked scaling or None)``; RoPE's
+    options need ``rope=True``."""
     if not rope:
-        given = {"rope_theta": theta, "partial_rotary_factor": factor, "rotary_dim": rotary_dim}
+        given = dict(
+            rope_theta=theta, partial_rotary_factor=factor, rotary_dim=rotary_dim,
+            rope_scaling=scaling,
+        )  # fmt: skip
         given = {name: value for name, value in given.items() if value is not None}
         if given:
             raise ValueError(f"{sorted(given)} need rope=True, got rope=False with {given}")
-        return None, 10000.0
+        return None, 10000.0, None
     if theta is None:
         theta = 10000.0
     if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
         raise ValueError(f"rope_theta must be a number > 0, got {theta!r}")
-    return rope_lib.rotary_dim(head_dim, factor, rotary_dim), float(theta)
+    dim = rope_lib.rotary_dim(head_dim, factor, rotary_dim)
+    return dim, float(theta), parse_rope_scaling(scaling, dim)
 
 
 def check_cache_room(position: jax.Array, t: int, n: int) -> jax.Array:
