@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax.layers import rope as rope_lib
-from linattn_jax.layers.common import check_decoding, project_qkv
+from linattn_jax.layers.common import check_decoding, check_state, project_qkv
 from linattn_jax.layers.feature_maps import HedgehogFeatureMap, T2RFeatureMap
 from linattn_jax.layers.gates import ChannelGate, HeadGate
 from linattn_jax.layers.recurrent import run_causal
@@ -229,8 +229,10 @@ class LinearizedAttention(SoftmaxAttention):
         decoding as ``LinearAttention``'s (a one-token ``x`` with a state: the O(1) step).
 
         Raises:
-          ValueError: a windowed layer given ``segment_ids``, ``state`` or ``return_state``.
+          ValueError: a state of another type; a windowed layer given ``segment_ids``,
+            ``state`` or ``return_state``.
         """
+        check_state(state, LinearizedCache)
         check_decoding(self, state, return_state)
         if self.window is not None and (
             segment_ids is not None or state is not None or return_state
