@@ -1,7 +1,7 @@
 """The layers floor: Flax NNX modules that own parameters and call ``linattn_jax.ops``.
 
 One file per layer kind (``linear``, ``delta``, ``softmax``, ``mla``, ``mamba2``,
-``mlstm``, ``lightning``), the pieces they share
+``mlstm``, ``lightning``, ``linearized``), the pieces they share
 (``conv``, ``gates``, ``feature_maps``, ``norms``, ``rope``, ``common``), the mixture of
 experts (``moe``), the MLPs (``mlp``), the dispatch
 between a decoding step, the sequence-parallel form and the full-sequence form written
@@ -24,13 +24,15 @@ from linattn_jax.layers.feature_maps import (
     RANDOM_FEATURES,
     HedgehogFeatureMap,
     RandomProjection,
+    T2RFeatureMap,
 )
 from linattn_jax.layers.gates import ChannelGate, HeadGate, MambaGate
 from linattn_jax.layers.lightning import LightningAttention, lightning_decays
 from linattn_jax.layers.linear import GATES, LinearAttention, LinearAttentionCache
+from linattn_jax.layers.linearized import LinearizedAttention, LinearizedCache
 from linattn_jax.layers.mamba2 import GroupedGatedRMSNorm, Mamba2Cache, Mamba2Mixer
 from linattn_jax.layers.mla import LatentAttention, LatentKVCache
-from linattn_jax.layers.mlp import MLP, MLPS, ReLU2MLP, SwiGLU, mlp_layout
+from linattn_jax.layers.mlp import MLP, MLPS, GeGLU, ReLU2MLP, SwiGLU, mlp_layout
 from linattn_jax.layers.mlstm import MLSTMLayer, MultiHeadLayerNorm
 from linattn_jax.layers.moe import MoE
 from linattn_jax.layers.norms import GatedRMSNorm, RMSNorm
@@ -65,6 +67,8 @@ __all__ = [
     "LightningAttention",
     "LinearAttention",
     "LinearAttentionCache",
+    "LinearizedAttention",
+    "LinearizedCache",
     "Mamba2Cache",
     "Mamba2Mixer",
     "MambaGate",
@@ -72,10 +76,12 @@ __all__ = [
     "MultiHeadLayerNorm",
     "RMSNorm",
     "RandomProjection",
+    "GeGLU",
     "ReLU2MLP",
     "SequenceSharding",
     "SoftmaxAttention",
     "SwiGLU",
+    "T2RFeatureMap",
     "TransformerBlock",
     "lightning_decays",
     "make_attention",

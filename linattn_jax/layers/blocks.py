@@ -108,7 +108,8 @@ class TransformerBlock(nnx.Module):
         ``"linear"``, ``"softmax"``, ``"gla"``, ``"deltanet"``, ``"gated_deltanet"``,
         ``"kda"``, ``"mamba2"``, or ``"mlp"`` (no mixer: the block is its MLP alone).
       mlp_ratio: the MLP's hidden width over ``width``.
-      mlp: ``"gelu"`` (default: ``MLP``), ``"swiglu"`` (``SwiGLU``), ``"relu2"``
+      mlp: ``"gelu"`` (default: ``MLP``), ``"swiglu"`` (``SwiGLU``), ``"geglu"``
+        (``GeGLU``), ``"relu2"``
         (``ReLU2MLP``), ``"moe"`` (a mixture of SwiGLU experts, ``layers.moe.MoE``, of the
         ``moe`` options) or ``"none"`` (no MLP and no second norm).
       mlp_hidden: the MLP's hidden width (overrides ``mlp_ratio``; Qwen's
@@ -128,6 +129,9 @@ class TransformerBlock(nnx.Module):
       post_norm: the norms after each half instead of before, ``x + norm(f(x))`` (OLMo 2's
         and OLMo-Hybrid's attention blocks; ``attention_norm`` and ``mlp_norm`` are then
         ``post_attention_layernorm`` and ``post_feedforward_layernorm``).
+      sandwich_norm: a second norm after each half too, ``x + norm_2(f(norm_1(x)))`` (Gemma 2
+        and 3: ``attention_post_norm`` is ``post_attention_layernorm``, ``mlp_norm`` and
+        ``mlp_post_norm`` ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm``).
       residual_multiplier: each half's output times this before it is added to the residual
         stream (Granite's ``residual_multiplier``; 1: none), over the halves' ``beta``.
       parallel: a second mixer run beside the first on the same normalised input, their
@@ -162,6 +166,7 @@ class TransformerBlock(nnx.Module):
         attention_residual: tuple[float, float] = (1.0, 1.0),
         mlp_residual: tuple[float, float] = (1.0, 1.0),
         post_norm: bool = False,
+        sandwich_norm: bool = False,
         residual_multiplier: float = 1.0,
         parallel: Mapping[str, Any] | None = None,
         branch_multipliers: Sequence[Sequence[float]] = ((1.0, 1.0), (1.0, 1.0)),
@@ -178,6 +183,9 @@ class TransformerBlock(nnx.Module):
         if post_norm and (normed_residual or short_conv or parallel is not None):
             raise ValueError("post_norm takes no normed_residual, short_conv or parallel mixer")
         self.normed_residual, self.post_norm = normed_residual, post_norm
+        checks.check_bool("sandwich_norm", sandwich_norm)
+        if sandwich_norm and post_norm:
+            raise ValueError("sandwich_norm has its norms before each half: not with post_norm")
         self.attention_residual = _residual_factors("attention_residual", attention_residual)
         self.mlp_residual = _residual_factors("mlp_residual", mlp_residual)
         branch_multipliers = _branch_multipliers(branch_multipliers)
@@ -199,6 +207,8 @@ class TransformerBlock(nnx.Module):
         )
         self.attention_norm = nnx.data(norm() if mixer else None)
         self.mlp_norm = nnx.data(norm() if mlp != "none" else None)
+        self.attention_post_norm = nnx.data(norm() if sandwich_norm and mixer else None)
+        self.mlp_post_norm = nnx.data(norm() if sandwich_norm and mlp != "none" else None)
         self.conv = nnx.data(
             CausalConv1D(width, short_conv, rngs=rngs, param_dtype=param_dtype)
             if short_conv
@@ -271,6 +281,8 @@ class TransformerBlock(nnx.Module):
             state = BlockState(attention_state, conv_state, parallel_state)
         if self.post_norm:
             h = self.attention_norm(h)
+        elif self.attention_post_norm is not None:
+            h = self.attention_post_norm(h)
         x = self._add(residual, h, self.attention_residual)
         if self.mlp is not None:
             x = self._mlp_half(x, key_mask, state is None and not return_state)
@@ -291,5 +303,7 @@ class TransformerBlock(nnx.Module):
     def _mlp(self, h, key_mask, recording: bool):
         if isinstance(self.mlp, MoE):
             # Losses are recorded by full-sequence passes (training), not by decoding.
-            return self.mlp(h, key_mask=key_mask, record=recording)
-        return self.mlp(h)
+            h = self.mlp(h, key_mask=key_mask, record=recording)
+        else:
+            h = self.mlp(h)
+        return h if self.mlp_post_norm is None else self.mlp_post_norm(h)

@@ -1,4 +1,5 @@
-"""The feature maps that own state: the learnable Hedgehog map and random projections."""
+"""The feature maps that own state: the learnable Hedgehog and T2R maps and random
+projections."""
 
 from __future__ import annotations
 
@@ -99,6 +100,47 @@ class HedgehogFeatureMap(nnx.Module):
         if is_query:
             both = both - jax.lax.stop_gradient(jnp.max(both, axis=-1, keepdims=True))
         return jnp.exp(both)
+
+
+class T2RFeatureMap(nnx.Module):
+    """T2R's learned map (Kasai et al. 2021, "Finetuning Pretrained Transformers into
+    RNNs"): a per-head single-layer MLP, ``phi(x) = relu(x W_h + b_h)``, ``[..., h, d] ->
+    [..., h, f]``, float32 (float64 for float64 inputs). Non-negative features: its kernel
+    is never negative, and a denominator is zero only where the numerator is.
+
+    Args:
+      heads: h, the number of heads.
+      head_dim: d, the dimension per head.
+      num_features: f, the features per head.
+      rngs: as in Flax (``W`` drawn LeCun-normal, ``b`` zeros).
+      param_dtype: the parameters' dtype, as in Flax.
+    """
+
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        num_features: int,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: Any = jnp.float32,
+    ):
+        checks.check_int("heads", heads, 1)
+        checks.check_int("head_dim", head_dim, 1)
+        checks.check_int("num_features", num_features, 1)
+        init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
+        self.kernel = nnx.Param(init(rngs.params(), (heads, head_dim, num_features), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((heads, num_features), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x [..., h, d] -> [..., h, f]``."""
+        heads, d, _ = self.kernel.shape
+        if x.shape[-2:] != (heads, d):
+            raise ValueError(f"T2RFeatureMap expects [..., heads={heads}, d={d}], got {x.shape}")
+        x = fm.upcast(x)
+        y = jnp.einsum("...hd,hdf->...hf", x, self.kernel[...].astype(x.dtype))
+        bias = self.bias[...].astype(x.dtype)
+        return jax.nn.relu(y + bias.reshape((1,) * (y.ndim - 2) + bias.shape))
 
 
 def make_feature_map(feature_map, heads: int, d: int, *, num_features, max_length, form, **kw):

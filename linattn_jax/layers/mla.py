@@ -9,6 +9,7 @@ Mixture-of-Experts Language Model" (https://arxiv.org/abs/2405.04434).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -75,7 +76,7 @@ class LatentAttention(nnx.Module):
     (``layers.rope``'s rotate-half form; positions as ``SoftmaxAttention``'s: real tokens
     only, per segment, continuing from a cache). Kimi Linear's MLA has no RoPE
     (``rope=False``, the default). DeepSeek-V3 checkpoints rotate interleaved pairs
-    (``rope_interleave``): their rope channels need a permutation to load here.
+    (``rope_interleave``): ``hf.deepseek_v3`` permutes their rope rows as it loads them.
 
     Without a cache the latent is decompressed and attention is ordinary. With one
     (``init_state``: ``LatentKVCache``) the query is absorbed into ``W_kvb``'s key half and
@@ -95,6 +96,8 @@ class LatentAttention(nnx.Module):
       v_head_dim: dv, each value head's channels (default n).
       rope: rotary embeddings on the rope channels.
       rope_theta: RoPE's base (default 10000).
+      rope_scaling: RoPE's frequencies scaled (``layers.rope_scaling``: DeepSeek-V3's
+        ``yarn``); None: none.
       scale: the scores' factor (default ``(n + p)^-0.5``).
       causal: causal (decoder) or non-causal (encoder) attention.
       max_length: the KV cache's length (decoding only).
@@ -127,6 +130,7 @@ class LatentAttention(nnx.Module):
         v_head_dim: int | None = None,
         rope: bool = False,
         rope_theta: float | None = None,
+        rope_scaling: Mapping[str, Any] | None = None,
         scale: float | None = None,
         causal: bool = True,
         max_length: int = 4096,
@@ -139,10 +143,11 @@ class LatentAttention(nnx.Module):
         unknown = sorted(set(linear_options) - LINEAR_ONLY_OPTIONS)
         if unknown:
             raise TypeError(f"LatentAttention got unexpected keyword arguments {unknown}")
-        nope, rope_dim, dv, rank, self.rotary_dim, self.rope_theta, scale = _check_options(
+        nope, rope_dim, dv, rank, rotary, scale = _check_options(
             width, num_heads, kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
-            v_head_dim, rope, rope_theta, scale, causal, dropout_rate,
+            v_head_dim, rope, rope_theta, rope_scaling, scale, causal, dropout_rate,
         )  # fmt: skip
+        self.rotary_dim, self.rope_theta, self.rope_scaling = rotary
         self.width, self.num_heads, self.scale = width, num_heads, scale
         self.causal, self.max_length = causal, max_length
         self.kv_lora_rank, self.q_lora_rank = rank, q_lora_rank
@@ -236,7 +241,7 @@ class LatentAttention(nnx.Module):
 def _rope(layer, x, pos):
     if layer.rotary_dim is None:
         return x
-    return rope_lib.apply_rope(x, pos, layer.rotary_dim, layer.rope_theta)
+    return rope_lib.apply_rope(x, pos, layer.rotary_dim, layer.rope_theta, layer.rope_scaling)
 
 
 def _softmax(layer, scores, allowed):
@@ -307,11 +312,11 @@ def attend_cached(layer: LatentAttention, q_nope, q_rope, latent, k_rope, key_ma
 
 def _check_options(
     width, num_heads, kv_lora_rank, q_lora_rank, nope, rope_dim, v_head_dim, rope, rope_theta,
-    scale, causal, dropout_rate,
-) -> tuple[int, int, int, int, int | None, float, float]:  # fmt: skip
-    """``(qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank, rotary_dim or None,
-    rope_theta, scale)`` of ``LatentAttention``'s options, the defaults filled in, or a
-    ValueError naming the first bad one."""
+    rope_scaling, scale, causal, dropout_rate,
+) -> tuple[int, int, int, int, tuple, float]:  # fmt: skip
+    """``(qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank, (rotary_dim or
+    None, rope_theta, the scaling or None), scale)`` of ``LatentAttention``'s options, the
+    defaults filled in, or a ValueError naming the first bad one."""
     nope = check_head_dim(width, num_heads, nope)
     rope_dim = max(nope // 2, 1) if rope_dim is None else rope_dim
     dv = nope if v_head_dim is None else v_head_dim
@@ -323,9 +328,9 @@ def _check_options(
     check_flags(rope=rope, causal=causal)
     if rope and rope_dim % 2:
         raise ValueError(f"qk_rope_head_dim must be even with rope=True, got {rope_dim}")
-    rotary_dim, rope_theta = check_rope(rope, rope_dim, rope_theta, None, None)
+    rotary = check_rope(rope, rope_dim, rope_theta, None, None, rope_scaling)
     if scale is None:
         scale = (nope + rope_dim) ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
         raise ValueError(f"scale must be a number > 0, got {scale!r}")
-    return nope, rope_dim, dv, rank, rotary_dim, rope_theta, float(scale)
+    return nope, rope_dim, dv, rank, rotary, float(scale)

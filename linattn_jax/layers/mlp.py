@@ -14,7 +14,7 @@ from flax import nnx
 
 from linattn_jax import sharding
 
-MLPS = ("gelu", "swiglu", "relu2", "moe", "none")
+MLPS = ("gelu", "swiglu", "geglu", "relu2", "moe", "none")
 
 
 def mlp_layout(mlp: str | Sequence[str], depth: int) -> tuple[str, ...]:
@@ -91,13 +91,24 @@ class SwiGLU(nnx.Module):
         self.up_proj = linear(width, hidden, embed, mlp)
         self.down_proj = linear(hidden, width, mlp, embed)
 
+    def activation(self, gate: jax.Array) -> jax.Array:
+        return jax.nn.silu(gate)
+
     def __call__(self, x: jax.Array) -> jax.Array:
         m_gate, m_down = self.multipliers
         gate = self.gate_proj(x)
         out = self.down_proj(
-            jax.nn.silu(gate if m_gate == 1.0 else gate * m_gate) * self.up_proj(x)
+            self.activation(gate if m_gate == 1.0 else gate * m_gate) * self.up_proj(x)
         )
         return out if m_down == 1.0 else out * m_down
+
+
+class GeGLU(SwiGLU):
+    """``down(GELU(gate(x)) * up(x))``, GELU in its tanh form (Gemma's MLP,
+    ``gelu_pytorch_tanh``); otherwise ``SwiGLU``, its projections' names too."""
+
+    def activation(self, gate: jax.Array) -> jax.Array:
+        return jax.nn.gelu(gate, approximate=True)
 
 
 class ReLU2MLP(nnx.Module):
@@ -118,4 +129,4 @@ class ReLU2MLP(nnx.Module):
         return self.down_proj(jnp.square(jax.nn.relu(self.up_proj(x))))
 
 
-MLP_CLASSES = {"gelu": MLP, "swiglu": SwiGLU, "relu2": ReLU2MLP}
+MLP_CLASSES = {"gelu": MLP, "swiglu": SwiGLU, "geglu": GeGLU, "relu2": ReLU2MLP}

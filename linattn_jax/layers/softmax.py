@@ -4,6 +4,7 @@ attention layer of today's hybrids (GQA, RoPE, QK-norm, gated output, sliding wi
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax import sharding
+from linattn_jax.layers import kv_window, soft_cap
 from linattn_jax.layers import rope as rope_lib
 from linattn_jax.layers.common import (
     check_can_decode,
@@ -22,6 +24,7 @@ from linattn_jax.layers.common import (
     project_qkv,
 )
 from linattn_jax.layers.norms import RMSNorm
+from linattn_jax.layers.rope_scaling import parse_rope_scaling
 from linattn_jax.ops import checks
 
 LINEAR_ONLY_OPTIONS = frozenset(
@@ -33,21 +36,25 @@ LINEAR_ONLY_OPTIONS = frozenset(
 
 
 class KVCache(NamedTuple):
-    """A ``SoftmaxAttention`` layer's decoding state: keys and values seen so far.
+    """A ``SoftmaxAttention`` layer's decoding state: keys and values seen so far (a
+    windowed layer's: the last ``sliding_window`` only, a ring buffer: ``layers.kv_window``).
 
     Attributes:
-      k: ``[b, max_length, num_kv_heads, head_dim]`` (after RoPE, when the layer has it).
-      v: ``[b, max_length, num_kv_heads, head_dim]``.
-      position: ``[b]`` int32, the number of tokens written (the next slot).
-      mask: ``[b, max_length]`` bool, True at slots holding a real key (written,
-        and not masked out by the ``key_mask`` of the call that wrote it); their count is
-        the RoPE position of the next token.
+      k: ``[b, n, num_kv_heads, head_dim]`` (after RoPE, when the layer has it); ``n`` the
+        cache's length, ``max_length`` (a windowed layer's: at most ``sliding_window``).
+      v: ``[b, n, num_kv_heads, head_dim]``.
+      position: ``[b]`` int32, the number of tokens written (padding too; the next slot,
+        or a ring's next slot modulo ``n``).
+      mask: ``[b, n]`` bool, True at slots holding a real key (written, and not masked
+        out by the ``key_mask`` of the call that wrote it).
+      real: ``[b]`` int32, the real tokens written: the RoPE position of the next one.
     """
 
     k: jax.Array
     v: jax.Array
     position: jax.Array
     mask: jax.Array
+    real: jax.Array
 
 
 class SoftmaxAttention(nnx.Module):
@@ -73,6 +80,10 @@ class SoftmaxAttention(nnx.Module):
       partial_rotary_factor: rotate only the first ``int(head_dim * factor)`` channels of
         each head; default all.
       rotary_dim: rotate only the first ``rotary_dim`` channels (instead of a factor).
+      rope_scaling: RoPE's frequencies scaled as long-context checkpoints do, e.g.
+        ``{"rope_type": "yarn", "factor": 4.0, ...}`` (``layers.rope_scaling``); None: none.
+      qkv_bias: biases on the q, k and v projections (Qwen2; Llama's ``attention_bias``).
+      out_bias: a bias on the output projection (Llama's and Qwen3's ``attention_bias``).
       qk_norm: an RMSNorm over each head's q and k, before RoPE (Qwen3, Qwen3-Next).
       zero_centred_qk_norm: those RMSNorms in the ``x * (1 + w)`` form (``layers.norms``).
       qk_norm_over_heads: with ``qk_norm``, one RMSNorm over all of q's heads
@@ -85,6 +96,8 @@ class SoftmaxAttention(nnx.Module):
         before it (and, non-causal, after it); None: all.
       scale: the scores' factor, ``softmax(scale q . k)``; None: ``head_dim ** -0.5``
         (Granite's ``attention_multiplier`` sets its own).
+      logit_soft_cap: the scores ``cap * tanh(scores / cap)`` before the softmax (Gemma
+        2's ``attn_logit_softcapping``; ``layers.soft_cap``); None: uncapped.
       dropout_rate: dropout on the attention's output, as in ``LinearAttention``.
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
@@ -113,12 +126,16 @@ class SoftmaxAttention(nnx.Module):
         rope_theta: float | None = None,
         partial_rotary_factor: float | None = None,
         rotary_dim: int | None = None,
+        rope_scaling: Mapping[str, Any] | None = None,
+        qkv_bias: bool = False,
+        out_bias: bool = False,
         qk_norm: bool = False,
         zero_centred_qk_norm: bool = False,
         qk_norm_over_heads: bool = False,
         output_gate: bool = False,
         sliding_window: int | None = None,
         scale: float | None = None,
+        logit_soft_cap: float | None = None,
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -132,7 +149,7 @@ class SoftmaxAttention(nnx.Module):
         h, kv, hd = check_heads(width, num_heads, num_kv_heads, head_dim)
         check_dropout_rate(dropout_rate)
         check_flags(rope=rope, qk_norm=qk_norm, output_gate=output_gate, causal=causal)
-        check_flags(zero_centred_qk_norm=zero_centred_qk_norm)
+        check_flags(zero_centred_qk_norm=zero_centred_qk_norm, qkv_bias=qkv_bias, out_bias=out_bias)
         check_flags(qk_norm_over_heads=qk_norm_over_heads)
         if qk_norm_over_heads and not qk_norm:
             raise ValueError("qk_norm_over_heads=True needs qk_norm=True")
@@ -142,21 +159,23 @@ class SoftmaxAttention(nnx.Module):
         if scale is not None and not (isinstance(scale, int | float) and 0 < scale < math.inf):
             raise ValueError(f"scale must be None or a finite number > 0, got {scale!r}")
         self.scale = None if scale is None else float(scale)
+        self.logit_soft_cap = soft_cap.check_soft_cap("logit_soft_cap", logit_soft_cap)
         self.width, self.num_heads, self.num_kv_heads, self.head_dim = width, h, kv, hd
         self.causal, self.max_length, self.sliding_window = causal, max_length, sliding_window
-        self.rotary_dim, self.rope_theta = check_rope(
-            rope, hd, rope_theta, partial_rotary_factor, rotary_dim
+        self.rotary_dim, self.rope_theta, self.rope_scaling = check_rope(
+            rope, hd, rope_theta, partial_rotary_factor, rotary_dim, rope_scaling
         )
         self.output_gate = output_gate
-        linear = lambda n_in, n_out, *axes: nnx.Linear(
-            n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), dtype=dtype,
+        linear = lambda n_in, n_out, bias, *axes: nnx.Linear(
+            n_in, n_out, use_bias=bias, kernel_init=sharding.kernel(*axes),
+            bias_init=sharding.with_axes(nnx.initializers.zeros_init(), axes[1]), dtype=dtype,
             param_dtype=param_dtype, rngs=rngs,
         )  # fmt: skip
         embed, heads, kv_heads = sharding.EMBED, sharding.HEADS, sharding.KV_HEADS
-        self.q_proj = linear(width, h * hd * (2 if output_gate else 1), embed, heads)
-        self.k_proj = linear(width, kv * hd, embed, kv_heads)
-        self.v_proj = linear(width, kv * hd, embed, kv_heads)
-        self.out_proj = linear(h * hd, width, heads, embed)
+        self.q_proj = linear(width, h * hd * (2 if output_gate else 1), qkv_bias, embed, heads)
+        self.k_proj = linear(width, kv * hd, qkv_bias, embed, kv_heads)
+        self.v_proj = linear(width, kv * hd, qkv_bias, embed, kv_heads)
+        self.out_proj = linear(h * hd, width, out_bias, heads, embed)
         norm = lambda heads: RMSNorm(
             hd * (heads if qk_norm_over_heads else 1), zero_centred=zero_centred_qk_norm,
             dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs,
@@ -168,13 +187,14 @@ class SoftmaxAttention(nnx.Module):
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs if dropout_rate > 0 else None)
 
     def init_state(self, batch: int, max_length: int | None = None) -> KVCache:
-        """An empty KV cache of ``max_length`` (the layer's by default) tokens."""
+        """An empty KV cache of ``max_length`` (the layer's by default) tokens; with a
+        ``sliding_window``, a ring of at most that many, which decodes any length."""
         check_can_decode(self)
         n = max_length or self.max_length
+        n = n if self.sliding_window is None else min(n, self.sliding_window)
         zeros = jnp.zeros((batch, n, self.num_kv_heads, self.head_dim))
-        return KVCache(
-            zeros, zeros, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, n), jnp.bool_)
-        )
+        none = jnp.zeros((batch,), jnp.int32)
+        return KVCache(zeros, zeros, none, jnp.zeros((batch, n), jnp.bool_), none)
 
     def __call__(
         self,
@@ -261,7 +281,7 @@ def _qk_norms(layer, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _rope(layer, x: jax.Array, positions: jax.Array) -> jax.Array:
     if layer.rotary_dim is None:
         return x
-    return rope_lib.apply_rope(x, positions, layer.rotary_dim, layer.rope_theta)
+    return rope_lib.apply_rope(x, positions, layer.rotary_dim, layer.rope_theta, layer.rope_scaling)
 
 
 def attend_full(layer, q, k, v, key_mask, segment_ids, cross: bool):
@@ -281,9 +301,10 @@ def attend_full(layer, q, k, v, key_mask, segment_ids, cross: bool):
     window = None
     if layer.sliding_window is not None:
         window = (layer.sliding_window - 1, 0 if layer.causal else layer.sliding_window - 1)
-    return jax.nn.dot_product_attention(
-        q, k, v, mask=mask, is_causal=layer.causal, local_window_size=window, scale=layer.scale
-    )
+    return soft_cap.dot_product_attention(
+        q, k, v, mask=mask, is_causal=layer.causal, local_window_size=window, scale=layer.scale,
+        soft_cap=layer.logit_soft_cap,
+    )  # fmt: skip
 
 
 def attend_cached(layer, q, k, v, key_mask, state):
@@ -297,23 +318,29 @@ def attend_cached(layer, q, k, v, key_mask, state):
         "state.k", state.k, (b, n, layer.num_kv_heads, layer.head_dim),
         "[batch, max_length, num_kv_heads, head_dim]",
     )  # fmt: skip
-    overflow = check_cache_room(state.position, t, n)
-    held = jnp.sum(state.mask, axis=1, dtype=jnp.int32)  # the real tokens before
-    pos = rope_lib.token_positions(b, t, key_mask=key_mask, start=held)
+    window = layer.sliding_window
+    ring = window is not None and n >= window  # a ring never overflows
+    overflow = jnp.zeros((b,), bool) if ring else check_cache_room(state.position, t, n)
+    pos = rope_lib.token_positions(b, t, key_mask=key_mask, start=state.real)
     q, k = _rope(layer, q, pos), _rope(layer, k, pos)
-    k_all, v_all = write_slots(state.k, k, state.position), write_slots(state.v, v, state.position)
     real = jnp.ones((b, t), bool) if key_mask is None else key_mask
+    count = state.real + jnp.sum(real, axis=1, dtype=jnp.int32)
+    if window is not None:  # a ring, or a cache too short to wrap (overflow says so)
+        cache = (state.k, state.v, state.mask)
+        out, (k_all, v_all, mask) = kv_window.attend_window(
+            q, k, v, real, cache, state.position, window, layer.scale, layer.logit_soft_cap
+        )
+        return out, KVCache(k_all, v_all, state.position + t, mask, count), overflow
+    k_all, v_all = write_slots(state.k, k, state.position), write_slots(state.v, v, state.position)
     mask = write_slots(state.mask, real, state.position)  # padding stays masked from now on
     query_slot = positions(state.position, b, t)[:, :, None]  # [b, t, 1]
-    slots = jnp.arange(n)[None, None, :]
-    allowed = (slots <= query_slot) & mask[:, None, :]
-    if layer.sliding_window is not None:
-        allowed = allowed & (slots > query_slot - layer.sliding_window)
+    allowed = (jnp.arange(n)[None, None, :] <= query_slot) & mask[:, None, :]
     f32 = lambda a: a.astype(jnp.float32)
-    out = jax.nn.dot_product_attention(
-        q, f32(k_all), f32(v_all), mask=allowed[:, None], scale=layer.scale
-    )
-    return out, KVCache(k_all, v_all, state.position + t, mask), overflow
+    out = soft_cap.dot_product_attention(
+        q, f32(k_all), f32(v_all), mask=allowed[:, None], scale=layer.scale,
+        soft_cap=layer.logit_soft_cap,
+    )  # fmt: skip
+    return out, KVCache(k_all, v_all, state.position + t, mask, count), overflow
 
 
 def write_slots(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
@@ -341,19 +368,24 @@ def check_flags(**flags) -> None:
             raise ValueError(f"{name} must be True or False, got {flag!r}")
 
 
-def check_rope(rope, head_dim, theta, factor, rotary_dim) -> tuple[int | None, float]:
-    """``(rotary_dim or None without RoPE, theta)``; RoPE's options need ``rope=True``."""
+def check_rope(rope, head_dim, theta, factor, rotary_dim, scaling=None) -> tuple:
+    """``(rotary_dim or None without RoPE, theta, the checked scaling or None)``; RoPE's
+    options need ``rope=True``."""
     if not rope:
-        given = {"rope_theta": theta, "partial_rotary_factor": factor, "rotary_dim": rotary_dim}
+        given = dict(
+            rope_theta=theta, partial_rotary_factor=factor, rotary_dim=rotary_dim,
+            rope_scaling=scaling,
+        )  # fmt: skip
         given = {name: value for name, value in given.items() if value is not None}
         if given:
             raise ValueError(f"{sorted(given)} need rope=True, got rope=False with {given}")
-        return None, 10000.0
+        return None, 10000.0, None
     if theta is None:
         theta = 10000.0
     if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
         raise ValueError(f"rope_theta must be a number > 0, got {theta!r}")
-    return rope_lib.rotary_dim(head_dim, factor, rotary_dim), float(theta)
+    dim = rope_lib.rotary_dim(head_dim, factor, rotary_dim)
+    return dim, float(theta), parse_rope_scaling(scaling, dim)
 
 
 def check_cache_room(position: jax.Array, t: int, n: int) -> jax.Array:

@@ -14,9 +14,10 @@ cumulative log-decays, the decay from key j to query i formed as a difference of
 cumulative sums masked BEFORE ``exp`` (never ``exp(G_i) * exp(-G_j)``, which
 overflows for strong decays), and the factors that carry the state across.
 
-Mixed precision: for bfloat16 (or float16) inputs the chunks' matmuls take their
-operands in that dtype and accumulate in float32 (``einsum``, ``operand_dtype``);
-everything elementwise (decays, their ``exp``, cumulative sums, states) stays float32.
+Mixed precision: for bfloat16 inputs the chunks' matmuls take their operands in
+bfloat16 and accumulate in float32 (``einsum``, ``operand_dtype``); float16 inputs
+read float32 operands (its range holds neither the scores nor the states); everything
+elementwise (decays, their ``exp``, cumulative sums, states) stays float32.
 
 Internal layout: heads first, ``[b, h, t, .]``; log-decays ``[b, h, t, g]`` with
 ``g`` 1 (per head) or the key width (per channel); resets ``[b, 1|h, t, 1|g]``.
@@ -246,10 +247,16 @@ def _cotangent_buffers(inputs: list, kept: Any) -> tuple[list, Callable]:
 
 def operand_dtype(dtype) -> jnp.dtype | None:
     """The dtype a chunk's matmuls read their operands in, for inputs of ``dtype``:
-    bfloat16 and float16 stay themselves (float32 accumulation), None for the others
-    (float32 and float64 inputs: no cast, the matmuls run as before)."""
+    bfloat16 stays itself (float32 accumulation), None for the others (no cast: float32
+    and float64 run as they are, float16 reads float32 operands).
+
+    The operands include what the chunk computed, not only the inputs: the ``[c, c]``
+    scores and the state, which grow with the inputs' magnitudes and the sequence.
+    bfloat16 has float32's range; float16 tops out at 65504, and a cast there turned
+    scores or states of 1e5 into inf (NaN outputs of an SSD whose outputs peak at 3e3).
+    """
     dtype = jnp.dtype(dtype)
-    return dtype if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else None
+    return dtype if dtype == jnp.dtype(jnp.bfloat16) else None
 
 
 def einsum(subscripts: str, a: Array, b: Array, *, dtype=None) -> Array:

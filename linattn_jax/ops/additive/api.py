@@ -180,8 +180,9 @@ def causal(
     Returns:
       ``out [b, t, h, v]`` in the dtype of ``v``, or ``(out, state)`` when
       ``return_state``; ``state`` is a float32 ``State`` (``LinearAttentionState``). For bfloat16
-      (float16) ``q`` the chunked form's matmuls read their operands in that dtype,
-      with float32 accumulation (see the module's docstring); the state stays float32.
+      ``q`` the chunked form's matmuls read bfloat16 operands with float32 accumulation
+      (float16 ``q``: float32 operands, ``chunking.operand_dtype``); the state stays
+      float32.
 
     Raises:
       ValueError: on mismatched or wrong-rank shapes, non-float inputs, an unknown

@@ -118,8 +118,8 @@ def causal(
     Returns:
       ``out [b, t, hv, dv]`` in the dtype of ``v``, or ``(out, state)`` when
       ``return_state``; ``state`` is a float32 ``State`` (``DeltaRuleState``). For bfloat16
-      (float16) ``q`` the chunked form's output products read their operands in that
-      dtype, with float32 accumulation (see the module's docstring).
+      ``q`` the chunked form's output products read bfloat16 operands with float32
+      accumulation (float16 ``q``: float32 operands, ``chunking.operand_dtype``).
 
     Raises:
       ValueError: on mismatched or wrong-rank shapes, non-float inputs, an unknown

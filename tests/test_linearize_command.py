@@ -1,0 +1,84 @@
+"""``python -m experiments.linearize`` end to end, a few steps of each stage: on a tiny Llama
+directory made by ``transformers`` (its bytes as token ids) and on a tiny softmax teacher
+trained by the command itself; the report's files and fields, the student read back from
+its directory with the same logits, a rerun that resumes (nothing trained again), and a
+workdir of another config refused."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from experiments.linearize import __main__ as command
+from experiments.linearize import export
+
+TINY = [
+    "--config.batch_size=2", "--config.seq_len=24", "--config.eval_batches=1",
+    "--config.eval_every=2", "--config.log_every=1", "--config.checkpoint_every=2",
+    "--config.transfer.steps=2", "--config.finetune.steps=2", "--config.finetune.lora_rank=2",
+    "--config.copy_batches=1", "--config.teacher.text.num_files=1",
+    "--config.student.window=4", "--config.progress=false",
+]  # fmt: skip
+
+
+def _run(workdir, *extra):
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes int and float scalars
+        return command.main(["--config", "configs/linearize.py:small", "--workdir", str(workdir),
+                             *TINY, *extra])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _check_report(workdir, results):
+    on_disk = json.loads((workdir / "results.json").read_text())
+    for stage in ("teacher", "transfer", "finetune", "scratch"):
+        assert {"loss", "tokens"} <= set(on_disk[stage]) and np.isfinite(on_disk[stage]["loss"])
+    assert on_disk["transfer"]["tokens"] == on_disk["finetune"]["tokens"] == 2 * 2 * 24
+    assert on_disk["scratch"]["tokens"] == 4 * 2 * 24
+    assert (workdir / "results.png").is_file() and "| teacher" in (
+        workdir / "results.md"
+    ).read_text()
+    model = export.load_student(on_disk["student_dir"])
+    assert list(model.layout) == on_disk["layout"] == results
+
+
+def test_an_hf_llama_directory(llama_dir, tmp_path, capsys):
+    workdir = tmp_path / "run"
+    assert _run(workdir, f"--config.teacher_dir={llama_dir}") == 0
+    _check_report(workdir, ["linearized", "linearized"])
+    assert json.loads((workdir / "results.json").read_text())["teacher"]["tokens"] == 0
+    before = (workdir / "transfer" / "metrics.jsonl").read_text()
+    assert _run(workdir, f"--config.teacher_dir={llama_dir}") == 0  # resumes: nothing retrained
+    assert (workdir / "transfer" / "metrics.jsonl").read_text() == before
+    capsys.readouterr()
+    assert _run(workdir, f"--config.teacher_dir={llama_dir}", "--config.finetune.steps=3") == 2
+    assert "holds a run of another config (finetune.steps: 2 -> 3)" in capsys.readouterr().err
+
+
+def test_a_teacher_trained_here_and_a_gated_deltanet_student(tmp_path):
+    workdir = tmp_path / "run"
+    teacher = ["--config.teacher.steps=2", "--config.teacher.model.width=16",
+               "--config.teacher.model.depth=2", "--config.teacher.seq_len=24",
+               "--config.teacher.batch_size=2", "--config.teacher.eval_batches=1",
+               "--config.teacher.text.sample_length=2"]  # fmt: skip
+    assert _run(workdir, *teacher, "--config.student.kind=gated_deltanet",
+                "--config.student.keep_softmax=ranked:1") == 0  # fmt: skip
+    results = json.loads((workdir / "results.json").read_text())
+    assert results["teacher"]["tokens"] == 2 * 2 * 24
+    kept = max(results["transfer"]["layer_losses"], key=results["transfer"]["layer_losses"].get)
+    layout = ["gated_deltanet", "gated_deltanet"]
+    layout[int(kept)] = "softmax"
+    _check_report(workdir, layout)
