@@ -62,6 +62,37 @@ def _parallel_mixer(parallel, width, num_heads, mixer, short_conv, rngs, dtype, 
     return registry.make_attention(kind, width, heads or num_heads, **options)
 
 
+def _check_block_options(
+    width, num_heads, attention, mlp, mlp_ratio, mlp_hidden, short_conv, normed_residual,
+    post_norm, sandwich_norm, parallel, residual_multiplier, causal,
+) -> tuple[bool, int]:  # fmt: skip
+    """``(whether the block has a mixer, the MLP's hidden width)`` of ``TransformerBlock``'s
+    options, or a ValueError naming the first bad one (the layers check their own)."""
+    checks.check_sizes(width=width, num_heads=num_heads)  # the layer checks the rest
+    check_multiplier("residual_multiplier", residual_multiplier)
+    checks.check_bool("normed_residual", normed_residual)
+    checks.check_bool("post_norm", post_norm)
+    if post_norm and (normed_residual or short_conv or parallel is not None):
+        raise ValueError("post_norm takes no normed_residual, short_conv or parallel mixer")
+    checks.check_bool("sandwich_norm", sandwich_norm)
+    if sandwich_norm and post_norm:
+        raise ValueError("sandwich_norm has its norms before each half: not with post_norm")
+    checks.check_int("mlp_ratio", mlp_ratio, 1)
+    if mlp not in MLPS:
+        raise ValueError(f"mlp must be one of {MLPS}, got {mlp!r}")
+    hidden = mlp_ratio * width if mlp_hidden is None else mlp_hidden
+    checks.check_int("mlp_hidden", hidden, 1)
+    checks.check_int("short_conv", short_conv, 0)
+    mixer = registry.get(attention).layer is not None
+    if not mixer and mlp == "none":
+        raise ValueError('a block needs a mixer or an MLP: attention="mlp" with mlp="none"')
+    if short_conv and not mixer:
+        raise ValueError(f"short_conv needs a mixer, got attention={attention!r}")
+    if short_conv and not causal:
+        raise ValueError("short_conv is causal: use it in causal blocks only")
+    return mixer, hidden
+
+
 def _residual_factors(name: str, factors) -> tuple[float, float]:
     """``(alpha, beta)`` as two floats, or a ValueError naming ``name``."""
     if not isinstance(factors, tuple | list) or len(factors) != 2:
@@ -176,32 +207,15 @@ class TransformerBlock(nnx.Module):
         param_dtype=jnp.float32,
         **attention_kwargs,
     ):
-        checks.check_sizes(width=width, num_heads=num_heads)  # the layer checks the rest
-        check_multiplier("residual_multiplier", residual_multiplier)
-        checks.check_bool("normed_residual", normed_residual)
-        checks.check_bool("post_norm", post_norm)
-        if post_norm and (normed_residual or short_conv or parallel is not None):
-            raise ValueError("post_norm takes no normed_residual, short_conv or parallel mixer")
+        mixer, hidden = _check_block_options(
+            width, num_heads, attention, mlp, mlp_ratio, mlp_hidden, short_conv,
+            normed_residual, post_norm, sandwich_norm, parallel, residual_multiplier,
+            attention_kwargs.get("causal", True),
+        )  # fmt: skip
         self.normed_residual, self.post_norm = normed_residual, post_norm
-        checks.check_bool("sandwich_norm", sandwich_norm)
-        if sandwich_norm and post_norm:
-            raise ValueError("sandwich_norm has its norms before each half: not with post_norm")
         self.attention_residual = _residual_factors("attention_residual", attention_residual)
         self.mlp_residual = _residual_factors("mlp_residual", mlp_residual)
         branch_multipliers = _branch_multipliers(branch_multipliers)
-        checks.check_int("mlp_ratio", mlp_ratio, 1)
-        if mlp not in MLPS:
-            raise ValueError(f"mlp must be one of {MLPS}, got {mlp!r}")
-        hidden = mlp_ratio * width if mlp_hidden is None else mlp_hidden
-        checks.check_int("mlp_hidden", hidden, 1)
-        checks.check_int("short_conv", short_conv, 0)
-        mixer = registry.get(attention).layer is not None
-        if not mixer and mlp == "none":
-            raise ValueError('a block needs a mixer or an MLP: attention="mlp" with mlp="none"')
-        if short_conv and not mixer:
-            raise ValueError(f"short_conv needs a mixer, got attention={attention!r}")
-        if short_conv and not attention_kwargs.get("causal", True):
-            raise ValueError("short_conv is causal: use it in causal blocks only")
         norm = lambda: RMSNorm(
             width, zero_centred=zero_centred_norm, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
