@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax.layers import rope as rope_lib
-from linattn_jax.layers.common import check_decoding, project_qkv
+from linattn_jax.layers.common import check_decoding, check_state, project_qkv
 from linattn_jax.layers.feature_maps import HedgehogFeatureMap, T2RFeatureMap
 from linattn_jax.layers.gates import ChannelGate, HeadGate
 from linattn_jax.layers.recurrent import run_causal
@@ -232,6 +232,7 @@ class LinearizedAttention(SoftmaxAttention):
           ValueError: a windowed layer given ``segment_ids``, ``state`` or ``return_state``.
         """
         check_decoding(self, state, return_state)
+        check_state(state, LinearizedCache)
         if self.window is not None and (
             segment_ids is not None or state is not None or return_state
         ):
