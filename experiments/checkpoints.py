@@ -23,6 +23,7 @@ from absl import logging
 from flax import nnx
 from ml_collections import ConfigDict
 
+from experiments.builders import build_model, build_optimizer
 from experiments.tasks import TASKS
 from experiments.validation import config_changes
 
@@ -424,8 +425,6 @@ def load(workdir: str | Path) -> tuple[nnx.Module, ConfigDict]:
     Raises:
       ValueError: no ``config.json`` or no readable checkpoint there.
     """
-    from experiments.trainer import build_model, build_optimizer  # the trainer imports us
-
     workdir = Path(workdir)
     if not (workdir / "config.json").is_file():
         raise ValueError(f"workdir {workdir} has no config.json: not a training workdir")

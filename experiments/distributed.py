@@ -12,8 +12,11 @@ Once they have joined, every process writes a heartbeat to the coordinator's key
 every quarter of ``distributed.heartbeat_timeout``, and process 0 watches the others': a peer
 silent for that long (killed, or its host gone) makes process 0 exit in the same way
 (``lost_process_message``), again before JAX's own heartbeat deadline aborts it. The
-checkpoints already on disk stay as they are (one being written at that moment, if any, may
-be left incomplete; the test checks only that the completed ones stay).
+other processes cannot outrun JAX when process 0 dies (their client aborts them at once):
+``experiments.supervisor`` stands by each of them from a parent process and puts that abort
+in one line (``supervisor.lost_coordinator_message``), exit status ``LOST_PEER_STATUS``.
+The checkpoints already on disk stay as they are (one being written at that moment, if any,
+may be left incomplete; the tests check only that the completed ones stay).
 """
 
 from __future__ import annotations
@@ -72,7 +75,10 @@ def initialize(config: ConfigDict) -> None:
         ) from None
     finally:
         joined.set()
-    _watch_peers(d)
+    state = client_state()
+    if state is not None:
+        report_joined(state.process_id, state.num_processes, state.coordinator_address)
+        _watch_peers(d, state)
 
 
 LOST_PEER_STATUS = 1  # a run that failed (experiments.cli: 2 is a bad command line)
@@ -128,27 +134,55 @@ def lost_process_message(d, lost: list[int], n: int) -> str:
     )
 
 
-_HEARTBEAT = "experiments.distributed/heartbeat/"  # + process index: a counter, or _DONE
-_DONE = "done"
+REPORT_FD_ENV = "EXPERIMENTS_REPORT_FD"  # a supervised child's pipe to its parent
 
 
-def _watch_peers(d) -> None:
-    """Starts this process's heartbeat (a counter in the coordinator's key-value store,
-    advanced every quarter of ``d.heartbeat_timeout``) and, on process 0, the watch of the
-    others': a peer whose counter stands still for ``d.heartbeat_timeout`` seconds makes it
-    print ``lost_process_message`` and exit ``LOST_PEER_STATUS``.
+def report_joined(process_id: int, num_processes: int, coordinator: str) -> None:
+    """In a child of ``experiments.supervisor`` (``REPORT_FD_ENV`` names its pipe): tells
+    the parent this process's place in the run, once joined. Elsewhere nothing."""
+    fd = os.environ.pop(REPORT_FD_ENV, None)
+    if fd is not None:
+        with os.fdopen(int(fd), "w") as pipe:
+            pipe.write(f"{process_id} {num_processes} {coordinator}\n")
 
-    The store is JAX's distributed client, which jax only exposes privately
-    (``jax._src.distributed.global_state``); where a release lacks it, nothing is watched
-    and a lost peer ends the run as JAX ends it (SIGABRT after its own deadline).
+
+_CLIENT_METHODS = ("key_value_set", "key_value_try_get")
+
+
+def client_state():
+    """JAX's distributed state once ``jax.distributed.initialize`` has returned: its
+    ``process_id``, ``num_processes``, ``coordinator_address`` and ``client`` (the
+    coordinator's key-value store: ``key_value_set``, ``key_value_try_get``), or None
+    where a JAX release lacks any of them.
+
+    JAX has no public handle on these (jax 0.10.2 and 0.11: ``jax.distributed`` exports
+    only ``initialize``, ``is_initialized`` and ``shutdown``; ``multihost_utils`` reads the
+    same private ``global_state``), so this is the one place that reads
+    ``jax._src.distributed.global_state``; ``tests/test_multihost.py`` fails on a JAX
+    where it is gone. Its process index and count, read here, start no backend (as
+    ``jax.process_index()`` would).
     """
     from jax._src import distributed as jax_distributed  # no public handle on the client
 
     state = getattr(jax_distributed, "global_state", None)
     client = getattr(state, "client", None)
-    if client is None or not hasattr(client, "key_value_try_get"):
-        return
-    # From JAX's distributed state, not jax.process_index(): no backend starts here.
+    fields = ("process_id", "num_processes", "coordinator_address")
+    if client is None or not all(hasattr(client, m) for m in _CLIENT_METHODS):
+        return None
+    return state if all(getattr(state, f, None) is not None for f in fields) else None
+
+
+_HEARTBEAT = "experiments.distributed/heartbeat/"  # + process index: a counter, or _DONE
+_DONE = "done"
+
+
+def _watch_peers(d, state) -> None:
+    """Starts this process's heartbeat (a counter in the coordinator's key-value store,
+    ``state.client`` of ``client_state()``, advanced every quarter of
+    ``d.heartbeat_timeout``) and, on process 0, the watch of the others': a peer whose
+    counter stands still for ``d.heartbeat_timeout`` seconds makes it print
+    ``lost_process_message`` and exit ``LOST_PEER_STATUS``."""
+    client = state.client
     me, n, every = state.process_id, state.num_processes, d.heartbeat_timeout / 4
 
     lock, stopped = threading.Lock(), threading.Event()

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from absl import logging
 
-from experiments import cli, distributed, trainer
+from experiments import cli, distributed, supervisor, trainer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -45,6 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
         if args.multihost and config.distributed.num_processes == 1:
             config.distributed.num_processes = 0
+        d = config.distributed
+        if supervisor.wanted(d.num_processes, d.process_id, argv):
+            # This command again, as a child whose loss of the coordinator is one line.
+            return supervisor.run()
+        supervisor.follow_parent()  # a supervised child ends with its parent
         distributed.initialize(config)  # first of all (train does it too, if not yet)
         with distributed.lost_peers_reported():
             final = trainer.train(config, args.workdir, verbose=args.verbose)

@@ -231,6 +231,18 @@ def randomized(torch_model, norm_mean: float):
     return torch_model
 
 
+def randomized_biases(torch_model):
+    """``torch_model`` with random biases and routers' correction biases (``N(0, 0.5)``;
+    ``transformers`` makes them 0), so that a mapping error shows."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in [*torch_model.named_parameters(), *torch_model.named_buffers()]:
+            if name.endswith((".bias", "e_score_correction_bias")):
+                p.normal_(0.0, 0.5)
+    return torch_model
+
+
 def randomized_mamba(torch_model):
     """``torch_model`` with random ``A_log``, ``dt_bias``, ``D`` and convolution biases
     (``N(0, 1)``) and norms (``1 + 0.5 N(0, 1)``), so that a mapping error shows."""
@@ -286,6 +298,34 @@ def assert_decoding_matches(model, torch_model, tokens, rtol: float) -> None:
     steps = prefill_then_steps(model, tokens, 12, model.init_state(*np.shape(tokens)))
     assert_close_normwise(steps, full, rtol)
     assert_greedy_tokens_match(model, torch_model, tokens[:1, :6])
+
+
+def assert_matches_decodes_and_pads(pair, vocab: int, rtol: float) -> None:
+    """``pair`` (``torch_pair``'s) against ``transformers``: the logits of random tokens
+    ``[3, 17]`` normwise to ``rtol``, ``assert_decoding_matches`` (a prefill of 12 then
+    steps, 16 greedy tokens) and ``assert_left_padded_row_alone`` (row 0 padded by 4)."""
+    ref, _, model, _ = pair
+    tokens = np.random.default_rng(0).integers(0, vocab, (3, 17))
+    assert_close_normwise(logits(model, tokens), torch_logits(ref, tokens), rtol)
+    assert_decoding_matches(model, ref, tokens, rtol)
+    assert_left_padded_row_alone(model, ref, tokens, 4, rtol)
+
+
+def assert_round_trips(pair, path):
+    """``assert_save_round_trip`` of ``pair``'s model to ``path / "ours"``; ``transformers``'
+    model read from there holds every tensor of ``pair``'s, bit for bit (returned)."""
+    ref, _, model, config = pair
+    back = assert_save_round_trip(model, config, ref, path / "ours")
+    assert_same_torch_tensors(back, ref)
+    return back
+
+
+def assert_reads_the_fused_layout(pair, path) -> None:
+    """``pair``'s checkpoint as ``transformers`` holds it in memory (a mixture's experts
+    fused: ``load_state_dict``, to ``path / "fused"``) loads to the same parameters."""
+    ref, directory, model, _ = pair
+    (path / "fused").mkdir()
+    assert_same_params(load_state_dict(ref, path / "fused", directory), model)
 
 
 def saved_without_config(model, torch_model, path, **options):

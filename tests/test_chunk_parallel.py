@@ -70,11 +70,9 @@ def test_the_blocked_solve_and_its_gradient_match_xlas():
     rhs = jax.random.normal(keys[1], (3, 32, 7))
     w = jnp.cos(jnp.arange(3 * 32 * 7.0)).reshape(3, 32, 7)
     grads = lambda solve: jax.grad(lambda a, b: jnp.sum(solve(a, b) * w), argnums=(0, 1))
+    helpers.assert_close_normwise(chunked.blocked_solve(lower, rhs), chunked.xla_solve(lower, rhs))
     helpers.assert_close_normwise(
-        chunked._blocked_solve(lower, rhs), chunked._xla_solve(lower, rhs)
-    )
-    helpers.assert_close_normwise(
-        grads(chunked._blocked_solve)(lower, rhs), grads(chunked._xla_solve)(lower, rhs)
+        grads(chunked.blocked_solve)(lower, rhs), grads(chunked.xla_solve)(lower, rhs)
     )
 
 

@@ -3,10 +3,6 @@
 import dataclasses
 import json
 import re
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import chex
 import jax
@@ -16,7 +12,6 @@ import pytest
 
 from experiments import configuration, data, reporting, sweep, trainer
 from linattn_jax import layers
-from tests import helpers
 
 
 @pytest.fixture(autouse=True)
@@ -141,38 +136,6 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path, monkeypatch):
     chex.assert_trees_all_equal(
         _final_checkpoint(tmp_path / "a", 6), _final_checkpoint(tmp_path / "b", 6)
     )
-
-
-@pytest.mark.slow
-def test_sharded_step_gives_the_single_device_loss(tmp_path):
-    """Data x sequence parallel (8 devices, 4 along the sequence) through the trainer: the
-    single-device losses (tests/test_sharding.py trains the additive layer on fsdp, tensor
-    and data x fsdp x sequence meshes)."""
-    assert jax.device_count() == 1
-    devices, sequence = 8, 4
-    config = ["seq_len=32", "steps=3", "batch_size=8", "model.attention=gated_deltanet"]
-    single = trainer.train(tiny_config("configs/mqar.py:small", *config), tmp_path / "one")
-    config.append(f"mesh.sequence={sequence}")
-    script = textwrap.dedent(f"""
-        import json, jax
-        from tests.test_experiments import tiny_config
-        from experiments import trainer
-        assert jax.device_count() == {devices}
-        final = trainer.train(tiny_config("configs/mqar.py:small", *{config!r}),
-                              {str(tmp_path / "many")!r})
-        print(json.dumps(final))
-    """)
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        env=helpers.device_env(devices),
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=Path(__file__).parents[1],
-    )
-    many = json.loads(out.stdout.strip().splitlines()[-1])
-    np.testing.assert_allclose(many["loss"], single["loss"], rtol=1e-5)
-    np.testing.assert_allclose(many["accuracy"], single["accuracy"], rtol=1e-5)
 
 
 @pytest.mark.slow

@@ -206,6 +206,31 @@ def test_right_padding_leaves_the_delta_layers_cache_its_last_real_inputs():
     chex.assert_trees_all_close(y, y_ref, **helpers.tol(jnp.float32))
 
 
+# The layers with a short convolution, each as a decoder continues a batch's second turn.
+SHORT_CONV_LAYERS = {
+    "mamba2": lambda: layers.Mamba2Mixer(WIDTH, 2, state_dim=4, rngs=nnx.Rngs(0)),
+    "gated_deltanet": lambda: layers.DeltaRuleAttention(WIDTH, 2, rngs=nnx.Rngs(0)),
+    "block": lambda: layers.TransformerBlock(WIDTH, 2, short_conv=4, rngs=nnx.Rngs(0)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SHORT_CONV_LAYERS))
+def test_a_left_padded_chunk_after_a_state_keeps_the_states_inputs_in_the_window(kind):
+    """#53 item 3: the padding of a left-padded second chunk is skipped by the short
+    convolution (its first real tokens see the first chunk's last inputs, from the state),
+    so the row equals its lone run, outputs and state."""
+    layer = SHORT_CONV_LAYERS[kind]()
+    x = jax.random.normal(jax.random.PRNGKey(5), (1, 7, WIDTH))
+    first, second = x[:, :5], x[:, 5:]
+    _, state = layer(first, state=layer.init_state(1), return_state=True)
+    alone, alone_state = layer(second, state=state, return_state=True)
+    padded = jnp.concatenate([jnp.full((1, 3, WIDTH), jnp.nan), second], axis=1)
+    mask = jnp.array([[False] * 3 + [True] * 2])
+    out, out_state = layer(padded, key_mask=mask, state=state, return_state=True)
+    chex.assert_trees_all_close(out[:, 3:], alone, **helpers.tol(jnp.float32))
+    chex.assert_trees_all_close(out_state, alone_state, **helpers.tol(jnp.float32))
+
+
 def test_the_classifier_checks_its_ids_and_pools_by_selection():
     model = models.SequenceClassifier(VOCAB, 3, WIDTH, 1, 2, rngs=nnx.Rngs(0))
     tokens = jnp.array([[1, 2, 3, VOCAB]], jnp.int32)

@@ -1,8 +1,9 @@
 """Grouped value heads of the delta rule (``hv`` a multiple of ``h``): each value head reads
 the q and k of its group, as the same rule with q and k repeated explicitly.
 
-The sequence-parallel check needs two devices: its launcher re-runs this file in a process
-with ``--xla_force_host_platform_device_count=2``.
+The sequence-parallel check needs two devices: tests/test_sequence_parallel.py's launcher runs
+it in its process with ``--xla_force_host_platform_device_count=8`` (one process for every
+multi-device check, rather than one each).
 """
 
 import functools
@@ -19,7 +20,6 @@ from tests.reference_recurrent import delta_rule_reference
 
 B, T, H, G, DK, DV = 2, 11, 2, 3, 8, 5
 HV = H * G
-TWO = jax.device_count() == 2
 
 
 def _inputs(seed, gate_kind="head", t=T):
@@ -112,14 +112,7 @@ def test_grouped_heads_errors():
         la.delta_rule_step(q[:, 0], k[:, 0], v[:, 0, :5], beta[:, 0, :5], None)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(TWO, reason="this is the launcher; the real test runs below")
-def test_in_a_process_with_two_devices():
-    stdout = helpers.pytest_with_devices(2, __file__, "-k", "sequence_parallel or launcher")
-    assert "1 passed" in stdout
-
-
-@pytest.mark.skipif(not TWO, reason="needs 2 devices (run by the launcher test)")
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (run by the launcher)")
 def test_grouped_sequence_parallel_equals_single_device():
     q, k, v, beta, gate = _inputs(5, "channel", t=12)
     mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))

@@ -255,11 +255,16 @@ class ConstructionTest(parameterized.TestCase):
         _linear(feature_map="elu", num_features=8, hedgehog_form="paper", max_length=64)
 
 
-def test_the_old_delta_layers_module_still_imports_with_a_deprecation():
-    import importlib
-    import sys
-
-    sys.modules.pop("linattn_jax.delta_layers", None)
-    with pytest.warns(DeprecationWarning, match=r"use linattn_jax.layers.DeltaRuleAttention"):
-        module = importlib.import_module("linattn_jax.delta_layers")
-    assert module.DeltaRuleAttention is layers.DeltaRuleAttention
+# #53 item 6: every layer kind (and the block) names the state type it expects.
+@pytest.mark.parametrize("kind", [k for k in layers.ATTENTION_KINDS if k != "mlp"] + ["block"])
+def test_a_state_of_another_layer_is_refused_by_name(kind):
+    options = {"mamba2": dict(state_dim=4)}.get(kind, {})
+    if kind == "block":
+        layer = layers.TransformerBlock(8, 2, rngs=nnx.Rngs(0))
+    else:
+        layer = layers.make_attention(kind, 8, 2, rngs=nnx.Rngs(0), **options)
+    other = layers.MLSTMLayer(8, 2, rngs=nnx.Rngs(0)) if kind == "mamba2" else None
+    other = other or layers.Mamba2Mixer(8, 2, state_dim=4, rngs=nnx.Rngs(0))
+    expected = type(layer.init_state(1)).__name__
+    with pytest.raises(ValueError, match=rf"state must be an? {expected}, got "):
+        layer(jnp.zeros((1, 1, 8)), state=other.init_state(1), return_state=True)

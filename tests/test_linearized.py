@@ -24,10 +24,11 @@ def x():
     return jax.random.normal(jax.random.PRNGKey(0), (2, T, WIDTH))
 
 
-def _pair(**options):
+def _pair(rope_scaling=None, **options):
     """A random softmax layer and a linearised one holding its parameters."""
-    teacher = layers.SoftmaxAttention(WIDTH, HEADS, rngs=nnx.Rngs(0), **SOFTMAX)
-    student = LinearizedAttention(WIDTH, HEADS, rngs=nnx.Rngs(1), **SOFTMAX, **options)
+    rope = dict(SOFTMAX, rope_scaling=rope_scaling)
+    teacher = layers.SoftmaxAttention(WIDTH, HEADS, rngs=nnx.Rngs(0), **rope)
+    student = LinearizedAttention(WIDTH, HEADS, rngs=nnx.Rngs(1), **rope, **options)
     nnx.update(student, nnx.state(teacher))
     return teacher, student
 
@@ -39,9 +40,12 @@ def _through_weights(layer, x, weights):
     return layer.out_proj(out.reshape(*x.shape[:2], -1))
 
 
-@pytest.mark.parametrize("window", [T, T + 5])
-def test_a_window_over_the_whole_sequence_is_the_softmax_layer(x, window):
-    teacher, student = _pair(window=window)
+# A scaled RoPE (Llama 3's teachers) is the teacher's: the student rotates as it does.
+@pytest.mark.parametrize(
+    "window, scaling", [(T, None), (T + 5, dict(rope_type="linear", factor=4.0))]
+)
+def test_a_window_over_the_whole_sequence_is_the_softmax_layer(x, window, scaling):
+    teacher, student = _pair(window=window, rope_scaling=scaling)
     helpers.assert_close_normwise(student(x), teacher(x), 1e-5)
 
 

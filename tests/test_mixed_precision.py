@@ -76,6 +76,35 @@ def test_bfloat16_dots_accumulate_in_float32(name, fn, inputs, forward, backward
         assert "bf16" not in text and len(_dots(f, *args)) > 0
 
 
+@pytest.mark.parametrize(
+    "fn, inputs",
+    [(_attention, lambda dt: helpers.qkv(0, B, T, H, D, DV, dtype=dt)), (_delta, _delta_inputs)],
+)
+def test_float16_dots_read_float32_operands(fn, inputs):
+    """float16's range (65504) holds neither a chunk's scores nor its state: no dot reads
+    a float16 operand, forward or backward (bfloat16, float32's range, does above)."""
+    for f, args in _forward_and_backward(fn, inputs(jnp.float16)):
+        dots = _dots(f, *args)
+        assert dots and all(d == ("f32", "f32", "f32") for d in dots), dots
+
+
+def test_float16_additive_scores_beyond_its_range():
+    """Scores ``q k^T`` of 1e5 from float16 inputs whose outputs fit float16 (gated, no
+    denominator): within float16's rounding of the float64 recurrence, not inf."""
+    q, k, v = helpers.qkv(4, B, T, H, D, DV, dtype=jnp.float32)
+    q, k, v = ((s * x).astype(jnp.float16) for s, x in ((100.0, q), (100.0, k), (0.01, v)))
+    g = -0.01 * jnp.ones((B, T, H))
+    out = la.causal_linear_attention(
+        q, k, v, feature_map="identity", gate=g, normalize=False, chunk_size=16
+    )
+    with jax.enable_x64(True):
+        f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
+        g64 = jnp.broadcast_to(f64(g)[..., None], q.shape)
+        ref = np.asarray(gla_reference(f64(q), f64(k), f64(v), g64, normalize=False)[0])
+    assert np.abs(ref).max() < 2e4 and out.dtype == jnp.float16
+    assert _relative(out, ref) <= float(jnp.finfo(jnp.float16).eps), _relative(out, ref)
+
+
 def _relative(x, ref) -> float:
     """The normwise relative error ``||x - ref|| / ||ref||``, in float64."""
     x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)

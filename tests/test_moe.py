@@ -209,3 +209,10 @@ def test_bad_options_are_refused_by_name(options, message):
     kwargs = dict(width=8, num_experts=8, top_k=3, hidden=4) | options
     with pytest.raises(ValueError, match=message):
         moe.MoE(**kwargs, rngs=nnx.Rngs(0))
+
+
+def test_an_input_of_another_width_is_refused_by_name():
+    """#53 item 7: a ValueError naming the width, not ``dot_general``'s TypeError."""
+    layer = moe.MoE(16, 4, 2, 8, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., 16\], got \(2, 3, 17\)"):
+        layer(jnp.zeros((2, 3, 17)))

@@ -202,3 +202,25 @@ def test_multihost_without_a_cluster_names_the_fields_to_set(tmp_path):
         out.stderr,
     ), out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_the_heartbeat_finds_jax_private_key_value_store(tmp_path):
+    """``distributed.client_state`` reads JAX's private ``jax._src.distributed.global_state``
+    (JAX has no public handle on the coordinator's key-value store): on a JAX where it moved,
+    the heartbeat and the supervised processes' reports would silently stop. A one-process
+    runtime (in a process of its own: it must start before any device is used) finds it and
+    stores a key."""
+    code = textwrap.dedent(f"""
+        import jax
+        from experiments import distributed
+        jax.distributed.initialize("127.0.0.1:{_free_port()}", num_processes=1, process_id=0)
+        state = distributed.client_state()
+        assert state is not None, "jax._src.distributed.global_state: no client"
+        state.client.key_value_set("k", "v")
+        print(state.process_id, state.num_processes, state.client.key_value_try_get("k"))
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=_env(1), cwd=ROOT, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stdout == "0 1 v\n", out.stderr[-3000:]

@@ -191,3 +191,33 @@ class InputTest(parameterized.TestCase):
         out = layer(jnp.zeros((B, 0, 16)))
         chex.assert_shape(out, (B, 0, 16))
         np.testing.assert_array_equal(out, np.zeros((B, 0, 16)))
+
+
+# #53 item 5: the newer families' layers (ZeroDivisionError before) and a model over each.
+EMPTY_KINDS = {
+    "mamba2": dict(state_dim=4),
+    "mlstm": {},
+    "lightning": {},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(EMPTY_KINDS))
+def test_an_empty_sequence_through_the_newer_layers_and_their_models(kind):
+    layer = layers.make_attention(kind, 16, 2, rngs=nnx.Rngs(0), **EMPTY_KINDS[kind])
+    out, state = layer(jnp.zeros((B, 0, 16)), state=layer.init_state(B), return_state=True)
+    chex.assert_shape(out, (B, 0, 16))
+    chex.assert_trees_all_equal(state, layer.init_state(B))
+    model = models.LanguageModel(
+        7, 16, 1, 2, attention=kind, kind_options={kind: EMPTY_KINDS[kind]}, rngs=nnx.Rngs(0)
+    )
+    chex.assert_shape(model(jnp.zeros((B, 0), jnp.int32)), (B, 0, 7))
+
+
+def test_an_empty_sequence_through_a_mixture_and_qk_norms_over_heads():
+    moe = layers.MoE(16, 4, 2, 8, rngs=nnx.Rngs(0))
+    chex.assert_shape(moe(jnp.zeros((B, 0, 16))), (B, 0, 16))
+    assert bool(jnp.all(jnp.isfinite(moe.losses[...]))), "no token: no NaN loss recorded"
+    softmax = layers.SoftmaxAttention(
+        16, 2, qk_norm=True, qk_norm_over_heads=True, rngs=nnx.Rngs(0)
+    )
+    chex.assert_shape(softmax(jnp.zeros((B, 0, 16))), (B, 0, 16))

@@ -2,10 +2,13 @@
 
 The checks need ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before JAX
 starts, so the one test that runs in the main pytest process re-runs this file in
-a subprocess with it; there the device-count guard lets the real tests run.
+a subprocess with it; there the device-count guard lets the real tests run. The same
+process runs the other files' multi-device checks (``MULTI_DEVICE``): one process
+start, JAX start and import of the library for all of them.
 """
 
 import functools
+from pathlib import Path
 
 import chex
 import jax
@@ -23,13 +26,19 @@ from tests import helpers
 
 EIGHT = jax.device_count() == 8
 B, H, D, DV = 2, 3, 8, 5
+# The other files' tests that need more than one device (they skip on one).
+MULTI_DEVICE = (
+    "test_hybrid.py::test_sequence_parallel_mixed_stack_equals_one_device",
+    "test_grouped_delta.py::test_grouped_sequence_parallel_equals_single_device",
+)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(EIGHT, reason="this is the launcher; the real tests run below")
 def test_in_a_process_with_eight_devices():
-    stdout = helpers.pytest_with_devices(8, __file__)
-    assert " passed" in stdout and "skipped" in stdout  # the launcher skipped
+    here = Path(__file__).parent
+    stdout = helpers.pytest_with_devices(8, __file__, *(str(here / t) for t in MULTI_DEVICE))
+    assert " passed" in stdout and "1 skipped" in stdout  # only the launcher skipped
 
 
 def _mesh(shards, batch=1):
@@ -121,7 +130,7 @@ class SequenceParallelTest(chex.TestCase):
 
     # GLA (additive, per-channel gates) and KDA (delta, per-channel gates); Gated DeltaNet's
     # per-head gate is the delta rule's test below, its layer that of KDA but for the gate.
-    @parameterized.parameters("gla", "kda", "mlstm")
+    @parameterized.parameters("gla", "kda", "mlstm", "mamba2")
     def test_gated_and_delta_layers_with_a_sequence_axis(self, kind):
         mesh = _mesh(4, batch=2)
         plain = layers.make_attention(kind, 16, 2, chunk_size=4, rngs=nnx.Rngs(0))

@@ -20,6 +20,10 @@ from linattn_jax import models, sharding
 from tests import helpers
 from tests.test_experiments import tiny_config
 
+# Data x sequence parallel through the trainer (in the 8-device process with the meshes below,
+# rather than a process of its own): the gated delta rule's sequence-parallel form.
+SEQUENCE_CONFIG = ["seq_len=32", "steps=3", "batch_size=8", "model.attention=gated_deltanet"]
+
 MESH = AbstractMesh((2, 4, 1, 2), ("data", "fsdp", "sequence", "tensor"))
 
 # The model every check trains: its attention, MLP and embedding matrices of distinct
@@ -109,7 +113,7 @@ from flax import nnx
 from experiments import checkpoints, trainer
 from tests.test_experiments import record_train_batches, tiny_config
 from linattn_jax import sharding
-from tests.test_sharding import CONFIG, _train_steps
+from tests.test_sharding import CONFIG, SEQUENCE_CONFIG, _train_steps
 
 assert jax.device_count() == 8
 out = {"errors": []}
@@ -171,6 +175,10 @@ for name, mesh in {
     if name != "data2_fsdp2_sequence2":
         out[name]["collectives"] = collectives(model, optimizer, sharder, task)
 
+# Gated DeltaNet through the trainer on data x sequence (4 along the sequence).
+config = tiny_config("configs/mqar.py:small", *SEQUENCE_CONFIG, "mesh.sequence=4")
+out["sequence4"] = trainer.train(config, sys.argv[2])
+
 # Saved on FSDP 4 (x tensor 2) after step 2, resumed on FSDP 2 (x data 2 x sequence 2): its
 # first batch is step 3's. (The meshes above: their steps are compiled already.)
 workdir = sys.argv[1]
@@ -195,9 +203,9 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def eight_devices(tmp_path_factory) -> dict:
     """What ``_SCRIPT`` measured on 8 forced CPU devices."""
-    workdir = tmp_path_factory.mktemp("resume")
+    workdirs = [str(tmp_path_factory.mktemp(name)) for name in ("resume", "sequence")]
     out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_SCRIPT), str(workdir)],
+        [sys.executable, "-c", textwrap.dedent(_SCRIPT), *workdirs],
         env=helpers.device_env(8),
         capture_output=True,
         text=True,
@@ -230,6 +238,17 @@ def test_sharded_training_gives_the_single_device_losses(eight_devices):
     assert eight_devices["resumed"]["first_step"] == 3
     assert eight_devices["resumed"]["loaded_devices"] == [1]  # experiments.load
     np.testing.assert_allclose(eight_devices["resumed"]["loss"], single[2:], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_training_gives_the_single_device_loss(eight_devices, tmp_path):
+    """Data x sequence parallel (8 devices, 4 along the sequence) through the trainer: the
+    single-device loss and accuracy (the meshes above train the additive layer)."""
+    assert jax.device_count() == 1
+    single = trainer.train(tiny_config("configs/mqar.py:small", *SEQUENCE_CONFIG), tmp_path)
+    many = eight_devices["sequence4"]
+    np.testing.assert_allclose(many["loss"], single["loss"], rtol=1e-5)
+    np.testing.assert_allclose(many["accuracy"], single["accuracy"], rtol=1e-5)
 
 
 def _arrays(run: dict) -> dict:

@@ -1,5 +1,5 @@
 """SoftmaxAttention's modern options (RoPE, GQA, head_dim, QK-norm, output gate, sliding
-window) against a float64 numpy reference of the whole layer written here, and the norms."""
+window, soft-capped scores) against a float64 numpy reference of the whole layer written here, and the norms."""
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +69,8 @@ def reference(layer, x, key_mask=None, segment_ids=None, zero_centred=False):
     for r in range(b):
         for n in range(h):
             scores = q[r, :, n] @ k[r, :, n // group].T / np.sqrt(hd)
+            if layer.logit_soft_cap is not None:
+                scores = layer.logit_soft_cap * np.tanh(scores / layer.logit_soft_cap)
             i, j = np.arange(t)[:, None], np.arange(t)[None, :]
             allowed = np.broadcast_to(mask[r][None, :], (t, t)).copy()
             if layer.causal:
@@ -107,6 +109,7 @@ OPTIONS = {
     "qk_norm_zero_centred": dict(qk_norm=True, zero_centred_qk_norm=True),
     "output_gate": dict(output_gate=True),
     "window": dict(sliding_window=3),
+    "soft_cap": dict(logit_soft_cap=0.5, sliding_window=4, num_kv_heads=2),
     "qwen_next": dict(
         num_kv_heads=1,
         head_dim=8,
@@ -197,17 +200,48 @@ def test_token_positions_restart_per_segment_and_skip_padding():
     )
 
 
-@pytest.mark.parametrize("name", ["qwen_next", "window", "gqa"])
+@pytest.mark.parametrize("name", ["qwen_next", "window", "gqa", "soft_cap"])
 def test_prefill_then_steps_equal_full_forward_and_cache_holds_kv_heads(name):
     layer, x = _randomise(_layer(**OPTIONS[name])), _x(3)
     full = layer(x)
     y, cache = layer(x[:, :6], state=layer.init_state(B), return_state=True)
-    assert cache.k.shape == (B, 32, layer.num_kv_heads, layer.head_dim) == cache.v.shape
+    n = 32 if layer.sliding_window is None else layer.sliding_window  # a window: a ring
+    assert cache.k.shape == (B, n, layer.num_kv_heads, layer.head_dim) == cache.v.shape
     outs = [y]
     for i in range(6, T):
         y, cache = layer(x[:, i : i + 1], state=cache, return_state=True)
         outs.append(y)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-5)
+
+
+def test_a_windowed_cache_is_a_ring_of_the_window_past_which_decoding_equals_the_full_pass():
+    """A window of 3, RoPE and GQA: the cache holds 3 slots; a left-padded prefill of 7
+    (longer than the window) then 13 steps (wrapping the ring many times) equal the full
+    forward of the row alone; a cache shorter than the window does not wrap: it refuses
+    what would overflow."""
+    layer = _layer(sliding_window=3, rope=True, num_kv_heads=2)
+    x = jax.random.normal(jax.random.PRNGKey(7), (B, 20, W))
+    full = nnx.jit(lambda layer, x: layer(x))(layer, x)
+    mask = jnp.ones((B, 20), bool).at[1, :2].set(False)  # row 1: 2 padded, then its tokens
+    padded = x.at[1, 2:].set(x[1, :18])
+    run = nnx.jit(
+        lambda layer, x, mask, cache: layer(x, key_mask=mask, state=cache, return_state=True)
+    )
+    y, cache = run(layer, padded[:, :7], mask[:, :7], layer.init_state(B, 64))
+    assert cache.k.shape == (B, 3, 2, layer.head_dim) and cache.mask.shape == (B, 3)
+    outs = [y]
+    for i in range(7, 20):
+        y, cache = run(layer, padded[:, i : i + 1], mask[:, i : i + 1], cache)
+        outs.append(y)
+    out = jnp.concatenate(outs, 1)
+    np.testing.assert_array_equal(cache.position, [20, 20])
+    np.testing.assert_array_equal(cache.real, [20, 18])
+    np.testing.assert_allclose(out[0], full[0], atol=1e-5)
+    np.testing.assert_allclose(out[1, 2:], full[1, :18], atol=1e-5)
+    short = layer.init_state(B, 2)  # shorter than the window: a plain cache of 2, written
+    short = short._replace(position=jnp.full((B,), 2, jnp.int32))
+    with pytest.raises(ValueError, match="the KV cache holds 2 tokens: 2 written"):
+        layer(x[:, 2:3], state=short, return_state=True)
 
 
 def test_left_padded_prefill_and_packed_segments_equal_each_alone():

@@ -187,6 +187,36 @@ def test_bfloat16_operands_float32_state():
     helpers.assert_close_normwise(state.s, ref_s.s, rtol=1e-2)
 
 
+@pytest.mark.parametrize("case", ["scores", "state"])
+def test_float16_holds_scores_and_states_beyond_its_range(case):
+    """float16 inputs whose outputs fit float16 (peaks of a few thousand) while a chunk's
+    scores ``C B^T`` ("scores") or the state ("state") pass its largest value, 65504: the
+    chunked form reads those in float32 (before: inf, and NaN where a mask met it)."""
+    t, h, g, p, n = 32, 2, 1, 4, 8
+    ks = jax.random.split(jax.random.PRNGKey(11), 5)
+    x_std, dt_scale, b_std, c_std = (
+        (0.03, 1.0, 100.0, 100.0) if case == "scores" else (20.0, 3.0, 100.0, 0.01)
+    )
+    x = (x_std * jax.random.normal(ks[0], (1, t, h, p))).astype(jnp.float16)
+    dt = dt_scale * jax.nn.softplus(jax.random.normal(ks[1], (1, t, h)))
+    a = -jax.random.uniform(ks[2], (h,), minval=1e-3, maxval=1e-2)
+    b_in = (b_std * jax.random.normal(ks[3], (1, t, g, n))).astype(jnp.float16)
+    c_out = (c_std * jax.random.normal(ks[4], (1, t, g, n))).astype(jnp.float16)
+    with jax.enable_x64(True):
+        f64 = lambda y: jnp.asarray(np.asarray(y, np.float64))
+        ref, ref_s = ssd_reference(*(f64(y) for y in (x, dt, a, b_in, c_out)))
+        ref, ref_s = np.asarray(ref), np.asarray(ref_s)
+    scores = np.einsum("tn,sn->ts", *(np.asarray(y[0, :, 0], np.float64) for y in (c_out, b_in)))
+    assert np.abs(ref).max() < 2e4  # the outputs fit float16, what passes 65504 does not
+    assert np.abs(scores if case == "scores" else ref_s).max() > 65504
+    u = float(jnp.finfo(jnp.float16).eps) / 2
+    for method in ("chunked", "quadratic"):
+        out, s = ssd.causal(x, dt, a, b_in, c_out, method=method, chunk_size=8, return_state=True)
+        assert out.dtype == jnp.float16
+        helpers.assert_close_normwise(out, ref, rtol=2 * u)
+        helpers.assert_close_normwise(s.s, ref_s, rtol=1e-5)
+
+
 def test_bad_inputs_raise_naming_the_argument():
     inputs, _ = _inputs(0)
     cases = [

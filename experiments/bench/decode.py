@@ -48,7 +48,8 @@ def synthetic_state(model, b: int, context: int, cache: int):
     def fill(x):
         if isinstance(x, layers.KVCache):
             valid = jnp.broadcast_to(jnp.arange(cache) < context, (b, cache))
-            return x._replace(position=jnp.full((b,), context, jnp.int32), mask=valid)
+            count = jnp.full((b,), context, jnp.int32)
+            return x._replace(position=count, mask=valid, real=count)
         if isinstance(x, layers.LinearAttentionCache):
             return x._replace(position=jnp.full((b,), context, jnp.int32))
         return x

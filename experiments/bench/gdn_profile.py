@@ -117,12 +117,12 @@ def pieces(c: int):
         return chunked.chunk_body_bwd(s, (s, (q, k, v, beta, g, None), v, v), c=c, groups=1)
 
     def local_vjp(q, k, v, beta, g):
-        local = functools.partial(chunked._chunk_local, c=c, groups=1)
+        local = functools.partial(chunked.chunk_local, c=c, groups=1)
         p, vjp = jax.vjp(local, (q, k, v, beta, g, None))
         return vjp(jax.tree.map(jnp.ones_like, p))
 
     def local(q, k, v, beta, g):
-        return chunked._chunk_local((q, k, v, beta, g, None), c=c, groups=1)
+        return chunked.chunk_local((q, k, v, beta, g, None), c=c, groups=1)
 
     five, six = (0, 1, 2, 3, 4), (0, 1, 2, 3, 4, 5)
     return {
@@ -137,9 +137,9 @@ def pieces(c: int):
         "  vjp of chunk_parts (fwd + bwd)": (parts_vjp, five),
         "  solve fwd + bwd": (solve_bwd, five),
         "chunk_body (one chunk, direct update)": (direct, six),
-        "  _chunk_local (scores, decays, solve)": (local, five),
+        "  chunk_local (scores, decays, solve)": (local, five),
         "chunk_body_bwd (one chunk)": (direct_bwd, six),
-        "  vjp of _chunk_local (fwd + bwd)": (local_vjp, five),
+        "  vjp of chunk_local (fwd + bwd)": (local_vjp, five),
     }
 
 

@@ -10,7 +10,7 @@ inputs (solved in float32, as the chunked form does), for each method:
 * ``series``: the nilpotent product series ``(I - L)(I + L^2)(I + L^4)...`` (log2 c
   matmuls; unstable for beta near 2 with repeated keys);
 * ``blocked``: blocked forward substitution with a hand-written gradient (the library's
-  CPU choice, ``ops.delta.chunked._blocked_solve``).
+  CPU choice, ``ops.delta.chunked.blocked_solve``).
 
 Each (method, dtype) runs in its own process under a time limit: XLA's CPU triangular
 solve has hung in this benchmark and inside the chunk scan's gradient.
@@ -43,10 +43,10 @@ def _series(lower, rhs):
 
 
 def _inverse(lower, rhs):
-    from linattn_jax.ops.delta.chunked import _xla_solve
+    from linattn_jax.ops.delta.chunked import xla_solve
 
     eye = jnp.broadcast_to(jnp.eye(lower.shape[-1], dtype=lower.dtype), lower.shape)
-    return _xla_solve(lower, eye) @ rhs
+    return xla_solve(lower, eye) @ rhs
 
 
 def solver(method: str):
@@ -54,7 +54,7 @@ def solver(method: str):
     from linattn_jax.ops.delta import chunked
 
     return dict(
-        xla=chunked._xla_solve, inverse=_inverse, series=_series, blocked=chunked._blocked_solve
+        xla=chunked.xla_solve, inverse=_inverse, series=_series, blocked=chunked.blocked_solve
     )[method]
 
 

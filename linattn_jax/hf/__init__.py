@@ -17,7 +17,9 @@ The layout: one module per model type over a shared loader.
   ``options`` for ``LanguageModel``, its weight ``table``) and the steps as values
   (``defaults``, ``ints``, ``choice``, ...); ``tables``: a weight table's rows (``Rule``),
   the conversions as values (``COPY``, ``LINEAR``, ``SPLIT``, ``CONV``, ``grouped(n)``,
-  ...), and the rows several model types share.
+  ...), and the rows several model types share; ``rope``: RoPE's config fields and
+  scalings (``rope_parameters``, the legacy ``rope_scaling``); ``experts``: the softmax
+  types' mixtures of experts (which layers, their rows per expert or fused).
 * one module per model type, its ``FORMAT``. A derived model type is its base's
   ``FORMAT.derive(...)``, stating only what differs (docs/development.md: "Adding a model
   type")::
@@ -35,6 +37,15 @@ The layout: one module per model type over a shared loader.
       olmo_hybrid (Gated DeltaNet + post-normed softmax)
       xlstm (mLSTM)
       llama (softmax attention + SwiGLU: the softmax model types' base)
+      ├── mistral (every layer a sliding window)
+      │   ├── phi3 (fused qkv and gate_up projections, partial RoPE)
+      │   └── mixtral (every MLP a mixture: hf.experts)
+      ├── qwen2 (q/k/v biases, sliding-window layers: "local_softmax")
+      │   └── qwen3 (QK-norm)
+      │       └── qwen3_moe (mixtures on decoder_sparse_step's layers)
+      ├── gemma2 ((1 + w) sandwich norms, GeGLU, soft caps, alternating windows)
+      │   └── gemma3 (gemma3_text: QK-norm, 5 local : 1 global, RoPE per layer type)
+      └── deepseek_v3 (MLA, DeepSeek's mixture after the first dense layers)
 
 * ``safetensors_io``: the streaming reads and the sharded writes; ``text``: the tokenizer
   and ``generate_text``.
@@ -55,17 +66,28 @@ if _MISSING:
 from linattn_jax.hf import (  # noqa: E402
     bamba,
     common,
+    deepseek_v3,
+    experts,
     falcon_h1,
+    gemma2,
+    gemma3,
     granitemoehybrid,
     kimi_linear,
     llama,
     mamba2,
     minimax,
+    mistral,
+    mixtral,
     nemotron_h,
     olmo_hybrid,
+    phi3,
+    qwen2,
+    qwen3,
     qwen3_5,
     qwen3_5_moe,
+    qwen3_moe,
     qwen3_next,
+    rope,
     safetensors_io,
     tables,
     text,
@@ -91,10 +113,14 @@ __all__ = [
     "bamba",
     "check_pretrained",
     "common",
+    "deepseek_v3",
     "eos_ids",
+    "experts",
     "expected_tensors",
     "falcon_h1",
     "format_of",
+    "gemma2",
+    "gemma3",
     "from_pretrained",
     "generate_text",
     "kimi_linear",
@@ -103,12 +129,19 @@ __all__ = [
     "load_tokenizer",
     "mamba2",
     "minimax",
+    "mistral",
+    "mixtral",
     "nemotron_h",
     "olmo_hybrid",
+    "phi3",
+    "qwen2",
+    "qwen3",
     "qwen3_5",
     "qwen3_5_moe",
+    "qwen3_moe",
     "qwen3_next",
     "read_config",
+    "rope",
     "safetensors_io",
     "save_pretrained",
     "tables",

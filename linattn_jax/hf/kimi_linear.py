@@ -40,7 +40,7 @@ from flax import nnx
 
 from linattn_jax.hf import common, tables
 from linattn_jax.hf.tables import CONV, COPY, LINEAR, Rule, rules
-from linattn_jax.layers.softmax import LatentAttention
+from linattn_jax.layers.mla import LatentAttention
 
 MODEL_TYPES = ("kimi_linear",)
 LAYER_KINDS = {"linear_attention": "kda", "full_attention": "mla"}

@@ -84,10 +84,7 @@ DELTA_RULES = tables.rules(
     ("linear_attn.o_norm.weight", "attention.output_norm.scale", COPY),
     ("linear_attn.o_proj.weight", "attention.out_proj.kernel", LINEAR),
 )
-SOFTMAX_RULES = tables.ATTENTION_RULES + tables.rules(
-    ("self_attn.q_norm.weight", "attention.q_norm.scale", COPY),
-    ("self_attn.k_norm.weight", "attention.k_norm.scale", COPY),
-)
+SOFTMAX_RULES = tables.ATTENTION_RULES + tables.QK_NORM_RULES
 # (saved name, in-memory name) of each block norm: ours by the layer's type
 NORMS = {
     "linear_attention": (

@@ -54,11 +54,7 @@ LAYER_RULES = {
         ("linear_attn.norm.weight", "attention.output_norm.scale", COPY),
         ("linear_attn.out_proj.weight", "attention.out_proj.kernel", LINEAR),
     ),
-    "full_attention": tables.ATTENTION_RULES
-    + rules(
-        ("self_attn.q_norm.weight", "attention.q_norm.scale", COPY),
-        ("self_attn.k_norm.weight", "attention.k_norm.scale", COPY),
-    ),
+    "full_attention": tables.ATTENTION_RULES + tables.QK_NORM_RULES,
 }
 
 

@@ -105,6 +105,20 @@ def reshaped(hf_shape: Callable[[int], tuple[int, ...]], name: str) -> Conversio
     )
 
 
+@functools.cache
+def rope_pairs(block: int, pairs: int) -> Conversion:
+    """``LINEAR`` but the last ``2 pairs`` rows of each ``block`` rows, interleaved pairs
+    ``(x0, x1), (x2, x3), ...``, read as rotate-half's halves, evens then odds, and written
+    back interleaved (DeepSeek-V3's ``rope_interleave``: q's rows per head, the shared key's)."""
+    order = np.arange(block)
+    order[block - 2 * pairs :] = np.concatenate([order[-2 * pairs :: 2], order[1 - 2 * pairs :: 2]])
+    rows = lambda x, o: x.reshape(-1, block, x.shape[-1])[:, o].reshape(x.shape)
+    return Conversion(
+        f"rope_pairs_{block}_{pairs}", LINEAR.hf_shape, lambda x, s: [rows(x, order).T],
+        lambda xs: rows(xs[0].T, np.argsort(order)),
+    )  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """One row of a weight table.
@@ -232,6 +246,18 @@ ATTENTION_RULES = rules(
     ("self_attn.k_proj.weight", "attention.k_proj.kernel", LINEAR),
     ("self_attn.v_proj.weight", "attention.v_proj.kernel", LINEAR),
     ("self_attn.o_proj.weight", "attention.out_proj.kernel", LINEAR),
+)
+# The attention's biases: Qwen2's on q, k and v; Llama's and Qwen3's ``attention_bias`` on
+# all four projections.
+QKV_BIAS_RULES = rules(
+    ("self_attn.q_proj.bias", "attention.q_proj.bias", COPY),
+    ("self_attn.k_proj.bias", "attention.k_proj.bias", COPY),
+    ("self_attn.v_proj.bias", "attention.v_proj.bias", COPY),
+)
+OUT_BIAS_RULES = rules(("self_attn.o_proj.bias", "attention.out_proj.bias", COPY))
+QK_NORM_RULES = rules(
+    ("self_attn.q_norm.weight", "attention.q_norm.scale", COPY),
+    ("self_attn.k_norm.weight", "attention.k_norm.scale", COPY),
 )
 SWIGLU_RULES = rules(
     ("gate_proj.weight", "gate_proj.kernel", LINEAR),

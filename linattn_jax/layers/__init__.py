@@ -1,9 +1,9 @@
 """The layers floor: Flax NNX modules that own parameters and call ``linattn_jax.ops``.
 
-One file per layer kind (``linear``, ``delta``, ``softmax``, ``mamba2``,
-``lightning``, ``linearized``), the pieces they share
+One file per layer kind (``linear``, ``delta``, ``softmax``, ``mla``, ``mamba2``,
+``mlstm``, ``lightning``, ``linearized``), the pieces they share
 (``conv``, ``gates``, ``feature_maps``, ``norms``, ``rope``, ``common``), the mixture of
-experts (``moe``), the dispatch
+experts (``moe``), the MLPs (``mlp``), the dispatch
 between a decoding step, the sequence-parallel form and the full-sequence form written
 once (``recurrent``), the blocks (``blocks``), and ONE registry of attention kinds
 (``registry``).
@@ -16,15 +16,7 @@ passed in and returned explicitly (``layer.init_state(batch)``, ``state=``,
 """
 
 from linattn_jax.layers import moe, norms, rope
-from linattn_jax.layers.blocks import (
-    MLP,
-    MLPS,
-    BlockState,
-    ReLU2MLP,
-    SwiGLU,
-    TransformerBlock,
-    mlp_layout,
-)
+from linattn_jax.layers.blocks import BlockState, TransformerBlock
 from linattn_jax.layers.conv import CausalConv1D
 from linattn_jax.layers.delta import VARIANTS, DeltaRuleAttention, DeltaRuleCache
 from linattn_jax.layers.feature_maps import (
@@ -39,18 +31,14 @@ from linattn_jax.layers.lightning import LightningAttention, lightning_decays
 from linattn_jax.layers.linear import GATES, LinearAttention, LinearAttentionCache
 from linattn_jax.layers.linearized import LinearizedAttention, LinearizedCache
 from linattn_jax.layers.mamba2 import GroupedGatedRMSNorm, Mamba2Cache, Mamba2Mixer
+from linattn_jax.layers.mla import LatentAttention, LatentKVCache
+from linattn_jax.layers.mlp import MLP, MLPS, GeGLU, ReLU2MLP, SwiGLU, mlp_layout
 from linattn_jax.layers.mlstm import MLSTMLayer, MultiHeadLayerNorm
 from linattn_jax.layers.moe import MoE
 from linattn_jax.layers.norms import GatedRMSNorm, RMSNorm
 from linattn_jax.layers.recurrent import SequenceSharding, run_causal
 from linattn_jax.layers.registry import ATTENTION_KINDS, KINDS, AttentionKind, make_attention
-from linattn_jax.layers.softmax import (
-    LINEAR_ONLY_OPTIONS,
-    KVCache,
-    LatentAttention,
-    LatentKVCache,
-    SoftmaxAttention,
-)
+from linattn_jax.layers.softmax import LINEAR_ONLY_OPTIONS, KVCache, SoftmaxAttention
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -88,6 +76,7 @@ __all__ = [
     "MultiHeadLayerNorm",
     "RMSNorm",
     "RandomProjection",
+    "GeGLU",
     "ReLU2MLP",
     "SequenceSharding",
     "SoftmaxAttention",

@@ -1,9 +1,9 @@
-"""The blocks models stack: a pre-norm transformer block and its MLPs (GELU, SwiGLU, squared
-ReLU, or none), with or without a mixer (the hybrids' mixer-only and MLP-only layers)."""
+"""The blocks models stack: a pre-norm transformer block, its mixer and its MLP (``mlp``'s
+GELU, SwiGLU or squared ReLU, ``moe``'s mixture, or none), with or without a mixer (the
+hybrids' mixer-only and MLP-only layers)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -11,111 +11,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from linattn_jax import sharding
 from linattn_jax.layers import registry
+from linattn_jax.layers.common import check_state
 from linattn_jax.layers.conv import CausalConv1D
+from linattn_jax.layers.mlp import MLP_CLASSES, MLPS, check_multiplier
 from linattn_jax.layers.moe import MoE
 from linattn_jax.layers.norms import RMSNorm
 from linattn_jax.ops import checks
-
-MLPS = ("gelu", "swiglu", "relu2", "moe", "none")
-
-
-def mlp_layout(mlp: str | Sequence[str], depth: int) -> tuple[str, ...]:
-    """The MLP kind of each of ``depth`` layers: ``mlp`` one of ``MLPS`` for every layer,
-    or a list of ``depth`` of them (DeepSeek's and Kimi's first dense layers:
-    ``["swiglu"] + ["moe"] * (depth - 1)``).
-
-    Raises:
-      ValueError: an unknown kind, or a list not of ``depth`` kinds.
-    """
-    kinds = (mlp,) * depth if isinstance(mlp, str) else tuple(mlp)
-    if len(kinds) != depth:
-        raise ValueError(f"mlp must list depth={depth} kinds, got {len(kinds)}: {kinds}")
-    for kind in kinds:
-        if kind not in MLPS:
-            raise ValueError(f"mlp must be one of {MLPS}, got {kind!r}")
-    return kinds
-
-
-class MLP(nnx.Module):
-    """``Linear -> gelu -> Linear`` with hidden width ``hidden`` (with biases)."""
-
-    def __init__(
-        self, width: int, hidden: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32
-    ):
-        options = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        embed, mlp = sharding.EMBED, sharding.MLP
-        zeros = nnx.initializers.zeros_init()
-        self.up = nnx.Linear(
-            width, hidden, kernel_init=sharding.kernel(embed, mlp),
-            bias_init=sharding.with_axes(zeros, mlp), **options,
-        )  # fmt: skip
-        self.down = nnx.Linear(
-            hidden, width, kernel_init=sharding.kernel(mlp, embed),
-            bias_init=sharding.with_axes(zeros, embed), **options,
-        )  # fmt: skip
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(jax.nn.gelu(self.up(x)))
-
-
-class SwiGLU(nnx.Module):
-    """``down(SiLU(gate(x)) * up(x))`` with hidden width ``hidden``, no biases (Shazeer 2020;
-    Llama's and Qwen's MLP: ``gate_proj``, ``up_proj``, ``down_proj``).
-
-    ``multipliers=(m_gate, m_down)`` makes it ``m_down down(SiLU(m_gate gate(x)) * up(x))``
-    (Falcon-H1's ``mlp_multipliers``); (1, 1): none.
-    """
-
-    def __init__(
-        self, width: int, hidden: int, *, multipliers: Sequence[float] = (1.0, 1.0),
-        rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32,
-    ):  # fmt: skip
-        try:
-            m_gate, m_down = multipliers
-        except (TypeError, ValueError):
-            raise ValueError(f"multipliers must be (gate, down), got {multipliers!r}") from None
-        check_multiplier("multipliers[0]", m_gate)
-        check_multiplier("multipliers[1]", m_down)
-        self.multipliers = (float(m_gate), float(m_down))
-        linear = lambda n_in, n_out, *axes: nnx.Linear(
-            n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs,
-        )  # fmt: skip
-        embed, mlp = sharding.EMBED, sharding.MLP
-        self.gate_proj = linear(width, hidden, embed, mlp)
-        self.up_proj = linear(width, hidden, embed, mlp)
-        self.down_proj = linear(hidden, width, mlp, embed)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        m_gate, m_down = self.multipliers
-        gate = self.gate_proj(x)
-        out = self.down_proj(
-            jax.nn.silu(gate if m_gate == 1.0 else gate * m_gate) * self.up_proj(x)
-        )
-        return out if m_down == 1.0 else out * m_down
-
-
-class ReLU2MLP(nnx.Module):
-    """``down(relu(up(x))^2)`` with hidden width ``hidden``, no biases (So et al. 2021's
-    squared ReLU; Nemotron-H's MLP: ``up_proj``, ``down_proj``)."""
-
-    def __init__(
-        self, width: int, hidden: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32
-    ):
-        linear = lambda n_in, n_out, *axes: nnx.Linear(
-            n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs,
-        )  # fmt: skip
-        self.up_proj = linear(width, hidden, sharding.EMBED, sharding.MLP)
-        self.down_proj = linear(hidden, width, sharding.MLP, sharding.EMBED)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jnp.square(jax.nn.relu(self.up_proj(x))))
-
-
-_MLP_CLASSES = {"gelu": MLP, "swiglu": SwiGLU, "relu2": ReLU2MLP}
 
 
 class BlockState(NamedTuple):
@@ -125,13 +27,6 @@ class BlockState(NamedTuple):
     attention: Any
     conv: jax.Array | None
     parallel: Any = None
-
-
-def check_multiplier(name: str, value: Any) -> None:
-    """Raises ``ValueError`` unless ``value`` is a finite number > 0 (a model multiplier)."""
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not (ok and 0 < value < math.inf):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 def _branch_multipliers(value) -> tuple[tuple[float, float], tuple[float, float]]:
@@ -167,6 +62,37 @@ def _parallel_mixer(parallel, width, num_heads, mixer, short_conv, rngs, dtype, 
     return registry.make_attention(kind, width, heads or num_heads, **options)
 
 
+def _check_block_options(
+    width, num_heads, attention, mlp, mlp_ratio, mlp_hidden, short_conv, normed_residual,
+    post_norm, sandwich_norm, parallel, residual_multiplier, causal,
+) -> tuple[bool, int]:  # fmt: skip
+    """``(whether the block has a mixer, the MLP's hidden width)`` of ``TransformerBlock``'s
+    options, or a ValueError naming the first bad one (the layers check their own)."""
+    checks.check_sizes(width=width, num_heads=num_heads)  # the layer checks the rest
+    check_multiplier("residual_multiplier", residual_multiplier)
+    checks.check_bool("normed_residual", normed_residual)
+    checks.check_bool("post_norm", post_norm)
+    if post_norm and (normed_residual or short_conv or parallel is not None):
+        raise ValueError("post_norm takes no normed_residual, short_conv or parallel mixer")
+    checks.check_bool("sandwich_norm", sandwich_norm)
+    if sandwich_norm and post_norm:
+        raise ValueError("sandwich_norm has its norms before each half: not with post_norm")
+    checks.check_int("mlp_ratio", mlp_ratio, 1)
+    if mlp not in MLPS:
+        raise ValueError(f"mlp must be one of {MLPS}, got {mlp!r}")
+    hidden = mlp_ratio * width if mlp_hidden is None else mlp_hidden
+    checks.check_int("mlp_hidden", hidden, 1)
+    checks.check_int("short_conv", short_conv, 0)
+    mixer = registry.get(attention).layer is not None
+    if not mixer and mlp == "none":
+        raise ValueError('a block needs a mixer or an MLP: attention="mlp" with mlp="none"')
+    if short_conv and not mixer:
+        raise ValueError(f"short_conv needs a mixer, got attention={attention!r}")
+    if short_conv and not causal:
+        raise ValueError("short_conv is causal: use it in causal blocks only")
+    return mixer, hidden
+
+
 def _residual_factors(name: str, factors) -> tuple[float, float]:
     """``(alpha, beta)`` as two floats, or a ValueError naming ``name``."""
     if not isinstance(factors, tuple | list) or len(factors) != 2:
@@ -186,6 +112,20 @@ def _add(residual, h, factors: tuple[float, float]):
     return residual + h
 
 
+def _build_mlp(mlp: str, width: int, hidden: int, moe, multipliers, options) -> nnx.Module | None:
+    """The block's MLP of kind ``mlp`` (``MLPS``; None for ``"none"``), from the block's
+    ``moe`` and ``mlp_multipliers`` options."""
+    if mlp == "moe":
+        if not isinstance(moe, Mapping):
+            raise ValueError(f"mlp='moe' needs moe= a dict of MoE's options, got {moe!r}")
+        return MoE(width, **{"hidden": hidden, **moe}, **options)
+    if tuple(multipliers) != (1.0, 1.0):
+        if mlp != "swiglu":
+            raise ValueError(f"mlp_multipliers need mlp='swiglu', got mlp={mlp!r}")
+        options = dict(options, multipliers=multipliers)
+    return MLP_CLASSES[mlp](width, hidden, **options) if mlp != "none" else None
+
+
 class TransformerBlock(nnx.Module):
     """Pre-norm block: ``x + attn(conv(norm(x)))`` (with ``parallel``, ``x + out_1
     attn(in_1 norm(x)) + out_2 parallel(in_2 norm(x))``), then ``x + mlp(norm(x))``; either half
@@ -199,7 +139,8 @@ class TransformerBlock(nnx.Module):
         ``"linear"``, ``"softmax"``, ``"gla"``, ``"deltanet"``, ``"gated_deltanet"``,
         ``"kda"``, ``"mamba2"``, or ``"mlp"`` (no mixer: the block is its MLP alone).
       mlp_ratio: the MLP's hidden width over ``width``.
-      mlp: ``"gelu"`` (default: ``MLP``), ``"swiglu"`` (``SwiGLU``), ``"relu2"``
+      mlp: ``"gelu"`` (default: ``MLP``), ``"swiglu"`` (``SwiGLU``), ``"geglu"``
+        (``GeGLU``), ``"relu2"``
         (``ReLU2MLP``), ``"moe"`` (a mixture of SwiGLU experts, ``layers.moe.MoE``, of the
         ``moe`` options) or ``"none"`` (no MLP and no second norm).
       mlp_hidden: the MLP's hidden width (overrides ``mlp_ratio``; Qwen's
@@ -219,6 +160,9 @@ class TransformerBlock(nnx.Module):
       post_norm: the norms after each half instead of before, ``x + norm(f(x))`` (OLMo 2's
         and OLMo-Hybrid's attention blocks; ``attention_norm`` and ``mlp_norm`` are then
         ``post_attention_layernorm`` and ``post_feedforward_layernorm``).
+      sandwich_norm: a second norm after each half too, ``x + norm_2(f(norm_1(x)))`` (Gemma 2
+        and 3: ``attention_post_norm`` is ``post_attention_layernorm``, ``mlp_norm`` and
+        ``mlp_post_norm`` ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm``).
       residual_multiplier: each half's output times this before it is added to the residual
         stream (Granite's ``residual_multiplier``; 1: none), over the halves' ``beta``.
       parallel: a second mixer run beside the first on the same normalised input, their
@@ -253,6 +197,7 @@ class TransformerBlock(nnx.Module):
         attention_residual: tuple[float, float] = (1.0, 1.0),
         mlp_residual: tuple[float, float] = (1.0, 1.0),
         post_norm: bool = False,
+        sandwich_norm: bool = False,
         residual_multiplier: float = 1.0,
         parallel: Mapping[str, Any] | None = None,
         branch_multipliers: Sequence[Sequence[float]] = ((1.0, 1.0), (1.0, 1.0)),
@@ -262,34 +207,22 @@ class TransformerBlock(nnx.Module):
         param_dtype=jnp.float32,
         **attention_kwargs,
     ):
-        checks.check_sizes(width=width, num_heads=num_heads)  # the layer checks the rest
-        check_multiplier("residual_multiplier", residual_multiplier)
-        checks.check_bool("normed_residual", normed_residual)
-        checks.check_bool("post_norm", post_norm)
-        if post_norm and (normed_residual or short_conv or parallel is not None):
-            raise ValueError("post_norm takes no normed_residual, short_conv or parallel mixer")
+        mixer, hidden = _check_block_options(
+            width, num_heads, attention, mlp, mlp_ratio, mlp_hidden, short_conv,
+            normed_residual, post_norm, sandwich_norm, parallel, residual_multiplier,
+            attention_kwargs.get("causal", True),
+        )  # fmt: skip
         self.normed_residual, self.post_norm = normed_residual, post_norm
         self.attention_residual = _residual_factors("attention_residual", attention_residual)
         self.mlp_residual = _residual_factors("mlp_residual", mlp_residual)
         branch_multipliers = _branch_multipliers(branch_multipliers)
-        checks.check_int("mlp_ratio", mlp_ratio, 1)
-        if mlp not in MLPS:
-            raise ValueError(f"mlp must be one of {MLPS}, got {mlp!r}")
-        hidden = mlp_ratio * width if mlp_hidden is None else mlp_hidden
-        checks.check_int("mlp_hidden", hidden, 1)
-        checks.check_int("short_conv", short_conv, 0)
-        mixer = registry.get(attention).layer is not None
-        if not mixer and mlp == "none":
-            raise ValueError('a block needs a mixer or an MLP: attention="mlp" with mlp="none"')
-        if short_conv and not mixer:
-            raise ValueError(f"short_conv needs a mixer, got attention={attention!r}")
-        if short_conv and not attention_kwargs.get("causal", True):
-            raise ValueError("short_conv is causal: use it in causal blocks only")
         norm = lambda: RMSNorm(
             width, zero_centred=zero_centred_norm, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
         self.attention_norm = nnx.data(norm() if mixer else None)
         self.mlp_norm = nnx.data(norm() if mlp != "none" else None)
+        self.attention_post_norm = nnx.data(norm() if sandwich_norm and mixer else None)
+        self.mlp_post_norm = nnx.data(norm() if sandwich_norm and mlp != "none" else None)
         self.conv = nnx.data(
             CausalConv1D(width, short_conv, rngs=rngs, param_dtype=param_dtype)
             if short_conv
@@ -309,18 +242,7 @@ class TransformerBlock(nnx.Module):
         )
         self.branch_multipliers = branch_multipliers
         options = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        if mlp == "moe":
-            if not isinstance(moe, Mapping):
-                raise ValueError(f"mlp='moe' needs moe= a dict of MoE's options, got {moe!r}")
-            self.mlp = MoE(width, **{"hidden": hidden, **moe}, **options)
-        else:
-            if tuple(mlp_multipliers) != (1.0, 1.0):
-                if mlp != "swiglu":
-                    raise ValueError(f"mlp_multipliers need mlp='swiglu', got mlp={mlp!r}")
-                options = dict(options, multipliers=mlp_multipliers)
-            self.mlp = nnx.data(
-                _MLP_CLASSES[mlp](width, hidden, **options) if mlp != "none" else None
-            )
+        self.mlp = nnx.data(_build_mlp(mlp, width, hidden, moe, mlp_multipliers, options))
         self.width, self.residual_multiplier = width, float(residual_multiplier)
 
     def init_state(self, batch: int, max_length: int | None = None) -> BlockState:
@@ -331,6 +253,7 @@ class TransformerBlock(nnx.Module):
         return BlockState(self.attention.init_state(batch, max_length), conv, parallel)
 
     def __call__(self, x, *, key_mask=None, segment_ids=None, state=None, return_state=False):
+        check_state(state, BlockState)
         if self.attention is None:  # an MLP-only layer
             x = self._mlp_half(x, key_mask, state is None and not return_state)
             return (x, BlockState(None, None)) if return_state else x
@@ -372,6 +295,8 @@ class TransformerBlock(nnx.Module):
             state = BlockState(attention_state, conv_state, parallel_state)
         if self.post_norm:
             h = self.attention_norm(h)
+        elif self.attention_post_norm is not None:
+            h = self.attention_post_norm(h)
         x = self._add(residual, h, self.attention_residual)
         if self.mlp is not None:
             x = self._mlp_half(x, key_mask, state is None and not return_state)
@@ -392,5 +317,7 @@ class TransformerBlock(nnx.Module):
     def _mlp(self, h, key_mask, recording: bool):
         if isinstance(self.mlp, MoE):
             # Losses are recorded by full-sequence passes (training), not by decoding.
-            return self.mlp(h, key_mask=key_mask, record=recording)
-        return self.mlp(h)
+            h = self.mlp(h, key_mask=key_mask, record=recording)
+        else:
+            h = self.mlp(h)
+        return h if self.mlp_post_norm is None else self.mlp_post_norm(h)

@@ -4,13 +4,26 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from linattn_jax import sharding
 from linattn_jax.ops import checks
 
 
 def split_heads(x: jax.Array, heads: int) -> jax.Array:
     """``[b, t, h * d] -> [b, t, h, d]``."""
     return x.reshape(x.shape[:-1] + (heads, x.shape[-1] // heads))
+
+
+def projection(
+    n_in: int, n_out: int, *axes: str | None, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32
+) -> nnx.Linear:
+    """A linear map ``n_in -> n_out`` without bias, its kernel's dims named ``axes``
+    (``linattn_jax.sharding``): the layers' q, k, v, gate and output projections."""
+    return nnx.Linear(
+        n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), dtype=dtype,
+        param_dtype=param_dtype, rngs=rngs,
+    )  # fmt: skip
 
 
 def check_width(width: int, num_heads: int) -> None:
@@ -46,6 +59,28 @@ def check_decoding(layer, state, return_state: bool) -> None:
     """Decoding (``state=`` or ``return_state=``) needs a causal layer."""
     if (state is not None or return_state) and not layer.causal:
         raise ValueError("decoding (state=, return_state=) needs a causal layer (causal=True)")
+
+
+def check_state(state, expected: type, article: str = "a") -> None:
+    """A layer's decoding ``state``: None or an ``expected`` (its ``init_state``'s type), or
+    a ValueError naming that type (``article`` before its name)."""
+    if state is not None and not isinstance(state, expected):
+        raise ValueError(f"state must be {article} {expected.__name__}, got {type(state).__name__}")
+
+
+def check_can_decode(layer) -> None:
+    """``init_state`` needs a causal layer."""
+    if not layer.causal:
+        raise ValueError("decoding needs a causal layer (causal=True)")
+
+
+def next_position(
+    position: jax.Array | None, b: int, t: int, key_mask: jax.Array | None
+) -> jax.Array:
+    """``[b]`` int32: the position after a call of ``t`` tokens from ``position [b]`` (None:
+    0), counting real tokens only (``key_mask [b, t]``)."""
+    start = jnp.zeros((b,), jnp.int32) if position is None else position
+    return start + (t if key_mask is None else jnp.sum(key_mask, axis=1, dtype=jnp.int32))
 
 
 def positions(

@@ -50,9 +50,10 @@ class CausalConv1D(nnx.Module):
             first token's segment.
           segment_ids: optional int ``[b, t]``: no tap reaches across a change of id
             (nor into an earlier run of the same id: ``checks.segment_runs``).
-          key_mask: optional bool ``[b, t]``: the returned state holds the last
-            ``size - 1`` real inputs of each row (right padding included), not its last
-            rows.
+          key_mask: optional bool ``[b, t]``: masked tokens are skipped, as if absent: each
+            real token's window holds the real inputs before it (the state's, past any
+            padding; a masked token's output is 0), and the returned state holds the last
+            ``size - 1`` real inputs of each row (from ``state`` where ``x`` has fewer).
         """
         b, t, c = x.shape
         n = self.size - 1
@@ -60,20 +61,40 @@ class CausalConv1D(nnx.Module):
         checks.check_shape("state.conv", past, (b, n, c), "[batch, conv_size - 1, channels]")
         if segment_ids is not None:
             checks.segment_resets(segment_ids, b, t, jnp.float32)  # validates
-        padded = jnp.concatenate([past.astype(x.dtype), x], axis=1)  # [b, n + t, c]
+        seq = jnp.concatenate([past.astype(x.dtype), x], axis=1)  # [b, n + t, c]
+        runs = None
+        if segment_ids is not None:  # a repeated id later is a new segment
+            runs = jnp.concatenate(
+                [jnp.zeros((b, n), jnp.int32), checks.segment_runs(segment_ids)], 1
+            )
         kernel = self.kernel[...].astype(x.dtype)
-        if segment_ids is not None:
-            runs = checks.segment_runs(segment_ids)  # a repeated id later is a new segment
-            seg = jnp.concatenate([jnp.zeros((b, n), jnp.int32), runs], 1)
-        y = jnp.zeros_like(x)
-        for i in range(self.size):  # tap i looks back n - i tokens
-            tap = kernel[i][None, None] * padded[:, i : i + t]
-            if segment_ids is not None and i < n:
-                same = seg[:, i : i + t] == runs
-                tap = jnp.where(same[..., None], tap, jnp.zeros((), x.dtype))
-            y = y + tap
-        if key_mask is not None:  # real inputs last, in order: a stable sort by the mask
-            order = jnp.argsort(key_mask, axis=1, stable=True)
-            x = jnp.take_along_axis(x, order[..., None], axis=1)
-            padded = jnp.concatenate([past.astype(x.dtype), x], axis=1)
-        return y, padded[:, t:].astype(jnp.float32)
+        if key_mask is None:
+            return _taps(kernel, seq, runs, t), seq[:, t:].astype(jnp.float32)
+        # Padding skipped: the state and the real inputs last, in order (a stable sort by
+        # the mask), the zeros of the padding first; every output of the sorted sequence,
+        # then each token's own back in x's order.
+        real = jnp.concatenate([jnp.ones((b, n), bool), key_mask], axis=1)
+        order = jnp.argsort(real, axis=1, stable=True)
+        seq = jnp.take_along_axis(seq, order[..., None], axis=1)
+        if runs is not None:
+            runs = jnp.take_along_axis(runs, order, axis=1)
+            runs = jnp.concatenate([jnp.zeros((b, n), runs.dtype), runs], axis=1)
+        y = _taps(kernel, jnp.concatenate([jnp.zeros((b, n, c), x.dtype), seq], 1), runs, n + t)
+        at = jnp.argsort(order, axis=1)[:, n:]  # where each token of x went
+        return jnp.take_along_axis(y, at[..., None], axis=1), seq[:, t:].astype(jnp.float32)
+
+
+def _taps(kernel: jax.Array, seq: jax.Array, runs: jax.Array | None, m: int) -> jax.Array:
+    """The convolution's outputs at the last ``m`` positions of ``seq [b, L, c]`` (``L >=
+    m + size - 1``), each from the ``size`` inputs ending there, a tap dropped where
+    ``runs [b, L]`` (segment runs, or None) differs from the output's."""
+    size, length = kernel.shape[0], seq.shape[1]
+    start = length - m - (size - 1)  # where the first output's window begins
+    y = jnp.zeros(seq.shape[:1] + (m,) + seq.shape[2:], seq.dtype)
+    for i in range(size):  # tap i looks back size - 1 - i tokens
+        tap = kernel[i][None, None] * seq[:, start + i : start + i + m]
+        if runs is not None and i < size - 1:
+            same = runs[:, start + i : start + i + m] == runs[:, length - m :]
+            tap = jnp.where(same[..., None], tap, jnp.zeros((), seq.dtype))
+        y = y + tap
+    return y

@@ -37,16 +37,19 @@ from flax import nnx
 
 from linattn_jax import sharding
 from linattn_jax.layers.common import (
+    check_can_decode,
     check_decoding,
     check_dropout_rate,
     check_head_dim,
+    check_state,
     check_tokens,
+    projection,
     split_heads,
 )
 from linattn_jax.layers.conv import CausalConv1D
 from linattn_jax.layers.gates import MambaGate
 from linattn_jax.layers.norms import GATE_ACTIVATIONS, GatedRMSNorm
-from linattn_jax.layers.recurrent import SequenceSharding, run_causal
+from linattn_jax.layers.recurrent import run_causal, sequence_sharding
 from linattn_jax.ops import checks, delta
 
 VARIANTS = ("deltanet", "gated_deltanet", "kda")
@@ -106,7 +109,7 @@ class DeltaRuleAttention(nnx.Module):
       method: ``"chunked"`` (default), ``"scan"`` or ``"pallas"`` (the opt-in Pallas
         kernels, no per-channel gate), as in ``linattn_jax.ops.delta.causal``.
       chunk_size: tokens per chunk; None (default): the family's default
-        (``linattn_jax.ops.checks.default_chunk_size``: 64, 16 for KDA's per-channel gate).
+        (``linattn_jax.ops.checks.default_chunk_size``).
       sequence_axis: a mesh axis that splits full-sequence forwards along their
         length (``linattn_jax.ops.delta.sequence_parallel``; no ``key_mask`` or
         ``segment_ids`` then).
@@ -156,90 +159,46 @@ class DeltaRuleAttention(nnx.Module):
         h, hv, dk, dv = check_dims(
             width, num_heads, head_dim, value_head_dim, expand_v, num_v_heads
         )
-        if variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-        if method not in delta.METHODS + delta.KERNEL_METHODS:
-            raise ValueError(f"method must be one of {delta.METHODS} or 'pallas', got {method!r}")
-        if chunk_size is not None:
-            checks.check_int("chunk_size", chunk_size, 1)
-        checks.check_int("conv_size", conv_size, 0)
-        check_dropout_rate(dropout_rate)
-        for name, flag in [
-            ("output_gate", output_gate),
-            ("allow_negative_eigenvalues", allow_negative_eigenvalues),
-            ("causal", causal),
-        ]:
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
-        if gate_rank is not None:
-            if variant != "kda":
-                raise ValueError(f"gate_rank is KDA's (variant='kda'), got variant={variant!r}")
-            checks.check_int("gate_rank", gate_rank, 1)
-        if output_gate_activation not in GATE_ACTIVATIONS:
-            raise ValueError(
-                f"output_gate_activation must be one of {GATE_ACTIVATIONS}, got "
-                f"{output_gate_activation!r}"
-            )
-        if output_gate_rank is not None:
-            if not output_gate:
-                raise ValueError("output_gate_rank needs output_gate=True")
-            checks.check_int("output_gate_rank", output_gate_rank, 1)
+        _check_options(
+            variant, method, chunk_size, conv_size, dropout_rate, output_gate,
+            allow_negative_eigenvalues, causal, gate_rank, output_gate_activation,
+            output_gate_rank,
+        )  # fmt: skip
         self.width, self.num_heads, self.key_dim, self.value_dim = width, h, dk, dv
         self.num_v_heads = hv
         self.variant, self.causal = variant, causal
         self.method, self.chunk_size = method, chunk_size
-        if sequence_axis is not None and not causal:
-            raise ValueError("sequence_axis needs a causal layer (causal=True)")
-        self.sharding = nnx.data(
-            None if sequence_axis is None else SequenceSharding(sequence_axis, batch_axis, mesh)
-        )
+        self.sharding = nnx.data(sequence_sharding(sequence_axis, batch_axis, mesh, causal))
         self.beta_max = 2.0 if allow_negative_eigenvalues else 1.0
         self.scale = 1.0 / math.sqrt(dk)
         options = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        linear = lambda n_in, n_out, *axes: nnx.Linear(
-            n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), **options
-        )
         heads_in = (sharding.EMBED, sharding.HEADS)
-        self.q_proj, self.k_proj = (
-            linear(width, h * dk, *heads_in),
-            linear(width, h * dk, *heads_in),
-        )
-        self.v_proj = linear(width, hv * dv, *heads_in)
-        self.beta_proj = linear(width, hv, *heads_in)
+        self.q_proj = projection(width, h * dk, *heads_in, **options)
+        self.k_proj = projection(width, h * dk, *heads_in, **options)
+        self.v_proj = projection(width, hv * dv, *heads_in, **options)
+        self.beta_proj = projection(width, hv, *heads_in, **options)
         self.conv = nnx.data(
             CausalConv1D(2 * h * dk + hv * dv, conv_size, rngs=rngs, param_dtype=param_dtype)
             if conv_size
             else None
         )
-        gate = None
-        if variant == "gated_deltanet":
-            gate = MambaGate(width, hv, **options)
-        elif variant == "kda":
-            gate = MambaGate(width, hv, dk, dk if gate_rank is None else gate_rank, **options)
-        self.gate = nnx.data(gate)
-        g_proj = None
-        if output_gate and output_gate_rank is None:
-            g_proj = linear(width, hv * dv, *heads_in)
-        elif output_gate:
-            g_proj = nnx.Sequential(
-                linear(width, output_gate_rank, sharding.EMBED, None),
-                linear(output_gate_rank, hv * dv, None, sharding.HEADS),
-            )
-        self.g_proj = nnx.data(g_proj)
+        self.gate = nnx.data(_decay_gate(variant, width, hv, dk, gate_rank, options))
+        self.g_proj = nnx.data(
+            _output_gate_projection(width, hv * dv, output_gate, output_gate_rank, options)
+        )
         # In float32 whatever dtype (Flax's RMSNorm would promote bfloat16 with float32).
         self.output_norm = GatedRMSNorm(
             dv, activation=output_gate_activation, dtype=jnp.float32, param_dtype=param_dtype,
             rngs=rngs,
         )  # fmt: skip
-        self.out_proj = linear(hv * dv, width, sharding.HEADS, sharding.EMBED)
+        self.out_proj = projection(hv * dv, width, sharding.HEADS, sharding.EMBED, **options)
         # Last: its RNG stream (rate > 0) must not shift the parameters' initialisation.
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs if dropout_rate > 0 else None)
 
     def init_state(self, batch: int, max_length: int | None = None) -> DeltaRuleCache:
         """The empty decoding state (``max_length`` is ignored: the state has a fixed size)."""
         del max_length
-        if not self.causal:
-            raise ValueError("decoding needs a causal layer (causal=True)")
+        check_can_decode(self)
         state = delta.init_state(batch, self.num_v_heads, self.key_dim, self.value_dim)
         return DeltaRuleCache(state, None if self.conv is None else self.conv.init_state(batch))
 
@@ -273,8 +232,7 @@ class DeltaRuleAttention(nnx.Module):
         """
         check_tokens(x, self.width)
         check_decoding(self, state, return_state)
-        if state is not None and not isinstance(state, DeltaRuleCache):
-            raise ValueError(f"state must be a DeltaRuleCache, got {type(state).__name__}")
+        check_state(state, DeltaRuleCache)
         b, t, _ = x.shape
         key_mask = checks.token_mask("key_mask", key_mask, b, t)
         x = checks.where_token(key_mask, x)
@@ -334,3 +292,60 @@ def check_dims(width, num_heads, head_dim, value_head_dim, expand_v, num_v_heads
             f"num_v_heads must be a multiple of num_heads={num_heads}, got {num_v_heads}"
         )
     return num_heads, num_v_heads, head_dim, value_head_dim
+
+
+def _check_options(
+    variant, method, chunk_size, conv_size, dropout_rate, output_gate,
+    allow_negative_eigenvalues, causal, gate_rank, output_gate_activation, output_gate_rank,
+) -> None:  # fmt: skip
+    """``DeltaRuleAttention``'s options besides its sizes, or a ValueError naming one."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if method not in delta.METHODS + delta.KERNEL_METHODS:
+        raise ValueError(f"method must be one of {delta.METHODS} or 'pallas', got {method!r}")
+    checks.check_chunk_size(chunk_size)
+    checks.check_int("conv_size", conv_size, 0)
+    check_dropout_rate(dropout_rate)
+    for name, flag in [
+        ("output_gate", output_gate),
+        ("allow_negative_eigenvalues", allow_negative_eigenvalues),
+        ("causal", causal),
+    ]:
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
+    if gate_rank is not None:
+        if variant != "kda":
+            raise ValueError(f"gate_rank is KDA's (variant='kda'), got variant={variant!r}")
+        checks.check_int("gate_rank", gate_rank, 1)
+    if output_gate_activation not in GATE_ACTIVATIONS:
+        raise ValueError(
+            f"output_gate_activation must be one of {GATE_ACTIVATIONS}, got "
+            f"{output_gate_activation!r}"
+        )
+    if output_gate_rank is not None:
+        if not output_gate:
+            raise ValueError("output_gate_rank needs output_gate=True")
+        checks.check_int("output_gate_rank", output_gate_rank, 1)
+
+
+def _decay_gate(variant: str, width: int, hv: int, dk: int, gate_rank, options) -> MambaGate | None:
+    """The variant's log-decay: none (DeltaNet), one per head (Gated DeltaNet) or one per
+    key channel through a low rank (KDA; ``gate_rank``, default dk)."""
+    if variant == "gated_deltanet":
+        return MambaGate(width, hv, **options)
+    if variant == "kda":
+        return MambaGate(width, hv, dk, dk if gate_rank is None else gate_rank, **options)
+    return None
+
+
+def _output_gate_projection(width: int, features: int, output_gate: bool, rank, options):
+    """``W_g``: ``width -> features`` in one matrix, or through ``rank`` (Kimi Linear's
+    ``g_a_proj``, ``g_b_proj``); None without an output gate."""
+    if not output_gate:
+        return None
+    if rank is None:
+        return projection(width, features, sharding.EMBED, sharding.HEADS, **options)
+    return nnx.Sequential(
+        projection(width, rank, sharding.EMBED, None, **options),
+        projection(rank, features, None, sharding.HEADS, **options),
+    )

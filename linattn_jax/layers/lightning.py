@@ -21,6 +21,7 @@ with Lightning Attention" (https://arxiv.org/abs/2405.17381); MiniMax et al. 202
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -32,13 +33,16 @@ from linattn_jax import sharding
 from linattn_jax.layers.common import (
     check_decoding,
     check_head_dim,
+    check_state,
     check_tokens,
+    next_position,
     positions,
+    projection,
     split_heads,
 )
 from linattn_jax.layers.linear import LinearAttentionCache
 from linattn_jax.layers.norms import RMSNorm
-from linattn_jax.layers.recurrent import SequenceSharding, run_causal
+from linattn_jax.layers.recurrent import run_causal, sequence_sharding
 from linattn_jax.ops import additive, checks
 
 
@@ -72,7 +76,8 @@ class LightningAttention(nnx.Module):
       num_layers: the model's depth ``L``.
       method: the full-sequence form, ``"chunked"``, ``"scan"``, ``"quadratic"`` or the
         opt-in ``"pallas"`` kernel (``additive.causal``).
-      chunk_size: tokens per chunk; None: the family's default.
+      chunk_size: tokens per chunk; None (default): the family's default
+        (``linattn_jax.ops.checks.default_chunk_size``).
       norm_eps: the output RMSNorm's epsilon (``transformers``' default 1e-6).
       sequence_axis: a mesh axis that splits the sequence (the full-sequence forward runs
         ``additive.sequence_parallel``; no key mask or segments there).
@@ -117,22 +122,16 @@ class LightningAttention(nnx.Module):
             raise ValueError(
                 f"method must be one of {additive.METHODS} or 'pallas', got {method!r}"
             )
-        if chunk_size is not None:
-            checks.check_int("chunk_size", chunk_size, 1)
+        checks.check_chunk_size(chunk_size)
         checks.check_number("norm_eps", norm_eps, 0)
         gamma = lightning_decays(num_heads, layer_index, num_layers)
         self.width, self.num_heads, self.causal = width, num_heads, True
         self.layer_index, self.num_layers = layer_index, num_layers
         self.method, self.chunk_size, self.dtype = method, chunk_size, dtype
         self.decay = tuple(float(g) for g in gamma)  # static: fixed, not a parameter
-        self.sharding = nnx.data(
-            None if sequence_axis is None else SequenceSharding(sequence_axis, batch_axis, mesh)
-        )
+        self.sharding = nnx.data(sequence_sharding(sequence_axis, batch_axis, mesh))
         inner = num_heads * self.head_dim
-        linear = lambda n_in, n_out, *axes: nnx.Linear(
-            n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs,
-        )  # fmt: skip
+        linear = functools.partial(projection, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         heads_in = (sharding.EMBED, sharding.HEADS)
         self.q_proj = linear(width, inner, *heads_in)
         self.k_proj = linear(width, inner, *heads_in)
@@ -172,6 +171,7 @@ class LightningAttention(nnx.Module):
         step, a longer one is prefilled.
         """
         check_decoding(self, state, return_state)
+        check_state(state, LinearAttentionCache)
         check_tokens(x, self.width)
         b, t, _ = x.shape
         key_mask = checks.token_mask("key_mask", key_mask, b, t)
@@ -199,9 +199,8 @@ class LightningAttention(nnx.Module):
             causal_options=dict(positions=positions(position, b, t, key_mask)),
         )
         gate = jax.nn.sigmoid(self.output_gate(x))
-        y = self.out_proj(gate * self.norm(out.reshape(b, t, -1)).astype(gate.dtype))
+        out = out.reshape(b, t, self.num_heads * self.head_dim)  # no -1: t may be 0
+        y = self.out_proj(gate * self.norm(out).astype(gate.dtype))
         if return_state:
-            start = jnp.zeros((b,), jnp.int32) if position is None else position
-            seen = t if key_mask is None else jnp.sum(key_mask, axis=1, dtype=jnp.int32)
-            return y, LinearAttentionCache(s, start + seen)
+            return y, LinearAttentionCache(s, next_position(position, b, t, key_mask))
         return y

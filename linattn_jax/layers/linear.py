@@ -18,15 +18,19 @@ from flax import nnx
 
 from linattn_jax import sharding
 from linattn_jax.layers.common import (
+    check_can_decode,
     check_decoding,
     check_dropout_rate,
+    check_state,
     check_width,
+    next_position,
     positions,
     project_qkv,
+    projection,
 )
 from linattn_jax.layers.feature_maps import RANDOM_FEATURES, make_feature_map
 from linattn_jax.layers.gates import ChannelGate, HeadGate
-from linattn_jax.layers.recurrent import SequenceSharding, run_causal
+from linattn_jax.layers.recurrent import run_causal, sequence_sharding
 from linattn_jax.ops import additive, checks
 from linattn_jax.ops import feature_maps as fm
 from linattn_jax.ops.additive.inputs import check_normalize
@@ -62,7 +66,7 @@ class LinearAttention(nnx.Module):
         opt-in Pallas kernel of the chunked form, as in ``linattn_jax.ops.additive.causal``;
         interpreted on CPU); a non-causal layer ignores it.
       chunk_size: tokens per chunk; None (default): the family's default
-        (``linattn_jax.ops.checks.default_chunk_size``: 64, 16 with a per-channel gate).
+        (``linattn_jax.ops.checks.default_chunk_size``).
       decay: None, ``"retnet"`` (gamma_h = 1 - 2^(-5-h)), a float or one per head.
       gate: learn a data-dependent log-decay per token: ``True`` one per head
         (``log_sigmoid`` of a projection of the input, biased towards slow decay),
@@ -132,41 +136,21 @@ class LinearAttention(nnx.Module):
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
     ):
-        check_width(width, num_heads)
-        if chunk_size is not None:
-            checks.check_int("chunk_size", chunk_size, 1)
-        check_dropout_rate(dropout_rate)
-        checks.check_bool("causal", causal)
-        checks.check_bool("normalize", normalize)
-        checks.check_number("eps", eps, 0)
-        if feature_dim is not None:
-            checks.check_int("feature_dim", feature_dim, 1)
-        if method not in additive.METHODS + additive.KERNEL_METHODS:
-            raise ValueError(
-                f"method must be one of {additive.METHODS} or 'pallas', got {method!r}"
-            )
-        if not (isinstance(gate, bool) or (isinstance(gate, str) and gate == "channel")):
-            raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+        _check_options(
+            width, num_heads, chunk_size, dropout_rate, causal, normalize, eps, feature_dim,
+            method, gate,
+        )  # fmt: skip
         self.width, self.num_heads, self.head_dim = width, num_heads, width // num_heads
         self.qk_dim = self.head_dim if feature_dim is None else feature_dim
         self.causal, self.method, self.chunk_size = causal, method, chunk_size
         self.normalize, self.eps, self.dtype = normalize, eps, dtype
-        if sequence_axis is not None and not causal:
-            raise ValueError("sequence_axis needs a causal layer (causal=True)")
-        self.sharding = nnx.data(
-            None if sequence_axis is None else SequenceSharding(sequence_axis, batch_axis, mesh)
-        )
+        self.sharding = nnx.data(sequence_sharding(sequence_axis, batch_axis, mesh, causal))
         options = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        linear = lambda n_in, n_out, *axes: nnx.Linear(
-            n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), **options
-        )
         qk_width, heads_in = num_heads * self.qk_dim, (sharding.EMBED, sharding.HEADS)
-        self.q_proj, self.k_proj = (
-            linear(width, qk_width, *heads_in),
-            linear(width, qk_width, *heads_in),
-        )
-        self.v_proj = linear(width, width, *heads_in)
-        self.out_proj = linear(width, width, sharding.HEADS, sharding.EMBED)
+        self.q_proj = projection(width, qk_width, *heads_in, **options)
+        self.k_proj = projection(width, qk_width, *heads_in, **options)
+        self.v_proj = projection(width, width, *heads_in, **options)
+        self.out_proj = projection(width, width, sharding.HEADS, sharding.EMBED, **options)
         self.decay = nnx.data(checks.parse_decay(decay, num_heads))
         # Built in this order: it fixes which parameters each RNG draw initialises.
         head_gate = HeadGate(width, num_heads, **options) if gate is True else None
@@ -176,7 +160,7 @@ class LinearAttention(nnx.Module):
             else nnx.RMSNorm(self.head_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         )
         self.feature_map_name = feature_map if isinstance(feature_map, str) else None
-        hedgehog, projection, self._feature_map = make_feature_map(
+        hedgehog, random_projection, self._feature_map = make_feature_map(
             feature_map,
             num_heads,
             self.qk_dim,
@@ -186,7 +170,7 @@ class LinearAttention(nnx.Module):
             rngs=rngs,
             param_dtype=param_dtype,
         )
-        self.hedgehog, self.projection = nnx.data(hedgehog), nnx.data(projection)
+        self.hedgehog, self.projection = nnx.data(hedgehog), nnx.data(random_projection)
         check_normalize(self.phi, normalize, name=feature_map)  # at construction
         self.feature_dim = fm.feature_dim(self.phi, self.qk_dim, num_heads)
         channel_gate = None
@@ -215,8 +199,7 @@ class LinearAttention(nnx.Module):
     def init_state(self, batch: int, max_length: int | None = None) -> LinearAttentionCache:
         """The empty decoding state (``max_length`` is ignored: the state has a fixed size)."""
         del max_length
-        if not self.causal:
-            raise ValueError("decoding needs a causal layer (causal=True)")
+        check_can_decode(self)
         state = additive.init_state(batch, self.num_heads, self.feature_dim, self.head_dim)
         return LinearAttentionCache(state, jnp.zeros((batch,), jnp.int32))
 
@@ -244,49 +227,55 @@ class LinearAttention(nnx.Module):
         ``deterministic`` and ``rngs`` drive the output dropout.
         """
         check_decoding(self, state, return_state)
+        check_state(state, LinearAttentionCache)
         x, (q, k, v), key_mask, query_mask = project_qkv(
             self, x, inputs_k, inputs_v, key_mask, query_mask
         )
         b, t, _ = x.shape
         gate = None if self.gate is None else self.gate(x)
-        options = dict(
-            decay=self.decay, feature_map=self.phi, normalize=self.normalize, eps=self.eps
-        )
-        new_state = None
-        if not self.causal:
-            del options["decay"]
-            out = additive.noncausal(
-                q,
-                k,
-                v,
-                key_mask=key_mask,
-                query_mask=query_mask,
-                segment_ids=segment_ids,
-                **options,
-            )
-        else:
-            position = None if state is None else state.position
-            out, s = run_causal(
-                additive,
-                q,
-                k,
-                v,
-                state=None if state is None else state.state,
-                key_mask=key_mask,
-                segment_ids=segment_ids,
-                method=self.method,
-                chunk_size=self.chunk_size,
-                sharding=self.sharding,
-                gate=gate,
-                options=options,
-                step_options=dict(position=position),
-                causal_options=dict(positions=positions(position, b, t, key_mask)),
-            )
-            start = jnp.zeros((b,), jnp.int32) if position is None else position
-            seen = t if key_mask is None else jnp.sum(key_mask, axis=1, dtype=jnp.int32)
-            new_state = LinearAttentionCache(s, start + seen)
+        out, new_state = _attend(self, q, k, v, gate, state, key_mask, query_mask, segment_ids)
         if self.output_norm is not None:
             out = self.output_norm(out)
         out = self.dropout(out, deterministic=deterministic, rngs=rngs)
         y = self.out_proj(out.reshape(b, t, self.width))
         return (y, new_state) if return_state else y
+
+
+def _check_options(
+    width, num_heads, chunk_size, dropout_rate, causal, normalize, eps, feature_dim, method, gate
+) -> None:
+    """``LinearAttention``'s options that need no other piece built, or a ValueError."""
+    check_width(width, num_heads)
+    checks.check_chunk_size(chunk_size)
+    check_dropout_rate(dropout_rate)
+    checks.check_bool("causal", causal)
+    checks.check_bool("normalize", normalize)
+    checks.check_number("eps", eps, 0)
+    if feature_dim is not None:
+        checks.check_int("feature_dim", feature_dim, 1)
+    if method not in additive.METHODS + additive.KERNEL_METHODS:
+        raise ValueError(f"method must be one of {additive.METHODS} or 'pallas', got {method!r}")
+    if not (isinstance(gate, bool) or (isinstance(gate, str) and gate == "channel")):
+        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+
+
+def _attend(layer: LinearAttention, q, k, v, gate, state, key_mask, query_mask, segment_ids):
+    """``(out [b, t, h, d], the new LinearAttentionCache or None)`` of ``layer`` on its
+    projected ``q``, ``k``, ``v``: the non-causal form, or the causal one through
+    ``run_causal`` (with the position of the next token)."""
+    b, t = q.shape[:2]
+    options = dict(feature_map=layer.phi, normalize=layer.normalize, eps=layer.eps)
+    if not layer.causal:
+        out = additive.noncausal(
+            q, k, v, key_mask=key_mask, query_mask=query_mask, segment_ids=segment_ids, **options
+        )
+        return out, None
+    position = None if state is None else state.position
+    out, s = run_causal(
+        additive, q, k, v, state=None if state is None else state.state, key_mask=key_mask,
+        segment_ids=segment_ids, method=layer.method, chunk_size=layer.chunk_size,
+        sharding=layer.sharding, gate=gate, options=dict(options, decay=layer.decay),
+        step_options=dict(position=position),
+        causal_options=dict(positions=positions(position, b, t, key_mask)),
+    )  # fmt: skip
+    return out, LinearAttentionCache(s, next_position(position, b, t, key_mask))

@@ -138,17 +138,7 @@ class LinearizedAttention(SoftmaxAttention):
         super().__init__(
             width, num_heads, rngs=rngs, dtype=dtype, param_dtype=param_dtype, **softmax_options
         )
-        if gate not in LINEARIZED_GATES:
-            raise ValueError(f"gate must be one of {LINEARIZED_GATES}, got {gate!r}")
-        if method not in additive.METHODS:
-            raise ValueError(f"method must be one of {additive.METHODS}, got {method!r}")
-        if chunk_size is not None:
-            checks.check_int("chunk_size", chunk_size, 1)
-        checks.check_number("eps", eps, 0)
-        if window is not None:
-            checks.check_int("window", window, 1)
-            if gate is not None:
-                raise ValueError(f"a window takes no gate, got window={window}, gate={gate!r}")
+        _check_options(gate, method, chunk_size, eps, window)
         self.window, self.method, self.chunk_size, self.eps = window, method, chunk_size, eps
         self.feature_map_name = feature_map
         h, d = self.num_heads, self.head_dim
@@ -215,7 +205,10 @@ class LinearizedAttention(SoftmaxAttention):
             pos = rope_lib.token_positions(
                 b, t, key_mask=key_mask, segment_ids=segment_ids, start=start
             )
-            q, k = (rope_lib.apply_rope(y, pos, self.rotary_dim, self.rope_theta) for y in (q, k))
+            q, k = (
+                rope_lib.apply_rope(y, pos, self.rotary_dim, self.rope_theta, self.rope_scaling)
+                for y in (q, k)
+            )
         groups = self.num_heads // self.num_kv_heads
         k, v = (jnp.repeat(y, groups, axis=2) for y in (k, v))
         root = math.sqrt(self.scale if self.scale is not None else self.head_dim**-0.5)
@@ -251,7 +244,7 @@ class LinearizedAttention(SoftmaxAttention):
         b, t, _ = x.shape
         new_state = None
         if self.window is not None:
-            out = self.windowed(q, k, v, key_mask)
+            out = windowed(self, q, k, v, key_mask)
         else:
             out, s = run_causal(
                 additive,
@@ -277,51 +270,74 @@ class LinearizedAttention(SoftmaxAttention):
         y = self.out_proj(out.reshape(b, t, self.num_heads * self.head_dim))
         return (y, new_state) if return_state else y
 
-    def windowed(self, q, k, v, key_mask):
-        """The windowed form's output ``[b, t, h, d]`` float32 from ``heads``' q, k, v."""
-        w = self.window
-        phi_q, phi_k, v = features(q, k, v, self.phi, key_mask, key_mask, heads_first=False)
-        delay = lambda y: jnp.pad(y, ((0, 0), (w, 0), (0, 0), (0, 0)))[:, : y.shape[1]]
-        ones = jnp.ones(v.shape[:-1] + (1,), v.dtype)
-        old = additive.causal(
-            phi_q, delay(phi_k), delay(jnp.concatenate([v, ones], axis=-1)),
-            method=self.method, chunk_size=self.chunk_size, feature_map="identity",
-            normalize=False,
-        )  # fmt: skip
-        numerator, denominator = window_sums(q, k, v, key_mask, w)
-        gamma = jax.nn.sigmoid(self.window_factor[...].astype(jnp.float32))[None, None]
-        numerator = gamma[..., None] * numerator + old[..., :-1]
-        denominator = gamma * denominator + old[..., -1]
-        # A real query sees itself at weight gamma: the denominator is never 0 there.
-        safe = jnp.where(denominator > 0, denominator, 1.0)
-        return numerator / safe[..., None]
-
     def attention_weights(self, x, key_mask=None):
         """``(softmax's, this layer's)`` attention weights ``[b, h, t, t]`` float32 on ``x
         [b, t, width]`` (rows of padded queries 0): quadratic, for the transfer loss and as a
         reference. A gated layer's are refused (its weights hold decays)."""
-        if self.gate is not None:
-            raise ValueError("attention_weights: a gated layer's weights are not computed")
-        _, q, k, _, _, key_mask = self.heads(x, key_mask)
-        b, t = q.shape[:2]
-        i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-        seen = jnp.broadcast_to((j <= i)[None, None], (b, 1, t, t))
-        if key_mask is not None:
-            seen = seen & key_mask[:, None, None, :] & key_mask[:, None, :, None]
-        scores = jnp.einsum("bthd,bshd->bhts", q, k)
-        teacher = jax.nn.softmax(jnp.where(seen, scores, -jnp.inf), axis=-1)
-        phi_q, phi_k, _ = features(q, k, k, self.phi, key_mask, key_mask)
-        student = jnp.where(seen, jnp.einsum("bhtf,bhsf->bhts", phi_q, phi_k), 0.0)
-        if self.window is not None:
-            near = seen & (i - j < self.window)[None, None]
-            top = jnp.max(jnp.where(near, scores, -jnp.inf), axis=-1, keepdims=True)
-            top = jnp.where(jnp.isfinite(top), top, 0.0)
-            gamma = jax.nn.sigmoid(self.window_factor[...].astype(jnp.float32))[None, :, None, None]
-            softmax_part = gamma * jnp.exp(jnp.where(near, scores - top, -jnp.inf))
-            student = jnp.where(near, softmax_part, student)
-        total = jnp.sum(student, axis=-1, keepdims=True)
-        student = student / jnp.where(total > 0, total, 1.0)
-        return jnp.where(seen, teacher, 0.0), student
+        return attention_weights(self, x, key_mask)
+
+
+def windowed(layer: LinearizedAttention, q, k, v, key_mask) -> jax.Array:
+    """A windowed ``layer``'s output ``[b, t, h, d]`` float32 from its ``heads``' q, k, v:
+    softmax over each query's latest ``window`` keys beside the linear sum of the older ones."""
+    w = layer.window
+    phi_q, phi_k, v = features(q, k, v, layer.phi, key_mask, key_mask, heads_first=False)
+    delay = lambda y: jnp.pad(y, ((0, 0), (w, 0), (0, 0), (0, 0)))[:, : y.shape[1]]
+    ones = jnp.ones(v.shape[:-1] + (1,), v.dtype)
+    old = additive.causal(
+        phi_q, delay(phi_k), delay(jnp.concatenate([v, ones], axis=-1)),
+        method=layer.method, chunk_size=layer.chunk_size, feature_map="identity",
+        normalize=False,
+    )  # fmt: skip
+    numerator, denominator = window_sums(q, k, v, key_mask, w)
+    gamma = jax.nn.sigmoid(layer.window_factor[...].astype(jnp.float32))[None, None]
+    numerator = gamma[..., None] * numerator + old[..., :-1]
+    denominator = gamma * denominator + old[..., -1]
+    # A real query sees itself at weight gamma: the denominator is never 0 there.
+    safe = jnp.where(denominator > 0, denominator, 1.0)
+    return numerator / safe[..., None]
+
+
+def attention_weights(layer: LinearizedAttention, x, key_mask=None):
+    """``LinearizedAttention.attention_weights``: ``(softmax's, the layer's)`` weights
+    ``[b, h, t, t]`` float32."""
+    if layer.gate is not None:
+        raise ValueError("attention_weights: a gated layer's weights are not computed")
+    _, q, k, _, _, key_mask = layer.heads(x, key_mask)
+    b, t = q.shape[:2]
+    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    seen = jnp.broadcast_to((j <= i)[None, None], (b, 1, t, t))
+    if key_mask is not None:
+        seen = seen & key_mask[:, None, None, :] & key_mask[:, None, :, None]
+    scores = jnp.einsum("bthd,bshd->bhts", q, k)
+    teacher = jax.nn.softmax(jnp.where(seen, scores, -jnp.inf), axis=-1)
+    phi_q, phi_k, _ = features(q, k, k, layer.phi, key_mask, key_mask)
+    student = jnp.where(seen, jnp.einsum("bhtf,bhsf->bhts", phi_q, phi_k), 0.0)
+    if layer.window is not None:
+        near = seen & (i - j < layer.window)[None, None]
+        top = jnp.max(jnp.where(near, scores, -jnp.inf), axis=-1, keepdims=True)
+        top = jnp.where(jnp.isfinite(top), top, 0.0)
+        gamma = jax.nn.sigmoid(layer.window_factor[...].astype(jnp.float32))[None, :, None, None]
+        softmax_part = gamma * jnp.exp(jnp.where(near, scores - top, -jnp.inf))
+        student = jnp.where(near, softmax_part, student)
+    total = jnp.sum(student, axis=-1, keepdims=True)
+    student = student / jnp.where(total > 0, total, 1.0)
+    return jnp.where(seen, teacher, 0.0), student
+
+
+def _check_options(gate, method, chunk_size, eps, window) -> None:
+    """A ValueError naming the first bad option of ``LinearizedAttention``'s own."""
+    if gate not in LINEARIZED_GATES:
+        raise ValueError(f"gate must be one of {LINEARIZED_GATES}, got {gate!r}")
+    if method not in additive.METHODS:
+        raise ValueError(f"method must be one of {additive.METHODS}, got {method!r}")
+    if chunk_size is not None:
+        checks.check_int("chunk_size", chunk_size, 1)
+    checks.check_number("eps", eps, 0)
+    if window is not None:
+        checks.check_int("window", window, 1)
+        if gate is not None:
+            raise ValueError(f"a window takes no gate, got window={window}, gate={gate!r}")
 
 
 def window_sums(q, k, v, key_mask, w: int) -> tuple[jax.Array, jax.Array]:

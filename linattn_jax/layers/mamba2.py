@@ -26,9 +26,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax import sharding
-from linattn_jax.layers.common import check_decoding, check_tokens, split_heads
+from linattn_jax.layers.common import (
+    check_can_decode,
+    check_decoding,
+    check_state,
+    check_tokens,
+    split_heads,
+)
 from linattn_jax.layers.conv import CausalConv1D
-from linattn_jax.layers.recurrent import SequenceSharding
+from linattn_jax.layers.recurrent import run_causal, sequence_sharding
 from linattn_jax.ops import checks, ssd
 
 NORMS = ("gate_first", "norm_first", "none")  # Mamba2Mixer's output norms
@@ -84,7 +90,7 @@ class GroupedGatedRMSNorm(nnx.Module):
         """``x [..., features]`` gated by ``z [..., features]``, float32."""
         gate = jax.nn.silu(z.astype(jnp.float32))
         y = x.astype(jnp.float32) * gate if self.gate_first else x.astype(jnp.float32)
-        grouped = y.reshape(*y.shape[:-1], self.groups, -1)
+        grouped = y.reshape(*y.shape[:-1], self.groups, y.shape[-1] // self.groups)
         grouped = grouped * jax.lax.rsqrt(
             jnp.mean(grouped * grouped, axis=-1, keepdims=True) + self.epsilon
         )
@@ -121,7 +127,8 @@ class Mamba2Mixer(nnx.Module):
       causal: True for decoders; with False the layer still reads left to right, and
         refuses decoding.
       method: the SSD's full-sequence form (``ops.ssd.METHODS``).
-      chunk_size: its tokens per chunk (None: its default).
+      chunk_size: tokens per chunk; None (default): the family's default
+        (``linattn_jax.ops.checks.default_chunk_size``).
       sequence_axis: a mesh axis that splits full-sequence forwards along their length
         (``ops.ssd.sequence_parallel``; no ``key_mask`` or ``segment_ids`` then).
       batch_axis: the mesh axis that splits the batch alongside ``sequence_axis``.
@@ -161,57 +168,20 @@ class Mamba2Mixer(nnx.Module):
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
     ):
-        checks.check_sizes(width=width, num_heads=num_heads, state_dim=state_dim)
-        checks.check_sizes(n_groups=n_groups, conv_size=conv_size)
-        if head_dim is None:
-            checks.check_int("expand", expand, 1)
-            if (expand * width) % num_heads:
-                raise ValueError(
-                    f"num_heads={num_heads} must divide expand * width={expand * width} "
-                    f"(or give head_dim)"
-                )
-            head_dim = expand * width // num_heads
-        checks.check_int("head_dim", head_dim, 1)
-        if num_heads % n_groups:
-            raise ValueError(f"n_groups must divide num_heads={num_heads}, got {n_groups}")
-        if method not in ssd.METHODS:
-            raise ValueError(f"method must be one of {ssd.METHODS}, got {method!r}")
-        if chunk_size is not None:
-            checks.check_chunk_size(chunk_size)
-        low, high = time_step_limit
-        if not 0 <= low <= high:
-            raise ValueError(
-                f"time_step_limit must be (low, high), 0 <= low <= high, got {time_step_limit}"
-            )
-        for name, flag in [
-            ("use_conv_bias", use_conv_bias),
-            ("use_bias", use_bias),
-            ("causal", causal),
-        ]:
-            checks.check_bool(name, flag)
-        if norm not in NORMS:
-            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-        if projection_multipliers is not None:
-            values = tuple(projection_multipliers)
-            finite = all(isinstance(v, int | float) and math.isfinite(v) for v in values)
-            if len(values) != 5 or not finite:
-                raise ValueError(
-                    "projection_multipliers must be None or 5 finite numbers (z, x, B, C, dt), "
-                    f"got {projection_multipliers!r}"
-                )
-            projection_multipliers = tuple(float(v) for v in values)
+        head_dim, projection_multipliers = _check_options(
+            width, num_heads, head_dim, expand, state_dim, n_groups, conv_size, method,
+            chunk_size, time_step_limit, use_conv_bias, use_bias, causal, norm,
+            projection_multipliers,
+        )  # fmt: skip
         self.projection_multipliers = projection_multipliers
-        if sequence_axis is not None and not causal:
-            raise ValueError("sequence_axis needs a causal layer (causal=True)")
+        self.sharding = nnx.data(sequence_sharding(sequence_axis, batch_axis, mesh, causal))
+        low, high = time_step_limit
         h, p, g, n = num_heads, head_dim, n_groups, state_dim
         inner = h * p
         self.width, self.num_heads, self.head_dim = width, h, p
         self.n_groups, self.state_dim, self.inner = g, n, inner
         self.time_step_limit = (float(low), float(high))
         self.causal, self.method, self.chunk_size = causal, method, chunk_size
-        self.sharding = nnx.data(
-            None if sequence_axis is None else SequenceSharding(sequence_axis, batch_axis, mesh)
-        )
         options = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         zeros = nnx.initializers.zeros_init()
         conv_dim = inner + 2 * g * n
@@ -225,11 +195,7 @@ class Mamba2Mixer(nnx.Module):
         self.conv_bias = nnx.data(
             _param(jnp.zeros((conv_dim,), param_dtype), sharding.HEADS) if use_conv_bias else None
         )
-        lo, hi = (math.log(x) for x in DT_INIT_RANGE)
-        dt = jnp.exp(jax.random.uniform(rngs.params(), (h,), jnp.float32, lo, hi))
-        dt = jnp.maximum(dt, 1e-4)
-        inverse_softplus = dt + jnp.log(-jnp.expm1(-dt))
-        self.dt_bias = _param(inverse_softplus.astype(param_dtype), sharding.HEADS)
+        self.dt_bias = _param(_dt_bias(rngs.params(), h).astype(param_dtype), sharding.HEADS)
         a_log = jnp.log(jnp.arange(1, h + 1, dtype=jnp.float32))  # A = 1 ... h (Mamba-2)
         self.A_log = _param(a_log.astype(param_dtype), sharding.HEADS)
         self.D = _param(jnp.ones((h,), param_dtype), sharding.HEADS)
@@ -254,8 +220,7 @@ class Mamba2Mixer(nnx.Module):
     def init_state(self, batch: int, max_length: int | None = None) -> Mamba2Cache:
         """The empty decoding state (``max_length`` is ignored: the state has a fixed size)."""
         del max_length
-        if not self.causal:
-            raise ValueError("decoding needs a causal layer (causal=True)")
+        check_can_decode(self)
         state = ssd.init_state(batch, self.num_heads, self.state_dim, self.head_dim)
         return Mamba2Cache(state, self.conv.init_state(batch))
 
@@ -283,19 +248,14 @@ class Mamba2Mixer(nnx.Module):
         """
         check_tokens(x, self.width)
         check_decoding(self, state, return_state)
-        if state is not None and not isinstance(state, Mamba2Cache):
-            raise ValueError(f"state must be a Mamba2Cache, got {type(state).__name__}")
+        check_state(state, Mamba2Cache)
         b, t, _ = x.shape
         h, g, n, inner = self.num_heads, self.n_groups, self.state_dim, self.inner
         key_mask = checks.token_mask("key_mask", key_mask, b, t)
         projected = self.in_proj(checks.where_token(key_mask, x))
         if self.projection_multipliers is not None:
             sizes = (inner, inner, g * n, g * n, h)
-            factors = [
-                jnp.full((k,), m, projected.dtype)
-                for k, m in zip(sizes, self.projection_multipliers, strict=True)
-            ]
-            projected = projected * jnp.concatenate(factors)[None, None]
+            projected = _scale_parts(projected, sizes, self.projection_multipliers)
         z, xbc, dt = jnp.split(projected, [inner, 2 * inner + 2 * g * n], axis=-1)
         # Padding must not reach the next tokens' window (a replacement, not a product).
         xbc, conv_state = self.conv(
@@ -314,7 +274,11 @@ class Mamba2Mixer(nnx.Module):
         dt = jnp.clip(dt, *self.time_step_limit)
         A = -jnp.exp(self.A_log[...].astype(jnp.float32))
         D = self.D[...].astype(jnp.float32)
-        y, ssm = self._ssd(xs, dt, A, B, C, D, state, key_mask, segment_ids)
+        y, ssm = run_causal(
+            ssd, xs, dt, A, B, C, state=None if state is None else state.ssm,
+            key_mask=key_mask, segment_ids=segment_ids, method=self.method,
+            chunk_size=self.chunk_size, sharding=self.sharding, options=dict(D=D),
+        )  # fmt: skip
         y = y.reshape(b, t, inner)
         if self.norm is None:
             y = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
@@ -323,24 +287,65 @@ class Mamba2Mixer(nnx.Module):
         out = self.out_proj(y.astype(projected.dtype))
         return (out, Mamba2Cache(ssm, conv_state)) if return_state else out
 
-    def _ssd(self, x, dt, A, B, C, D, state, key_mask, segment_ids):
-        """``(y [b, t, h, p], the SSD state after)``: one step for a one-token call with a
-        state, the sequence-parallel form on a sharded layer without one, else
-        ``ops.ssd.causal``."""
-        ssm = None if state is None else state.ssm
-        t = x.shape[1]
-        if ssm is not None and t == 1 and key_mask is None and segment_ids is None:
-            y, ssm = ssd.step(x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], ssm, D=D)
-            return y[:, None], ssm
-        if self.sharding is not None and ssm is None:
-            if key_mask is not None or segment_ids is not None:
-                raise ValueError("a sequence-parallel layer takes no key_mask or segment_ids")
-            return ssd.sequence_parallel(
-                x, dt, A, B, C, D=D, axis_name=self.sharding.axis, mesh=self.sharding.mesh,
-                batch_axis=self.sharding.batch_axis, chunk_size=self.chunk_size,
-                return_state=True,
-            )  # fmt: skip
-        return ssd.causal(
-            x, dt, A, B, C, D=D, method=self.method, chunk_size=self.chunk_size,
-            initial_state=ssm, return_state=True, key_mask=key_mask, segment_ids=segment_ids,
-        )  # fmt: skip
+
+def _check_options(
+    width, num_heads, head_dim, expand, state_dim, n_groups, conv_size, method, chunk_size,
+    time_step_limit, use_conv_bias, use_bias, causal, norm, projection_multipliers,
+) -> tuple[int, tuple[float, ...] | None]:  # fmt: skip
+    """``(head_dim, projection_multipliers)`` of ``Mamba2Mixer``'s options, checked (the
+    head dimension from ``expand`` when None, the multipliers as floats)."""
+    checks.check_sizes(width=width, num_heads=num_heads, state_dim=state_dim)
+    checks.check_sizes(n_groups=n_groups, conv_size=conv_size)
+    if head_dim is None:
+        checks.check_int("expand", expand, 1)
+        if (expand * width) % num_heads:
+            raise ValueError(
+                f"num_heads={num_heads} must divide expand * width={expand * width} "
+                f"(or give head_dim)"
+            )
+        head_dim = expand * width // num_heads
+    checks.check_int("head_dim", head_dim, 1)
+    if num_heads % n_groups:
+        raise ValueError(f"n_groups must divide num_heads={num_heads}, got {n_groups}")
+    if method not in ssd.METHODS:
+        raise ValueError(f"method must be one of {ssd.METHODS}, got {method!r}")
+    checks.check_chunk_size(chunk_size)
+    low, high = time_step_limit
+    if not 0 <= low <= high:
+        raise ValueError(
+            f"time_step_limit must be (low, high), 0 <= low <= high, got {time_step_limit}"
+        )
+    for name, flag in [
+        ("use_conv_bias", use_conv_bias),
+        ("use_bias", use_bias),
+        ("causal", causal),
+    ]:
+        checks.check_bool(name, flag)
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    if projection_multipliers is not None:
+        values = tuple(projection_multipliers)
+        finite = all(isinstance(v, int | float) and math.isfinite(v) for v in values)
+        if len(values) != 5 or not finite:
+            raise ValueError(
+                "projection_multipliers must be None or 5 finite numbers (z, x, B, C, dt), "
+                f"got {projection_multipliers!r}"
+            )
+        projection_multipliers = tuple(float(v) for v in values)
+    return head_dim, projection_multipliers
+
+
+def _dt_bias(key: jax.Array, heads: int) -> jax.Array:
+    """Mamba-2's ``dt_bias [h]``, float32: ``softplus^-1(dt)``, ``dt`` log-uniform in
+    ``DT_INIT_RANGE`` (at least 1e-4)."""
+    lo, hi = (math.log(x) for x in DT_INIT_RANGE)
+    dt = jnp.exp(jax.random.uniform(key, (heads,), jnp.float32, lo, hi))
+    dt = jnp.maximum(dt, 1e-4)
+    return dt + jnp.log(-jnp.expm1(-dt))
+
+
+def _scale_parts(projected: jax.Array, sizes, multipliers) -> jax.Array:
+    """``projected [b, t, sum(sizes)]`` with each consecutive part of ``sizes`` times its
+    multiplier (Falcon-H1's ``ssm_multipliers``)."""
+    factors = [jnp.full((k,), m, projected.dtype) for k, m in zip(sizes, multipliers, strict=True)]
+    return projected * jnp.concatenate(factors)[None, None]

@@ -29,8 +29,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax import sharding
-from linattn_jax.layers.common import check_decoding, check_tokens, split_heads
-from linattn_jax.layers.recurrent import SequenceSharding
+from linattn_jax.layers.common import (
+    check_can_decode,
+    check_decoding,
+    check_state,
+    check_tokens,
+    split_heads,
+)
+from linattn_jax.layers.recurrent import run_causal, sequence_sharding
 from linattn_jax.ops import checks, mlstm
 
 
@@ -72,7 +78,8 @@ class MultiHeadLayerNorm(nnx.Module):
         x = x.astype(jnp.float32)
         mean = jnp.mean(x, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-        y = ((x - mean) * jax.lax.rsqrt(var + self.epsilon)).reshape(*x.shape[:-2], -1)
+        y = (x - mean) * jax.lax.rsqrt(var + self.epsilon)
+        y = y.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])  # no -1: t may be 0
         lead = (1,) * (y.ndim - 1)
         y = y * self.weight[...].astype(jnp.float32).reshape(*lead, -1)
         return y if self.bias is None else y + self.bias[...].astype(jnp.float32).reshape(*lead, -1)
@@ -97,7 +104,8 @@ class MLSTMLayer(nnx.Module):
       causal: True for decoders; with False the layer still reads left to right, and
         refuses decoding.
       method: the full-sequence form (``ops.mlstm.METHODS``).
-      chunk_size: its tokens per chunk (None: 64).
+      chunk_size: tokens per chunk; None (default): the family's default
+        (``linattn_jax.ops.checks.default_chunk_size``).
       sequence_axis: a mesh axis that splits full-sequence forwards along their length
         (``ops.mlstm.sequence_parallel``; no ``key_mask`` or ``segment_ids`` then).
       batch_axis: the mesh axis that splits the batch alongside ``sequence_axis``.
@@ -139,21 +147,16 @@ class MLSTMLayer(nnx.Module):
                 raise ValueError(f"num_heads={num_heads} must divide {name} = {dim} (>= 1)")
         if method not in mlstm.METHODS:
             raise ValueError(f"method must be one of {mlstm.METHODS}, got {method!r}")
-        if chunk_size is not None:
-            checks.check_chunk_size(chunk_size)
+        checks.check_chunk_size(chunk_size)
         if gate_soft_cap is not None:
             checks.check_number("gate_soft_cap", gate_soft_cap, minimum=0.0)
         checks.check_number("eps", eps, minimum=0.0)
         for name, flag in [("use_bias", use_bias), ("causal", causal)]:
             checks.check_bool(name, flag)
-        if sequence_axis is not None and not causal:
-            raise ValueError("sequence_axis needs a causal layer (causal=True)")
         self.width, self.num_heads, self.qk_dim, self.v_dim = width, num_heads, qk_dim, v_dim
         self.gate_soft_cap, self.eps = gate_soft_cap, eps
         self.causal, self.method, self.chunk_size = causal, method, chunk_size
-        self.sharding = nnx.data(
-            None if sequence_axis is None else SequenceSharding(sequence_axis, batch_axis, mesh)
-        )
+        self.sharding = nnx.data(sequence_sharding(sequence_axis, batch_axis, mesh, causal))
         options = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         zeros = nnx.initializers.zeros_init()
         embed, heads = sharding.EMBED, sharding.HEADS
@@ -185,8 +188,7 @@ class MLSTMLayer(nnx.Module):
     def init_state(self, batch: int, max_length: int | None = None) -> mlstm.State:
         """The empty decoding state (``max_length`` is ignored: the state has a fixed size)."""
         del max_length
-        if not self.causal:
-            raise ValueError("decoding needs a causal layer (causal=True)")
+        check_can_decode(self)
         h = self.num_heads
         return mlstm.init_state(batch, h, self.qk_dim // h, self.v_dim // h)
 
@@ -212,8 +214,7 @@ class MLSTMLayer(nnx.Module):
         """
         check_tokens(x, self.width)
         check_decoding(self, state, return_state)
-        if state is not None and not isinstance(state, mlstm.State):
-            raise ValueError(f"state must be an MLSTMState, got {type(state).__name__}")
+        check_state(state, mlstm.State, "an")
         b, t, _ = x.shape
         key_mask = checks.token_mask("key_mask", key_mask, b, t)
         x = checks.where_token(key_mask, x)
@@ -223,28 +224,11 @@ class MLSTMLayer(nnx.Module):
             soft_cap(proj(x).astype(jnp.float32), self.gate_soft_cap)
             for proj in (self.igate_preact, self.fgate_preact)
         )
-        y, state = self._mlstm(q, k, v, i, f, state, key_mask, segment_ids)
+        y, state = run_causal(
+            mlstm, q, k, v, i, f, state=state, key_mask=key_mask, segment_ids=segment_ids,
+            method=self.method, chunk_size=self.chunk_size, sharding=self.sharding,
+            options=dict(eps=self.eps),
+        )  # fmt: skip
         gate = jax.nn.sigmoid(self.ogate_preact(x).astype(jnp.float32))
         out = self.out_proj((gate * self.multihead_norm(y)).astype(v.dtype))
         return (out, state) if return_state else out
-
-    def _mlstm(self, q, k, v, i, f, state, key_mask, segment_ids):
-        """``(y [b, t, h, v_dim / h], the state after)``: one step for a one-token call with
-        a state, the sequence-parallel form on a sharded layer without one, else
-        ``ops.mlstm.causal``."""
-        t = q.shape[1]
-        if state is not None and t == 1 and key_mask is None and segment_ids is None:
-            y, state = mlstm.step(q[:, 0], k[:, 0], v[:, 0], i[:, 0], f[:, 0], state, eps=self.eps)
-            return y[:, None], state
-        if self.sharding is not None and state is None:
-            if key_mask is not None or segment_ids is not None:
-                raise ValueError("a sequence-parallel layer takes no key_mask or segment_ids")
-            return mlstm.sequence_parallel(
-                q, k, v, i, f, axis_name=self.sharding.axis, mesh=self.sharding.mesh,
-                batch_axis=self.sharding.batch_axis, chunk_size=self.chunk_size, eps=self.eps,
-                return_state=True,
-            )  # fmt: skip
-        return mlstm.causal(
-            q, k, v, i, f, eps=self.eps, method=self.method, chunk_size=self.chunk_size,
-            initial_state=state, return_state=True, key_mask=key_mask, segment_ids=segment_ids,
-        )  # fmt: skip

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax import sharding
+from linattn_jax.layers.mlp import SwiGLU
 from linattn_jax.ops import checks
 
 SCORES = ("softmax", "sigmoid")
@@ -198,7 +199,8 @@ def combine_experts(
     used = jnp.arange(n * k, dtype=jnp.int32) < jnp.sum(plan.group_sizes, dtype=jnp.int32)
     weights = jnp.take(routing.weights.reshape(n * k), plan.order)
     out = jnp.where(used[:, None], out * weights[:, None].astype(out.dtype), 0)
-    return jnp.take(out, plan.inverse, axis=0).reshape(n, k, -1).sum(1).astype(x.dtype)
+    out = jnp.take(out, plan.inverse, axis=0).reshape(n, k, out.shape[-1])  # n may be 0
+    return out.sum(1).astype(x.dtype)
 
 
 def _router_dtype(dtype) -> jnp.dtype:
@@ -208,7 +210,7 @@ def _router_dtype(dtype) -> jnp.dtype:
 
 def _count(valid: jax.Array | None, n: int, dtype) -> jax.Array:
     """The real tokens (at least 1) in ``dtype``."""
-    return jnp.asarray(n if valid is None else jnp.maximum(jnp.sum(valid), 1), dtype)
+    return jnp.asarray(max(n, 1) if valid is None else jnp.maximum(jnp.sum(valid), 1), dtype)
 
 
 def load_balancing_loss(
@@ -357,8 +359,6 @@ class MoE(nnx.Module):
             RouterBias(jnp.zeros(num_experts, jnp.float32)) if score_bias else None
         )
         if shared_hidden:
-            from linattn_jax.layers.blocks import SwiGLU  # blocks imports this module
-
             self.shared = nnx.data(
                 SwiGLU(width, shared_hidden, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
             )
@@ -399,6 +399,8 @@ class MoE(nnx.Module):
         and give zeros. ``record``: store this call's losses in ``self.losses`` (skipped
         where the layer cannot be updated, as inside a loop over a module it closes over).
         """
+        if x.ndim < 1 or x.shape[-1] != self.router.shape[0]:
+            raise ValueError(f"x must have shape [..., {self.router.shape[0]}], got {x.shape}")
         lead, width = x.shape[:-1], x.shape[-1]
         dtype = x.dtype if self.dtype is None else self.dtype
         if key_mask is not None and key_mask.shape != lead:

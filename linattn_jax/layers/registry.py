@@ -17,8 +17,9 @@ from linattn_jax.layers.lightning import LightningAttention
 from linattn_jax.layers.linear import LinearAttention
 from linattn_jax.layers.linearized import LinearizedAttention
 from linattn_jax.layers.mamba2 import Mamba2Mixer
+from linattn_jax.layers.mla import LatentAttention
 from linattn_jax.layers.mlstm import MLSTMLayer
-from linattn_jax.layers.softmax import LatentAttention, SoftmaxAttention
+from linattn_jax.layers.softmax import SoftmaxAttention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +108,15 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
             section="softmax",
             section_options=_SOFTMAX_OPTIONS,
         ),
+        # The local layers of a model that has global ones beside them (Gemma's, Qwen2's
+        # windowed layers): softmax attention with options of its own, set through
+        # kind_options["local_softmax"] (its sliding_window, its RoPE base).
+        "local_softmax": AttentionKind(
+            SoftmaxAttention,
+            "local softmax attention",
+            sequence_parallel=False,
+            takes_max_length=True,
+        ),
         # Multi-head latent attention (DeepSeek-V2/V3, Kimi Linear): a compressed KV cache.
         "mla": AttentionKind(
             LatentAttention,
@@ -191,10 +201,12 @@ def get(kind: str) -> AttentionKind:
 def make_attention(kind: str, width: int, num_heads: int, **options: Any) -> nnx.Module:
     """An attention layer of ``kind`` (one of ``ATTENTION_KINDS``) from one set of options.
 
-    ``"linear"``: ``LinearAttention``; ``"softmax"``: ``SoftmaxAttention``; ``"gla"``:
-    ``LinearAttention`` with GLA's per-channel gate (``gate="channel"``), by default over
-    the identity map without a denominator (``feature_map="identity"``,
-    ``normalize=False``: an output RMSNorm per head); ``"deltanet"``,
+    ``"linear"``: ``LinearAttention``; ``"softmax"``: ``SoftmaxAttention``;
+    ``"local_softmax"``: ``SoftmaxAttention`` too, with options of its own (a model's local
+    layers beside its global ones); ``"gla"``: ``LinearAttention`` with GLA's per-channel
+    gate (``gate="channel"``), by default over the identity map without a denominator
+    (``feature_map="identity"``, ``normalize=False``: an output RMSNorm per head);
+    ``"deltanet"``,
     ``"gated_deltanet"``, ``"kda"``: ``DeltaRuleAttention`` of that variant; ``"mamba2"``:
     ``Mamba2Mixer`` (``num_heads`` its SSD heads); ``"lightning"``: ``LightningAttention``
     (MiniMax-01; ``layer_index``, ``num_layers`` its place in the model).

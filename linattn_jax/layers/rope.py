@@ -6,6 +6,7 @@ The rotation is the "rotate half" form of GPT-NeoX, Llama and Qwen: the first
 ``rotary_dim`` channels of a head are two halves ``(x1, x2)`` rotated pairwise,
 ``(x1 cos - x2 sin, x2 cos + x1 sin)`` at angles ``position * theta^(-2i / rotary_dim)``;
 the other channels pass unchanged (partial RoPE, Qwen3-Next's ``partial_rotary_factor``).
+The frequencies may be scaled as released long-context configs do (``layers.rope_scaling``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from linattn_jax.layers import rope_scaling
 from linattn_jax.ops import checks
 
 
@@ -44,13 +46,25 @@ def rotary_dim(head_dim: int, partial_rotary_factor: float | None, rotary_dim: i
     return rotary_dim
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
+def apply_rope(
+    x: jax.Array,
+    positions: jax.Array,
+    rotary_dim: int,
+    theta: float,
+    scaling: rope_scaling.RopeScaling | None = None,
+) -> jax.Array:
     """``x [b, t, h, d]`` with its first ``rotary_dim`` channels rotated by ``positions
-    [b, t]`` (int), in float32, returned in ``x``'s dtype."""
+    [b, t]`` (int), in float32, returned in ``x``'s dtype; ``scaling`` (``rope_scaling``;
+    None: none) sets the frequencies and the cosines' and sines' factor."""
     half = rotary_dim // 2
-    inv_freq = 1.0 / theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)
+    seq_len = None
+    if scaling is not None and scaling.rope_type == "dynamic":
+        seq_len = jnp.max(positions) + 1
+    inv_freq = rope_scaling.inverse_frequencies(scaling, rotary_dim, theta, seq_len)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq[None, None]  # [b, t, half]
     cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
+    if scaling is not None and scaling.attention_factor != 1.0:
+        cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
     y = x.astype(jnp.float32)
     x1, x2, rest = y[..., :half], y[..., half:rotary_dim], y[..., rotary_dim:]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)

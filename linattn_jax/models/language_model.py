@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax import sharding
-from linattn_jax.layers.blocks import check_multiplier
+from linattn_jax.layers.mlp import check_multiplier
 from linattn_jax.layers.norms import RMSNorm
 from linattn_jax.models import sampling, stack
 from linattn_jax.models.common import check_state, check_tokens

@@ -23,7 +23,7 @@ from flax import nnx
 
 from linattn_jax import sharding
 from linattn_jax.layers import TransformerBlock, registry
-from linattn_jax.layers.blocks import mlp_layout
+from linattn_jax.layers.mlp import mlp_layout
 from linattn_jax.ops import checks
 
 REMAT = ("none", "full", "dots_saveable")
@@ -64,7 +64,7 @@ def make_blocks(
 
     ``kwargs`` go to every block; ``kind_options[kind]`` to that kind's blocks over them (a
     ``num_heads`` there overrides the model's for that kind). ``kwargs["mlp"]`` may list
-    each layer's MLP kind (``layers.blocks.mlp_layout``); a scan's period then repeats
+    each layer's MLP kind (``layers.mlp.mlp_layout``); a scan's period then repeats
     both layouts; an ``mlp`` in ``kind_options[kind]`` overrides it for that kind.
 
     Raises:

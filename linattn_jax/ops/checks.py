@@ -86,20 +86,39 @@ def check_sizes(**sizes) -> None:
         check_int(name, n, 1)
 
 
+# Tokens per chunk where the caller gives none: ``chunk_size=None`` in the library, and a
+# config's ``model.chunk_size=0``, which ``experiments.builders`` reads as None. Resolved
+# here only (``default_chunk_size``), for every family and form.
+CHUNK_SIZE = 64  # the accelerators' usual tile
+# Per-channel log-decays need a ``[c, c, f]`` relative decay inside each chunk (in
+# sub-chunks of 16 above that size), so their cost grows with c; measured on CPU, c = 16
+# beat c = 64 by 2-3x (``python -m experiments.benchmark --recurrences``).
+CHUNK_SIZE_PER_CHANNEL = 16
+# The delta rule's chunked form compiled for CPU, measured at t=8192 (docs/benchmarks.md):
+# DeltaNet's forward+backward 14% and Gated DeltaNet's 4% faster than at 64, for 1.2x the
+# scratch.
+CHUNK_SIZE_DELTA_CPU = 32
+
+
 def check_chunk_size(chunk_size) -> None:
-    check_int("chunk_size", chunk_size, 1)
+    """``chunk_size``: None (the default) or an int >= 1, or a ValueError naming it."""
+    if chunk_size is not None:
+        check_int("chunk_size", chunk_size, 1)
 
 
-def default_chunk_size(chunk_size: int | None, g: Array | None) -> int:
-    """``chunk_size``, or when None 64, or 16 for per-channel log-decays ``g [b,h,t,f>1]``.
-
-    Per-channel decays need a ``[c, c, f]`` relative decay inside each chunk (in
-    sub-chunks of 16 above that size), so their cost grows with c; measured on
-    CPU, c = 16 beat c = 64 by 2-3x (``python -m experiments.benchmark --recurrences``).
+def default_chunk_size(
+    chunk_size: int | None, g: Array | None = None, *, delta_on_cpu: bool = False
+) -> int:
+    """``chunk_size``, or when None the default: ``CHUNK_SIZE_PER_CHANNEL`` (16) for
+    per-channel log-decays ``g [b, h, t, f > 1]`` (or ``[b, t, h, f > 1]``), else
+    ``CHUNK_SIZE_DELTA_CPU`` (32) for the delta rule's chunked form compiled for CPU
+    (``delta_on_cpu``), else ``CHUNK_SIZE`` (64).
     """
     if chunk_size is not None:
         return chunk_size
-    return 16 if g is not None and g.shape[-1] > 1 else 64
+    if g is not None and g.shape[-1] > 1:
+        return CHUNK_SIZE_PER_CHANNEL
+    return CHUNK_SIZE_DELTA_CPU if delta_on_cpu else CHUNK_SIZE
 
 
 def is_concrete(x) -> bool:

@@ -14,9 +14,10 @@ cumulative log-decays, the decay from key j to query i formed as a difference of
 cumulative sums masked BEFORE ``exp`` (never ``exp(G_i) * exp(-G_j)``, which
 overflows for strong decays), and the factors that carry the state across.
 
-Mixed precision: for bfloat16 (or float16) inputs the chunks' matmuls take their
-operands in that dtype and accumulate in float32 (``einsum``, ``operand_dtype``);
-everything elementwise (decays, their ``exp``, cumulative sums, states) stays float32.
+Mixed precision: for bfloat16 inputs the chunks' matmuls take their operands in
+bfloat16 and accumulate in float32 (``einsum``, ``operand_dtype``); float16 inputs
+read float32 operands (its range holds neither the scores nor the states); everything
+elementwise (decays, their ``exp``, cumulative sums, states) stays float32.
 
 Internal layout: heads first, ``[b, h, t, .]``; log-decays ``[b, h, t, g]`` with
 ``g`` 1 (per head) or the key width (per channel); resets ``[b, 1|h, t, 1|g]``.
@@ -246,10 +247,16 @@ def _cotangent_buffers(inputs: list, kept: Any) -> tuple[list, Callable]:
 
 def operand_dtype(dtype) -> jnp.dtype | None:
     """The dtype a chunk's matmuls read their operands in, for inputs of ``dtype``:
-    bfloat16 and float16 stay themselves (float32 accumulation), None for the others
-    (float32 and float64 inputs: no cast, the matmuls run as before)."""
+    bfloat16 stays itself (float32 accumulation), None for the others (no cast: float32
+    and float64 run as they are, float16 reads float32 operands).
+
+    The operands include what the chunk computed, not only the inputs: the ``[c, c]``
+    scores and the state, which grow with the inputs' magnitudes and the sequence.
+    bfloat16 has float32's range; float16 tops out at 65504, and a cast there turned
+    scores or states of 1e5 into inf (NaN outputs of an SSD whose outputs peak at 3e3).
+    """
     dtype = jnp.dtype(dtype)
-    return dtype if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else None
+    return dtype if dtype == jnp.dtype(jnp.bfloat16) else None
 
 
 def einsum(subscripts: str, a: Array, b: Array, *, dtype=None) -> Array:
@@ -499,7 +506,7 @@ def decayed_scores(a: Array, b: Array, dec: Decays | None, *, diagonal: bool, dt
         return _per_channel_scores_in_sub_chunks(a, b, dec, diagonal, dtype)
     # Per-channel decays: the [c, c, f] relative decay is formed explicitly; no
     # factorisation exp(G_i) * exp(-G_j) is safe for strong gates.
-    return jnp.einsum("bhif,bhjf,bhijf->bhij", a, b, jnp.exp(_masked_diff(g, dec.run, mask)))
+    return jnp.einsum("bhif,bhjf,bhijf->bhij", a, b, jnp.exp(masked_diff(g, dec.run, mask)))
 
 
 def decay_scores(scores: Array, dec: Decays | None, *, diagonal: bool) -> Array:
@@ -511,13 +518,13 @@ def decay_scores(scores: Array, dec: Decays | None, *, diagonal: bool) -> Array:
         return jnp.where(mask, scores, 0.0)
     if dec.log_cum.shape[-1] != 1:
         raise ValueError(f"decay_scores needs per-head decays, got {dec.log_cum.shape}")
-    return scores * jnp.exp(_masked_diff(dec.log_cum, dec.run, mask)[..., 0])
+    return scores * jnp.exp(masked_diff(dec.log_cum, dec.run, mask)[..., 0])
 
 
 SUB_CHUNK = 16
 
 
-def _masked_diff(g: Array, run: Array | None, mask: Array) -> Array:
+def masked_diff(g: Array, run: Array | None, mask: Array) -> Array:
     """``G_i - G_j`` as ``[b, h, i, j, g]``, -inf where ``mask`` [.., i, j] is False or a
     reset lies between: the mask goes in BEFORE exp (for j > i the difference is positive)."""
     mask = mask[..., None]
@@ -556,7 +563,7 @@ def _per_channel_scores_in_sub_chunks(
     fold = lambda x: blocks(x).reshape(bsz, h * n, s, f)
     run = None if run is None else fold(jnp.broadcast_to(run, g.shape))
     mask = jnp.tril(jnp.ones((1, 1, s, s), bool), 0 if diagonal else -1)
-    decay = jnp.exp(_masked_diff(fold(g), run, mask))
+    decay = jnp.exp(masked_diff(fold(g), run, mask))
     # float32 whatever the inputs: a three-operand product, not a matmul, and the decays
     # stay exact.
     inside = jnp.einsum("bmif,bmjf,bmijf->bmij", fold(a), fold(b), decay)

@@ -180,8 +180,9 @@ def causal(
     Returns:
       ``out [b, t, h, v]`` in the dtype of ``v``, or ``(out, state)`` when
       ``return_state``; ``state`` is a float32 ``State`` (``LinearAttentionState``). For bfloat16
-      (float16) ``q`` the chunked form's matmuls read their operands in that dtype,
-      with float32 accumulation (see the module's docstring); the state stays float32.
+      ``q`` the chunked form's matmuls read bfloat16 operands with float32 accumulation
+      (float16 ``q``: float32 operands, ``chunking.operand_dtype``); the state stays
+      float32.
 
     Raises:
       ValueError: on mismatched or wrong-rank shapes, non-float inputs, an unknown
@@ -193,8 +194,7 @@ def causal(
     check_options(q, k, normalize=normalize, eps=eps, return_state=return_state, decay=decay)
     if method not in METHODS + KERNEL_METHODS:
         raise ValueError(f"method must be one of {METHODS} or 'pallas', got {method!r}")
-    if chunk_size is not None:
-        checks.check_chunk_size(chunk_size)
+    checks.check_chunk_size(chunk_size)
     check_normalize(feature_map, normalize)
     if positions is not None:
         checks.check_shape("positions", positions, (b, t), "[batch, length]")

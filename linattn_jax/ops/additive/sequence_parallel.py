@@ -80,8 +80,7 @@ def sequence_parallel(
     mesh = checks.check_mesh(mesh, axis_name, batch_axis, t)
     checks.check_batch_axis(mesh, axis_name, batch_axis, b)
     shards = mesh.shape[axis_name]
-    if chunk_size is not None:
-        checks.check_chunk_size(chunk_size)
+    checks.check_chunk_size(chunk_size)
     inputs.check_normalize(feature_map, normalize)
     phi = feature_maps.get(feature_map)
     f = feature_maps.feature_dim(phi, q.shape[-1], h)

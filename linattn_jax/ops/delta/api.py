@@ -101,7 +101,7 @@ def causal(
       chunk_size: tokens per chunk (``"chunked"``) or per recomputed block of the
         backward pass (``"scan"``); any length works. None: 16 with a per-channel gate
         (whose ``[c, c, f]`` relative decays grow with the chunk); else for ``"chunked"``
-        32 on CPU and 64 on GPU and TPU (``chunked.CHUNK_SIZE``), for ``"scan"`` 64.
+        32 on CPU and 64 on GPU and TPU, for ``"scan"`` 64 (``checks.default_chunk_size``).
       initial_state: the state before token 0; zeros when None.
       return_state: also return the state after the last token.
       key_mask: optional bool ``[b, t]``, True for real tokens. A masked token leaves
@@ -118,8 +118,8 @@ def causal(
     Returns:
       ``out [b, t, hv, dv]`` in the dtype of ``v``, or ``(out, state)`` when
       ``return_state``; ``state`` is a float32 ``State`` (``DeltaRuleState``). For bfloat16
-      (float16) ``q`` the chunked form's output products read their operands in that
-      dtype, with float32 accumulation (see the module's docstring).
+      ``q`` the chunked form's output products read bfloat16 operands with float32
+      accumulation (float16 ``q``: float32 operands, ``chunking.operand_dtype``).
 
     Raises:
       ValueError: on mismatched or wrong-rank shapes, non-float inputs, an unknown
@@ -130,8 +130,7 @@ def causal(
     check_options(q, k, decay=decay, scale=scale, return_state=return_state)
     if method not in METHODS + KERNEL_METHODS:
         raise ValueError(f"method must be one of {METHODS} or 'pallas', got {method!r}")
-    if chunk_size is not None:
-        checks.check_chunk_size(chunk_size)
+    checks.check_chunk_size(chunk_size)
     key_mask = checks.token_mask("key_mask", key_mask, b, t)
     check_beta(beta, (b, t, hv), "[batch, length, heads]", key_mask)
     dtype, out_dtype = feature_maps.accumulation_dtype(q.dtype), v.dtype
@@ -153,8 +152,6 @@ def causal(
         # Time-major throughout: chunking.scan moves each chunk heads first, so no
         # whole-sequence transposes of q, k, v, beta and the output (nor of their
         # cotangents). The log-decays and resets are small ([b, t, h, 1|dk]).
-        if chunk_size is None and g is not None and g.shape[-1] > 1:
-            chunk_size = checks.default_chunk_size(chunk_size, g)  # per channel: 16
         g, resets = (None if x is None else jnp.swapaxes(x, 1, 2) for x in (g, resets))
         xs = (q, k, v, beta, g, resets)
         out, state = _causal_chunks(

@@ -40,14 +40,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from linattn_jax.ops import chunking
+from linattn_jax.ops import checks, chunking
 from linattn_jax.ops.delta.state import repeat_heads
 from linattn_jax.typing import Array
-
-# Tokens per chunk when the caller gives none (no gate or one per head): the accelerators'
-# usual tile, 64; on CPU 32, measured at t=8192 (docs/benchmarks.md): DeltaNet's
-# forward+backward 14% and Gated DeltaNet's 4% faster than at 64, for 1.2x the scratch.
-CHUNK_SIZE = {"cpu": 32, "default": 64}
 
 
 def causal_chunks(
@@ -77,7 +72,7 @@ def causal_chunks(
         [b,hv,t,1|dk] | None, segment resets [b,1,t,1] | None)``.
       state: ``S [b, hv, dk, dv]`` before the first token.
       chunk_size: tokens per chunk (the last one is padded with inert zeros); None:
-        ``CHUNK_SIZE`` of the backend.
+        ``checks.default_chunk_size`` on the backend compiled for.
       length: ``t``.
       groups: ``hv // h``, the value heads that read each q and k head (repeated one
         group of chunks at a time, never over the whole sequence).
@@ -96,7 +91,7 @@ def causal_chunks(
         )
 
         def on(backend):  # the chunk size and group of each backend where not given
-            size = CHUNK_SIZE[backend] if chunk_size is None else chunk_size
+            size = checks.default_chunk_size(chunk_size, xs[4], delta_on_cpu=backend == "cpu")
             if group_tokens is not None:
                 return functools.partial(run, chunk_size=size, group_tokens=group_tokens)
             cpu = backend == "cpu"
@@ -111,7 +106,7 @@ def causal_chunks(
     one = per_group == 1
     body = functools.partial(chunk_body if one else group_body, **options)
     body_bwd = functools.partial(chunk_body_bwd if one else group_body_bwd, **options)
-    xs, first_v = _finite_inputs(xs, groups, time_axis)
+    xs, first_v = finite_inputs(xs, groups, time_axis)
     out, final = chunking.scan(
         body, state, xs, per_group * c, length, body_bwd=body_bwd, time_axis=time_axis
     )
@@ -122,7 +117,7 @@ def causal_chunks(
     return out, jnp.where(spoilt < length, jnp.full((), jnp.nan, final.dtype), final)
 
 
-def _finite_inputs(xs, groups: int, time_axis: int = 2):
+def finite_inputs(xs, groups: int, time_axis: int = 2):
     """Once per call, over the whole sequence (the chunk loop then never meets a
     non-finite input): ``(xs with non-finite keys, values, betas and gates zeroed, the
     index of the first token whose value channel is spoilt [b, hv, 1, dv] (time-major
@@ -170,7 +165,7 @@ def chunk_parts(x, *, dtype=None):
     Returns:
       ``((a [b,m,1|dk] | None, M [b,m,dk,dk], B [b,m,dk,dv]), (Q_in [b,m,c,dk], scores
       [b,m,c,c], W [b,m,c,dk], U [b,m,c,dv]))``: the transition ``S_next = a S - M S + B``
-      and what the outputs read. The inputs are finite (``_finite_inputs``).
+      and what the outputs read. The inputs are finite (``finite_inputs``).
     """
     q, k, v, beta, g, r = x
     dec = chunking.decays(g, r, q.shape[:3], q.dtype)
@@ -262,7 +257,7 @@ def group_body_bwd(d_final: Array, inputs, *, c: int, groups: int, dtype=None):
     return d_state, d_x
 
 
-def _chunk_local(x, *, c: int, groups: int, dtype=None):
+def chunk_local(x, *, c: int, groups: int, dtype=None):
     """What one chunk's update and outputs read, besides the state: ``(across [b,hv,1|dk] |
     None, Q_in, K_out [b,hv,c,dk], scores [b,hv,c,c], W [b,hv,c,dk], U [b,hv,c,dv])`` for
     ``x`` as ``causal_chunks``' xs cut to one chunk (padded to ``c`` tokens)."""
@@ -276,7 +271,7 @@ def _chunk_local(x, *, c: int, groups: int, dtype=None):
         kk = chunking.decayed_scores(k, k, dec, diagonal=False)
     else:  # per-head decays: one [c, c] decay serves both scores
         mask = jnp.tril(jnp.ones((1, 1, c, c), bool))
-        decay = jnp.exp(chunking._masked_diff(dec.log_cum, dec.run, mask)[..., 0])
+        decay = jnp.exp(chunking.masked_diff(dec.log_cum, dec.run, mask)[..., 0])
         qk = chunking.einsum("bhif,bhjf->bhij", q, k, dtype=dtype) * decay
         strict = jnp.tril(jnp.ones((c, c), bool), -1)
         kk = jnp.where(strict, jnp.einsum("bhif,bhjf->bhij", k, k) * decay, 0.0)
@@ -314,7 +309,7 @@ def chunk_body(s: Array, x, *, c: int, groups: int, dtype=None) -> tuple[Array, 
     write ``U - W S`` shared with the outputs (no ``M = K_out^T W`` and ``M S``: with
     C < dk they cost more than the chunk's other products together, measured in
     docs/benchmarks.md)."""
-    across, q_in, k_out, qk, w, u = _chunk_local(x, c=c, groups=groups, dtype=dtype)
+    across, q_in, k_out, qk, w, u = chunk_local(x, c=c, groups=groups, dtype=dtype)
     out, u = chunk_outputs((q_in, qk, w, u), s, dtype=dtype)
     s_next = _decay(across, s) + jnp.einsum("bmck,bmcv->bmkv", k_out, u)
     return s_next, chunking.unfold(out, s.shape[1], x[2].shape[2])
@@ -325,7 +320,7 @@ def chunk_body_bwd(d_next: Array, inputs, *, c: int, groups: int, dtype=None):
     chunk's pieces from the state entering it: ``(d S entering, d x)`` for ``inputs =
     (S, x, out, d out [b, hv, c, dv])`` and ``d_next``, the cotangent of the state after."""
     s, x, _, d_out = inputs
-    local, vjp = jax.vjp(functools.partial(_chunk_local, c=c, groups=groups, dtype=dtype), x)
+    local, vjp = jax.vjp(functools.partial(chunk_local, c=c, groups=groups, dtype=dtype), x)
     across, q_in, k_out, qk, w, u = local
     u = u - jnp.einsum("bmck,bmkv->bmcv", w, s)
     d_out = chunking.fold(d_out, c, s.shape[1])
@@ -350,15 +345,16 @@ def unit_lower_solve(lower: Array, rhs: Array) -> Array:
     nears 2 with repeated keys: the system's entries are then +-2 all the way down).
     Which substitution, measured batched over all chunks (``python -m
     experiments.benchmark triangular``, docs/benchmarks.md): on CPU blocked forward
-    substitution in plain ops with a hand-written gradient (``_blocked_solve``), several
+    substitution in plain ops with a hand-written gradient (``blocked_solve``), several
     times faster there than XLA's ``triangular_solve`` (a LAPACK call per system), than
     inverting and multiplying, and than the product series; on GPU and TPU XLA's
     ``triangular_solve`` (cuBLAS's batched trsm, the TPU's own), one op with no loop.
     """
-    return jax.lax.platform_dependent(lower, rhs, cpu=_blocked_solve, default=_xla_solve)
+    return jax.lax.platform_dependent(lower, rhs, cpu=blocked_solve, default=xla_solve)
 
 
-def _xla_solve(lower: Array, rhs: Array) -> Array:
+def xla_solve(lower: Array, rhs: Array) -> Array:
+    """``(I + lower)^{-1} rhs`` by XLA's ``triangular_solve`` (the GPU and TPU choice)."""
     # unit_diagonal: the (zero) diagonal of ``lower`` is neither read nor differentiated.
     return jax.lax.linalg.triangular_solve(
         lower, rhs, left_side=True, lower=True, unit_diagonal=True
@@ -366,7 +362,7 @@ def _xla_solve(lower: Array, rhs: Array) -> Array:
 
 
 @jax.custom_vjp
-def _blocked_solve(lower: Array, rhs: Array) -> Array:
+def blocked_solve(lower: Array, rhs: Array) -> Array:
     """``(I + lower)^{-1} rhs`` by blocked forward substitution (``_substitution``)."""
     return _substitution(lower, rhs)
 
@@ -389,7 +385,7 @@ def _blocked_solve_bwd(residuals, d_x):
     return d_lower.astype(lower.dtype), d_rhs
 
 
-_blocked_solve.defvjp(_blocked_solve_fwd, _blocked_solve_bwd)
+blocked_solve.defvjp(_blocked_solve_fwd, _blocked_solve_bwd)
 
 
 def _substitution(lower: Array, rhs: Array, block: int = 16) -> Array:

@@ -21,7 +21,7 @@ chunk at once, the gated UT transform (one shared code, ``_Chunk`` and ``_chunk_
   ``S' = exp(G_C) S + (exp(G_C - G) * K)^T (U - W S)``.
 
 What stays in XLA around the kernel (``causal_chunks``): the non-finite screening of
-``chunked._finite_inputs`` and ``chunking.nan_from`` (the kernel sees finite inputs only),
+``chunked.finite_inputs`` and ``chunking.nan_from`` (the kernel sees finite inputs only),
 key masks (zeroed tokens, by the caller), padding to whole chunks (zero tokens are
 inert), head grouping (q and k repeated to the value heads), and the gates' cumulative sums
 per chunk and the reset runs, so that the kernel reads two ``[C, 1]`` columns per chunk.
@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from linattn_jax.ops import chunking
+from linattn_jax.ops import checks, chunking
 from linattn_jax.ops.delta import chunked
 from linattn_jax.ops.delta.state import repeat_heads
 from linattn_jax.typing import Array
@@ -67,7 +67,6 @@ from linattn_jax.typing import Array
 # The chunk sizes the kernel takes: Triton wants power-of-two tiles of at least 16 for its
 # dots, Mosaic TPU multiples of 8 on the sublane axis.
 CHUNK_SIZES = (16, 32, 64, 128)
-CHUNK_SIZE = 64
 # Value columns per kernel program on GPU (``value_block``): the state block [dk, 32] in
 # float32 is 32 registers a thread at dk = 128 and 4 warps.
 VALUE_BLOCK = 32
@@ -90,7 +89,7 @@ def check_supported(*, chunk_size, gate_channels: int, dtype, dk: int, dv: int) 
             raise ValueError(
                 f'method="pallas" needs a {name} head width that is a power of two >= 16, got {d}'
             )
-    size = CHUNK_SIZE if chunk_size is None else chunk_size
+    size = checks.default_chunk_size(chunk_size)
     if size not in CHUNK_SIZES:
         raise ValueError(f'method="pallas" needs chunk_size in {CHUNK_SIZES}, got {chunk_size}')
     return size
@@ -103,7 +102,7 @@ def causal_chunks(xs, state: Array, chunk_size: int, length: int, *, groups: int
 
 
 def _causal(chunk_size, length, groups, xs, state):
-    xs, first_v = chunked._finite_inputs(xs, groups)
+    xs, first_v = chunked.finite_inputs(xs, groups)
     out, final = _run(xs, state, chunk_size, length, groups)
     out = chunking.nan_from(first_v, out, 2)
     return out, jnp.where(first_v < length, jnp.full((), jnp.nan, final.dtype), final)

@@ -93,8 +93,7 @@ def causal(
                               eps=eps)  # fmt: skip
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if chunk_size is not None:
-        checks.check_chunk_size(chunk_size)
+    checks.check_chunk_size(chunk_size)
     checks.check_bool("return_state", return_state)
     key_mask = checks.token_mask("key_mask", key_mask, b, t)
     q, k, v32, log_i, log_f, first, first_v = inputs.operands(
@@ -107,7 +106,7 @@ def causal(
         resets = checks.segment_resets(segment_ids, b, t, dtype)[:, 0] > 0  # [b, t, 1]
     state = as_internal(initial_state, b, h, d, v.shape[-1], dtype)
     xs = (q, k, v32, log_i, log_f, live, resets)
-    chunk_size = max(t, 1) if method == "quadratic" else chunk_size or 64
+    chunk_size = max(t, 1) if method == "quadratic" else checks.default_chunk_size(chunk_size)
     if method == "scan":
         (num, den, m), state = recurrent.run_scan(xs, state, chunk_size)
     else:

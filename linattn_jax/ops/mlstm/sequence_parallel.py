@@ -83,8 +83,7 @@ def sequence_parallel(
     checks.check_bool("return_state", return_state)
     mesh = checks.check_mesh(mesh, axis_name, batch_axis, t)
     checks.check_batch_axis(mesh, axis_name, batch_axis, b)
-    if chunk_size is not None:
-        checks.check_chunk_size(chunk_size)
+    checks.check_chunk_size(chunk_size)
     shards = mesh.shape[axis_name]
     q, k, v32, log_i, log_f, _, _ = inputs.operands(
         q, k, v, i, f, None, forget_gate=forget_gate, scale=scale
@@ -101,7 +100,7 @@ def sequence_parallel(
         live = jnp.ones((b_local, t_local, 1), bool)
         xs = (q, k, v, log_i, log_f, live, None)
         (num, den, m), (c_s, n_s, m_s) = run_chunks(
-            xs, none, chunk_size or 64, dtype=chunking.operand_dtype(v.dtype)
+            xs, none, checks.default_chunk_size(chunk_size), dtype=chunking.operand_dtype(v.dtype)
         )
         into = jnp.cumsum(log_f, axis=1)  # [b, t, h]: the forget gates from the shard's start
         total = into[:, -1]
