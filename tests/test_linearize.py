@@ -5,7 +5,8 @@ the sequence is the teacher: its linear layers see softmax's exact kernel there)
 every other parameter and converts Gated DeltaNet's q/k/v/o; the captured attention inputs
 and outputs equal a plain layer-by-layer forward's; stage 1 lowers every swapped layer's
 transfer loss, training only the new parameters; LoRA leaves the base weights unchanged and
-merges exactly; the KL term is zero for a student equal to its teacher.
+merges exactly, and the
+exported student reads back bit for bit; the KL term is zero for a student equal to its teacher.
 """
 
 import jax
@@ -14,7 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
-from experiments.linearize import capture, stages, student
+from experiments.linearize import capture, export, stages, student
 from linattn_jax.models import LanguageModel
 from tests import helpers
 
@@ -121,7 +122,7 @@ def test_stage_one_lowers_every_layers_loss_and_trains_only_new_parameters(teach
         assert (name in names) != np.array_equal(value, kept[name]), name
 
 
-def test_lora_leaves_base_weights_and_merges_exactly(teacher, tokens):
+def test_lora_merges_exactly_and_the_export_reads_back(teacher, tokens, tmp_path):
     model, new = student.make_student(teacher, (0, 2), "hedgehog")
     graphdef, base = nnx.graphdef(model), _flat(model)
     stages.add_lora(model, (0, 2), rank=2)
@@ -135,6 +136,9 @@ def test_lora_leaves_base_weights_and_merges_exactly(teacher, tokens):
     stages.merge_lora(model, (0, 2))
     assert nnx.graphdef(model) == graphdef
     helpers.assert_close_normwise(_logits(model, tokens), adapted, 1e-6)
+    export.save_student(model, tmp_path)
+    back = export.load_student(tmp_path)
+    np.testing.assert_array_equal(_logits(back, tokens), _logits(model, tokens))
     merged = _flat(model)
     for name, value in base.items():
         changed = not np.array_equal(merged[name], value)

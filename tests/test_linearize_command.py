@@ -1,5 +1,5 @@
-"""``python -m experiments.linearize`` end to end, a few steps of each stage: on a tiny Llama
-directory made by ``transformers`` (its bytes as token ids) and on a tiny softmax teacher
+"""``python -m experiments.linearize`` end to end, a few steps of each stage: on tiny Llama
+and Qwen3 directories made by ``transformers`` (bytes as token ids) and on a tiny softmax teacher
 trained by the command itself; the report's files and fields, the student read back from
 its directory with the same logits, a rerun that resumes (nothing trained again), and a
 workdir of another config refused."""
@@ -28,18 +28,23 @@ def _run(workdir, *extra):
                              *TINY, *extra])  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def hf_dir(request, tmp_path_factory):
+    """A tiny random model of ``transformers``' (bytes as its tokens), saved."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    sizes = dict(
         vocab_size=256, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=8,
     )  # fmt: skip
-    path = tmp_path_factory.mktemp("llama")
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    if request.param == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
+    else:  # QK-norms
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**sizes))
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return request.param, path
 
 
 def _check_report(workdir, results):
@@ -55,16 +60,19 @@ def _check_report(workdir, results):
     assert list(model.layout) == on_disk["layout"] == results
 
 
-def test_an_hf_llama_directory(llama_dir, tmp_path, capsys):
+def test_an_hf_directory(hf_dir, tmp_path, capsys):
+    name, path = hf_dir
     workdir = tmp_path / "run"
-    assert _run(workdir, f"--config.teacher_dir={llama_dir}") == 0
+    assert _run(workdir, f"--config.teacher_dir={path}") == 0
     _check_report(workdir, ["linearized", "linearized"])
     assert json.loads((workdir / "results.json").read_text())["teacher"]["tokens"] == 0
+    if name != "llama":
+        return
     before = (workdir / "transfer" / "metrics.jsonl").read_text()
-    assert _run(workdir, f"--config.teacher_dir={llama_dir}") == 0  # resumes: nothing retrained
+    assert _run(workdir, f"--config.teacher_dir={path}") == 0  # resumes: nothing retrained
     assert (workdir / "transfer" / "metrics.jsonl").read_text() == before
     capsys.readouterr()
-    assert _run(workdir, f"--config.teacher_dir={llama_dir}", "--config.finetune.steps=3") == 2
+    assert _run(workdir, f"--config.teacher_dir={path}", "--config.finetune.steps=3") == 2
     assert "holds a run of another config (finetune.steps: 2 -> 3)" in capsys.readouterr().err
 
 
