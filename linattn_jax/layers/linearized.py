@@ -234,7 +234,6 @@ class LinearizedAttention(SoftmaxAttention):
         """
         check_state(state, LinearizedCache)
         check_decoding(self, state, return_state)
-        check_state(state, LinearizedCache)
         if self.window is not None and (
             segment_ids is not None or state is not None or return_state
         ):
