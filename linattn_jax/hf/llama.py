@@ -128,6 +128,20 @@ SIZE_CHECKS = (
 )
 CHECKS = SIZE_CHECKS + (common.choice("hidden_act", ("silu",)),)
 
+
+def windowed_steps(
+    defaults: Mapping[str, Any], theta: float, *more: common.Step, rope_keys: Sequence[str] = ()
+) -> tuple[common.Step, ...]:
+    """A windowed softmax type's steps: its ``defaults`` (a null ``sliding_window`` kept:
+    no window), ``CHECKS``, RoPE of base ``theta`` (``rope.parameters``), then ``more``."""
+    return (
+        common.defaults(defaults, keep_none=("sliding_window",)),
+        *CHECKS,
+        rope.parameters(theta, keys=rope_keys),
+        *more,
+    )
+
+
 FORMAT = common.ModelFormat(
     name="Llama",
     model_types=("llama",),

@@ -5,7 +5,7 @@ all of them); ``layer_types``, which ``transformers``' Mistral does not read, is
 
 from __future__ import annotations
 
-from linattn_jax.hf import common, llama, rope, tables
+from linattn_jax.hf import common, llama, tables
 
 # transformers' MistralConfig defaults, for the fields a config.json leaves out.
 DEFAULTS = dict(
@@ -26,12 +26,7 @@ FORMAT = llama.FORMAT.derive(
     name="Mistral",
     model_types=("mistral",),
     architecture="MistralForCausalLM",
-    steps=(
-        common.defaults(DEFAULTS, keep_none=("sliding_window",)),
-        *llama.CHECKS,
-        rope.parameters(10000.0),
-        window,
-    ),
+    steps=llama.windowed_steps(DEFAULTS, 10000.0, window),
     options=lambda config: llama.layered_options(
         config,
         ["softmax"],

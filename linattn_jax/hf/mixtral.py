@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from linattn_jax.hf import common, experts, llama, minimax, mistral, rope, tables
+from linattn_jax.hf import common, experts, llama, minimax, mistral, tables
 
 # transformers' MixtralConfig defaults, for the fields a config.json leaves out.
 DEFAULTS = dict(
@@ -37,10 +37,9 @@ FORMAT = mistral.FORMAT.derive(
     name="Mixtral",
     model_types=("mixtral",),
     architecture="MixtralForCausalLM",
-    steps=(
-        common.defaults(DEFAULTS, keep_none=("sliding_window",)),
-        *llama.CHECKS,
-        rope.parameters(1e6),
+    steps=llama.windowed_steps(
+        DEFAULTS,
+        1e6,
         mistral.window,
         common.ints(("num_experts_per_tok", "num_local_experts")),
         common.at_most("num_experts_per_tok", "num_local_experts"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from linattn_jax.hf import common, llama, rope
+from linattn_jax.hf import common, llama
 
 # transformers' Qwen2Config defaults, for the fields a config.json leaves out.
 DEFAULTS = dict(
@@ -54,12 +54,7 @@ FORMAT = llama.FORMAT.derive(
     name="Qwen2",
     model_types=("qwen2",),
     architecture="Qwen2ForCausalLM",
-    steps=(
-        common.defaults(DEFAULTS, keep_none=("sliding_window",)),
-        *llama.CHECKS,
-        rope.parameters(10000.0),
-        layer_types,
-    ),
+    steps=llama.windowed_steps(DEFAULTS, 10000.0, layer_types),
     options=lambda config: windowed_options(config, qkv_bias=True),
     table=llama.table(lambda config: llama.attention_rules(True, False)),
 )

@@ -6,7 +6,7 @@ biases on the four projections only with ``attention_bias`` (as Llama's).
 
 from __future__ import annotations
 
-from linattn_jax.hf import common, llama, qwen2, rope, tables
+from linattn_jax.hf import common, llama, qwen2, tables
 
 # transformers' Qwen3Config defaults (head_dim's is not hidden_size / num_attention_heads).
 DEFAULTS = dict(qwen2.DEFAULTS, head_dim=128, attention_bias=False)
@@ -22,10 +22,9 @@ FORMAT = qwen2.FORMAT.derive(
     name="Qwen3",
     model_types=("qwen3",),
     architecture="Qwen3ForCausalLM",
-    steps=(
-        common.defaults(DEFAULTS, keep_none=("sliding_window",)),
-        *llama.CHECKS,
-        rope.parameters(10000.0),
+    steps=llama.windowed_steps(
+        DEFAULTS,
+        10000.0,
         common.bools(("attention_bias",)),
         qwen2.layer_types,
     ),

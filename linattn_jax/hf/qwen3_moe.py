@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from linattn_jax.hf import common, experts, llama, qwen2, qwen3, rope, tables
+from linattn_jax.hf import common, experts, llama, qwen2, qwen3, tables
 
 # transformers' Qwen3MoeConfig defaults, for the fields a config.json leaves out.
 DEFAULTS = dict(
@@ -77,13 +77,7 @@ FORMAT = qwen3.FORMAT.derive(
     name="Qwen3-MoE",
     model_types=("qwen3_moe",),
     architecture="Qwen3MoeForCausalLM",
-    steps=(
-        common.defaults(DEFAULTS, keep_none=("sliding_window",)),
-        *llama.CHECKS,
-        rope.parameters(10000.0),
-        experts_count,
-        check_moe,
-    ),
+    steps=llama.windowed_steps(DEFAULTS, 10000.0, experts_count, check_moe),
     options=options,
     table=experts.table(
         qwen3.attention_rules,
