@@ -4,15 +4,14 @@
 * every RMSNorm in Gemma's ``x * (1 + w)`` form (``zero_centred_norm``) and four per
   layer: ``input_layernorm`` and ``post_attention_layernorm`` around the attention,
   ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` around the MLP
-  (``sandwich_norm``);
-* a GeGLU MLP (``hidden_activation`` ``gelu_pytorch_tanh``: our ``"geglu"``);
+  (``sandwich_norm``); a GeGLU MLP (``gelu_pytorch_tanh``: our ``"geglu"``);
 * the embeddings times ``sqrt(hidden_size)`` (``embedding_multiplier``);
 * the scores times ``query_pre_attn_scalar ** -0.5`` and soft-capped,
   ``cap * tanh(s / cap)`` with ``attn_logit_softcapping``, the logits with
   ``final_logit_softcapping`` (null: none);
-* the layers of ``layer_types`` (by default every other one from the first) sliding over
-  ``sliding_window`` tokens (our ``"local_softmax"``), biases on the four projections with
-  ``attention_bias``, ``head_dim`` 256 and tied embeddings unless given.
+* ``layer_types``' sliding layers (by default every other one from the first) over
+  ``sliding_window`` tokens (our ``"local_softmax"``); projection biases with
+  ``attention_bias``; ``head_dim`` 256 and tied embeddings unless given.
 """
 
 from __future__ import annotations
