@@ -162,3 +162,17 @@ def test_the_mamba2_hybrid_config_builds_its_layout():
     assert model.layout == ("mamba2",) * 3 + ("softmax",)
     mixer = model.blocks[0].attention
     assert (mixer.num_heads, mixer.head_dim, mixer.state_dim) == (2, 64, 128)
+
+
+def test_float16_stays_finite_where_the_ssd_output_passes_float16s_range():
+    # #53 item 2: at input std 20 the SSD's output passes 65504 before the gated norm
+    # brings it back (the float32 layer's output stays small): float16 must not overflow.
+    x = 20 * _tokens(3, t=16)
+    make = lambda **dtype: layers.Mamba2Mixer(
+        WIDTH, HEADS, head_dim=HEAD_DIM, state_dim=STATE, n_groups=GROUPS, conv_size=CONV,
+        rngs=nnx.Rngs(0), **dtype,
+    )  # fmt: skip
+    want = make()(x)
+    got = make(dtype=jnp.float16)(x.astype(jnp.float16))
+    assert got.dtype == jnp.float16 and bool(jnp.all(jnp.isfinite(got)))
+    helpers.assert_close_normwise(got.astype(jnp.float32), want, 1e-2)

@@ -268,6 +268,8 @@ class Mamba2Mixer(nnx.Module):
             xbc = xbc + self.conv_bias[...].astype(xbc.dtype)[None, None]
         xs, B, C = jnp.split(jax.nn.silu(xbc), [inner, inner + g * n], axis=-1)
         xs, B, C = split_heads(xs, h), split_heads(B, g), split_heads(C, g)
+        if xs.dtype == jnp.float16:  # the SSD's output can pass float16's range before the norm
+            xs = xs.astype(jnp.float32)
         dt = jax.nn.softplus(
             dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)[None, None]
         )
