@@ -320,23 +320,22 @@ def _linearize(config, workdir: Path, teacher, teacher_tokens: int, sharder) -> 
     for name, m in (("teacher", teacher), ("finetune", model), ("scratch", scratch)):
         results[name]["copy_accuracy"] = evaluation.copy_accuracy(m, corpus, config)
     results["student_dir"] = str(workdir / "student")
-    results["export"] = _export(model, workdir / "student")
+    results["export"] = _export(model, teacher, workdir / "student")
     results |= {"corpus": corpus.source, "kind": config.student.kind}
     results |= {"layout": list(model.layout), "stages": list(STAGES)}
     report.write(workdir, results)
     return results
 
 
-def _export(model: LanguageModel, path: Path) -> str:
-    """Saves the student and reads it back; raises unless it is the same model, every
-    parameter bit for bit (so the same logits)."""
-    export.save_student(model, path)
+def _export(model: LanguageModel, teacher: LanguageModel, path: Path) -> str:
+    """Saves the student (``export.save_student``) and reads it back; raises unless it is
+    the same model, every parameter bit for bit (so the same logits). Returns the format."""
+    how = export.save_student(model, path, teacher)
     back = export.load_student(path)
-    same = nnx.graphdef(back) == nnx.graphdef(model) and all(
-        np.array_equal(a, b)
-        for a, b in zip(jax.tree.leaves(nnx.state(back)), jax.tree.leaves(nnx.state(model)),
-                        strict=True)
-    )  # fmt: skip
-    if not same:
+    ours, theirs = (dict(nnx.to_flat_state(nnx.state(m))) for m in (model, back))
+    same = back.layout == model.layout and ours.keys() == theirs.keys()
+    if not same or not all(
+        np.array_equal(ours[p].get_value(), theirs[p].get_value()) for p in ours
+    ):
         raise ValueError(f"the student saved to {path} reads back as another model")
-    return "library checkpoint (linattn_jax.json + model.safetensors), read back bit-identical"
+    return f"{how}, read back bit-identical"
