@@ -2,16 +2,20 @@
 and Qwen3 directories made by ``transformers`` (bytes as token ids) and on a tiny softmax teacher
 trained by the command itself; the report's files and fields, the student read back from
 its directory with the same logits, a rerun that resumes (nothing trained again), and a
-workdir of another config refused."""
+workdir of another config refused; a hybrid teacher's student saved as its Hugging Face model
+type."""
 
 import json
 
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from experiments.linearize import __main__ as command
-from experiments.linearize import export
+from experiments.linearize import export, stages, student
+from linattn_jax import hf
+from tests import helpers
 
 TINY = [
     "--config.batch_size=2", "--config.seq_len=24", "--config.eval_batches=1",
@@ -90,3 +94,34 @@ def test_a_teacher_trained_here_and_a_gated_deltanet_student(tmp_path):
     layout = ["gated_deltanet", "gated_deltanet"]
     layout[int(kept)] = "softmax"
     _check_report(workdir, layout)
+
+
+def test_a_hybrid_teachers_student_is_saved_as_its_model_type(tmp_path):
+    """A Qwen3.5 teacher's softmax layer made Gated DeltaNet (of its own dimensions): the
+    student is a Qwen3.5 model, saved by ``hf.save_pretrained``, read back bit for bit and
+    run by ``transformers`` with the same logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_num_value_heads=2, linear_value_head_dim=8,
+        layer_types=["linear_attention", "full_attention"],
+    )  # fmt: skip
+    transformers.Qwen3_5ForCausalLM(config).save_pretrained(tmp_path / "teacher")
+    teacher = hf.from_pretrained(tmp_path / "teacher", "float32")[0]
+    model, _ = student.make_student(teacher, (1,), "gated_deltanet")
+    how = export.save_student(model, tmp_path / "student", teacher)
+    assert how.startswith("Hugging Face qwen3_5_text directory"), how
+    back = export.load_student(tmp_path / "student")
+    ours, theirs = (dict(nnx.to_flat_state(nnx.state(m))) for m in (model, back))
+    assert ours.keys() == theirs.keys() and back.layout == model.layout
+    for path, variable in ours.items():
+        np.testing.assert_array_equal(theirs[path].get_value(), variable.get_value())
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 9))
+    logits = np.asarray(stages.logits(model, tokens))
+    ref = transformers.Qwen3_5ForCausalLM.from_pretrained(tmp_path / "student").eval()
+    with torch.no_grad():  # no cache: transformers' mask wants an attention layer for one
+        expected = ref(torch.tensor(tokens), use_cache=False).logits.numpy()
+    helpers.assert_close_normwise(logits, expected, 1e-5)

@@ -27,7 +27,7 @@ from ml_collections import ConfigDict
 from experiments import checkpoints, data, reporting, trainer
 from experiments.configuration import flatten
 from experiments.linearize import evaluation, export, report, stages, student
-from linattn_jax import hf
+from linattn_jax import hf, sharding
 from linattn_jax.models import LanguageModel
 from linattn_jax.models.options import thaw
 
@@ -53,6 +53,11 @@ def check_config(config: ConfigDict) -> None:
         value = fields[name]
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if config.teacher.mesh.sequence != 1:
+        raise ValueError(
+            f"teacher.mesh.sequence must be 1 (the stages split batches and parameters, not "
+            f"sequences), got {config.teacher.mesh.sequence}"
+        )
     if config.transfer.ce_weight and config.student.kind == "gated_deltanet":
         raise ValueError("transfer.ce_weight needs a linearised softmax, not gated_deltanet")
 
@@ -108,19 +113,24 @@ class Job:
     teacher: LanguageModel
     corpus: evaluation.Corpus
     eval_inputs: jax.Array
+    sharder: trainer.Sharder
 
     def student(self, swapped: tuple[int, ...]) -> tuple[LanguageModel, student.NewParams]:
+        """The student of the layers ``swapped``, placed on the mesh."""
         s = self.config.student
-        return student.make_student(
+        model, new = student.make_student(
             self.teacher, swapped, s.kind, window=s.window, conv_size=s.conv_size,
             seed=self.config.seed,
         )  # fmt: skip
+        return self.sharder.place(model)[0], new
 
     def held_out(self, model) -> dict:
         return evaluation.held_out(model, self.corpus, self.config)
 
-    def batch(self, step: int) -> data.Batch:
-        return evaluation.batch(self.corpus, self.config, step)
+    def batch(self, step: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Training batch ``step``'s inputs, labels and mask, split over the mesh's batch
+        axes."""
+        return self.sharder.put_batch(evaluation.batch(self.corpus, self.config, step))
 
 
 def run_stage(
@@ -208,7 +218,7 @@ def transfer(job: Job) -> tuple[LanguageModel, student.NewParams, dict]:
     ce = float(config.transfer.ce_weight)
 
     def step(optimizer, i: int) -> dict:
-        inputs = job.batch(i).inputs
+        inputs = job.batch(i)[0]
         return stages.transfer_step(job.teacher, first, optimizer, inputs, candidates, new, ce)
 
     def losses() -> np.ndarray:
@@ -239,12 +249,13 @@ def finetune(job: Job, model: LanguageModel, new: student.NewParams, swapped) ->
     wrt = nnx.Param
     if rank:
         stages.add_lora(model, swapped, rank, config.seed)
+        job.sharder.place(model)  # the adapters too
         wrt = nnx.Any(nnx.LoRAParam, new)
     first = config.transfer.steps  # stage 2 reads the batches after stage 1's
 
     def step(optimizer, i: int) -> dict:
-        b = job.batch(first + i)
-        return stages.finetune_step(job.teacher, model, optimizer, b.inputs, b.labels, wrt, kl)
+        inputs, labels, _ = job.batch(first + i)
+        return stages.finetune_step(job.teacher, model, optimizer, inputs, labels, wrt, kl)
 
     def evaluate() -> dict:  # on a merged copy: the model the stage ends with, compiled once
         merged = nnx.clone(model)
@@ -263,10 +274,10 @@ def from_scratch(job: Job, model: LanguageModel) -> tuple[LanguageModel, dict]:
     batches both stages read; the model and its results."""
     config = job.config
     scratch = LanguageModel(**thaw(model.options), rngs=nnx.Rngs(config.seed + 1))
+    job.sharder.place(scratch)
 
     def step(optimizer, i: int) -> dict:
-        b = job.batch(i)
-        return trainer.train_step(scratch, optimizer, b.inputs, b.labels, b.key_mask, "lm")
+        return trainer.train_step(scratch, optimizer, *job.batch(i), "lm")
 
     steps = config.transfer.steps + config.finetune.steps
     run_stage(job, "scratch", scratch, nnx.Param, steps, config.scratch, step,
@@ -276,7 +287,9 @@ def from_scratch(job: Job, model: LanguageModel) -> tuple[LanguageModel, dict]:
 
 def linearize(config: ConfigDict, workdir: str | Path, *, verbose: bool = False) -> dict:
     """Runs (or resumes) the whole linearisation in ``workdir``; returns ``results.json``'s
-    contents.
+    contents. The stages run on the mesh of ``teacher.mesh`` (``trainer.Sharder``: batches
+    split over ``data`` and ``fsdp``, parameters and optimiser state over ``fsdp`` and
+    ``tensor``), as a trained teacher does.
 
     Raises:
       ValueError: a config that cannot run, a workdir of another config, a teacher the
@@ -287,11 +300,19 @@ def linearize(config: ConfigDict, workdir: str | Path, *, verbose: bool = False)
     workdir = Path(workdir).absolute()
     prepare(config, workdir)
     teacher, teacher_tokens = load_teacher(config, workdir, verbose)
+    sharder = trainer.Sharder.of(config.teacher)
+    with jax.set_mesh(sharder.mesh), nnx.logical_axis_rules(sharding.RULES):
+        sharder.place(teacher)
+        return _linearize(config, workdir, teacher, teacher_tokens, sharder)
+
+
+def _linearize(config, workdir: Path, teacher, teacher_tokens: int, sharder) -> dict:
+    """``linearize``'s stages, evaluations, export and report, on the mesh."""
     corpus = evaluation.corpus(config, teacher.vocab_size)
     eval_inputs = data.text_batch(
         corpus.val, config.seed, 0, config.batch_size, config.seq_len, "eval"
     ).inputs
-    job = Job(config, workdir, teacher, corpus, eval_inputs)
+    job = Job(config, workdir, teacher, corpus, eval_inputs, sharder)
     results = {"teacher": job.held_out(teacher) | {"tokens": teacher_tokens}}
     model, new, results["transfer"] = transfer(job)
     results["finetune"] = finetune(job, model, new, tuple(results["transfer"]["swapped"]))
@@ -299,23 +320,22 @@ def linearize(config: ConfigDict, workdir: str | Path, *, verbose: bool = False)
     for name, m in (("teacher", teacher), ("finetune", model), ("scratch", scratch)):
         results[name]["copy_accuracy"] = evaluation.copy_accuracy(m, corpus, config)
     results["student_dir"] = str(workdir / "student")
-    results["export"] = _export(model, workdir / "student")
+    results["export"] = _export(model, teacher, workdir / "student")
     results |= {"corpus": corpus.source, "kind": config.student.kind}
     results |= {"layout": list(model.layout), "stages": list(STAGES)}
     report.write(workdir, results)
     return results
 
 
-def _export(model: LanguageModel, path: Path) -> str:
-    """Saves the student and reads it back; raises unless it is the same model, every
-    parameter bit for bit (so the same logits)."""
-    export.save_student(model, path)
+def _export(model: LanguageModel, teacher: LanguageModel, path: Path) -> str:
+    """Saves the student (``export.save_student``) and reads it back; raises unless it is
+    the same model, every parameter bit for bit (so the same logits). Returns the format."""
+    how = export.save_student(model, path, teacher)
     back = export.load_student(path)
-    same = nnx.graphdef(back) == nnx.graphdef(model) and all(
-        np.array_equal(a, b)
-        for a, b in zip(jax.tree.leaves(nnx.state(back)), jax.tree.leaves(nnx.state(model)),
-                        strict=True)
-    )  # fmt: skip
-    if not same:
+    ours, theirs = (dict(nnx.to_flat_state(nnx.state(m))) for m in (model, back))
+    same = back.layout == model.layout and ours.keys() == theirs.keys()
+    if not same or not all(
+        np.array_equal(ours[p].get_value(), theirs[p].get_value()) for p in ours
+    ):
         raise ValueError(f"the student saved to {path} reads back as another model")
-    return "library checkpoint (linattn_jax.json + model.safetensors), read back bit-identical"
+    return f"{how}, read back bit-identical"

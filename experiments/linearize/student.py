@@ -114,13 +114,15 @@ def make_student(
 
     Every parameter the teacher has at the same path is the teacher's (copied, not
     shared); a Gated DeltaNet layer's q/k/v/o are converted from the softmax layer's
-    (GQA repeated, an output gate's half dropped). ``window``: LoLCATs' (``"lolcats"``
-    only; 0: none). ``conv_size``: Gated DeltaNet's convolution (identity at the start).
+    (GQA repeated, an output gate's half dropped), with the teacher's own Gated DeltaNet
+    options where it has such layers (a hybrid: the student's new ones are then of its
+    type). ``window``: LoLCATs' (``"lolcats"`` only; 0: none). ``conv_size``: Gated
+    DeltaNet's convolution (identity at the start) where the teacher has none.
 
     Raises:
       ValueError: an unknown kind, a layer that is not softmax, a scanned teacher (load it
         with ``scan_layers=False``), or a teacher whose options the student kind cannot
-        take (a sliding window).
+        take (a sliding window; Gated DeltaNet layers of other dimensions).
     """
     if kind not in STUDENT_KINDS:
         raise ValueError(f"kind must be one of {tuple(STUDENT_KINDS)}, got {kind!r}")
@@ -140,7 +142,7 @@ def make_student(
         if softmax.get("sliding_window"):
             raise ValueError("a teacher with a sliding window cannot be linearised here")
         kind_options["linearized"] = dict(softmax, **extra)
-    else:
+    elif "gated_deltanet" not in teacher.layout:  # else its own layers' options (a hybrid)
         first = teacher.blocks[swapped[0]].attention
         kind_options["gated_deltanet"] = dict(
             num_heads=first.num_heads, head_dim=first.head_dim, num_v_heads=first.num_heads,
@@ -185,6 +187,13 @@ def _delta_from_softmax(delta, softmax: SoftmaxAttention) -> None:
     over their query heads; the output gate's half of q dropped); its convolution the
     identity."""
     width, h, kv, d = softmax.width, softmax.num_heads, softmax.num_kv_heads, softmax.head_dim
+    dims = (delta.num_heads, delta.num_v_heads, delta.key_dim, delta.value_dim)
+    if dims != (h, h, d, d):
+        raise ValueError(
+            f"the softmax layer's q/k/v ({h} heads of {d}) do not fit the Gated DeltaNet "
+            f"layer's ({dims[0]} key heads and {dims[1]} value heads of {dims[2]} and "
+            f"{dims[3]}: the teacher's own gated_deltanet options)"
+        )
     q = softmax.q_proj.kernel[...]
     if softmax.output_gate:  # [q_h | gate_h] per head
         q = q.reshape(width, h, 2 * d)[..., :d].reshape(width, h * d)
