@@ -14,7 +14,7 @@ from linattn_jax.layers import rope_scaling
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+ROPE_INIT_FUNCTIONS = pytest.importorskip("transformers.modeling_rope_utils").ROPE_INIT_FUNCTIONS
 
 HEAD_DIM, MAX_LENGTH = 64, 256
 CASES = [
