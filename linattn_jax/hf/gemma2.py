@@ -1,5 +1,4 @@
-"""Gemma 2 checkpoints (``Gemma2ForCausalLM``, ``model_type`` ``gemma2``): Llama
-(``hf.llama``) with
+"""Gemma 2 checkpoints (``Gemma2ForCausalLM``, ``model_type`` ``gemma2``): Llama with
 
 * every RMSNorm in Gemma's ``x * (1 + w)`` form (``zero_centred_norm``) and four per
   layer: ``input_layernorm`` and ``post_attention_layernorm`` around the attention,
