@@ -47,6 +47,7 @@ The layout: one module per model type over a shared loader.
       │   └── gemma3 (gemma3_text: QK-norm, 5 local : 1 global, RoPE per layer type)
       └── deepseek_v3 (MLA, DeepSeek's mixture after the first dense layers)
       lfm2 (gated short convolutions + QK-normed softmax attention)
+      └── lfm2_moe (mixtures after the first dense layers)
 
 * ``safetensors_io``: the streaming reads and the sharded writes; ``text``: the tokenizer
   and ``generate_text``.
@@ -75,6 +76,7 @@ from linattn_jax.hf import (  # noqa: E402
     granitemoehybrid,
     kimi_linear,
     lfm2,
+    lfm2_moe,
     llama,
     mamba2,
     minimax,
@@ -128,6 +130,7 @@ __all__ = [
     "kimi_linear",
     "granitemoehybrid",
     "lfm2",
+    "lfm2_moe",
     "llama",
     "load_tokenizer",
     "mamba2",

@@ -17,7 +17,7 @@ and ``tie_embedding`` are read as ``transformers`` reads them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from linattn_jax.hf import common, llama, rope, tables
@@ -127,15 +127,23 @@ def mlp_hidden(config: Mapping[str, Any]) -> int:
     return size
 
 
-def options(config: Mapping[str, Any]) -> dict[str, Any]:
+def mixer_options(config: Mapping[str, Any]) -> dict[str, Any]:
     """Each layer of ``layer_types``: QK-normed softmax attention or the gated short
-    convolution, with a SwiGLU MLP of ``mlp_hidden(config)``."""
+    convolution (``llama.layered_options``, a SwiGLU MLP of ``intermediate_size``)."""
     kinds = [LAYER_KINDS[t] for t in config["layer_types"]]
     conv = dict(conv_size=config["conv_L_cache"], use_bias=config["conv_bias"])
     softmax = llama.softmax_options(config, qk_norm=True)
-    return dict(
-        llama.layered_options(config, kinds, {"softmax": softmax, "gated_conv": conv}),
-        mlp_hidden=mlp_hidden(config),
+    return llama.layered_options(config, kinds, {"softmax": softmax, "gated_conv": conv})
+
+
+def table(
+    mlp_rules: Callable[[Mapping[str, Any], int], tuple[tables.Rule, ...]],
+) -> Callable[[Mapping[str, Any], str], tables.Table]:
+    """The weight table of layers of two norms, a mixer (``mixer_rules``) and
+    ``mlp_rules(config, i)``'s MLP."""
+    return tables.layered(
+        MODEL_RULES,
+        lambda config, i: NORM_RULES + mixer_rules(config, i) + mlp_rules(config, i),
     )
 
 
@@ -157,9 +165,7 @@ FORMAT = common.ModelFormat(
     model_types=("lfm2",),
     architecture="Lfm2ForCausalLM",
     steps=STEPS,
-    options=options,
-    table=tables.layered(
-        MODEL_RULES, lambda config, i: NORM_RULES + mixer_rules(config, i) + MLP_RULES
-    ),
+    options=lambda config: mixer_options(config) | dict(mlp_hidden=mlp_hidden(config)),
+    table=table(lambda config, i: MLP_RULES),
     finish=common.rms_norm_eps("norm_eps"),
 )

@@ -29,6 +29,7 @@ from linattn_jax.hf import (
     granitemoehybrid,
     kimi_linear,
     lfm2,
+    lfm2_moe,
     llama,
     mamba2,
     minimax,
@@ -77,6 +78,7 @@ _FORMATS = (
     qwen2.FORMAT,
     qwen3.FORMAT,
     lfm2.FORMAT,
+    lfm2_moe.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: fmt for fmt in _FORMATS for model_type in fmt.model_types
