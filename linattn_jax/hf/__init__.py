@@ -47,7 +47,8 @@ The layout: one module per model type over a shared loader.
       │   └── gemma3 (gemma3_text: QK-norm, 5 local : 1 global, RoPE per layer type)
       └── deepseek_v3 (MLA, DeepSeek's mixture after the first dense layers)
       lfm2 (gated short convolutions + QK-normed softmax attention)
-      └── lfm2_moe (mixtures after the first dense layers)
+      ├── lfm2_moe (mixtures after the first dense layers)
+      └── lfm3 (sliding layers, gated Qwen3 attention, RoPE per type, sandwich norms)
 
 * ``safetensors_io``: the streaming reads and the sharded writes; ``text``: the tokenizer
   and ``generate_text``.
@@ -77,6 +78,7 @@ from linattn_jax.hf import (  # noqa: E402
     kimi_linear,
     lfm2,
     lfm2_moe,
+    lfm3,
     llama,
     mamba2,
     minimax,
@@ -131,6 +133,7 @@ __all__ = [
     "granitemoehybrid",
     "lfm2",
     "lfm2_moe",
+    "lfm3",
     "llama",
     "load_tokenizer",
     "mamba2",

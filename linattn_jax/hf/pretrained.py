@@ -30,6 +30,7 @@ from linattn_jax.hf import (
     kimi_linear,
     lfm2,
     lfm2_moe,
+    lfm3,
     llama,
     mamba2,
     minimax,
@@ -79,6 +80,7 @@ _FORMATS = (
     qwen3.FORMAT,
     lfm2.FORMAT,
     lfm2_moe.FORMAT,
+    lfm3.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: fmt for fmt in _FORMATS for model_type in fmt.model_types
