@@ -113,6 +113,7 @@ CASES = {
         16, 2, attention="kda", mlp="none", post_norm=True, rngs=r
     ),
     "gated_conv": lambda r: layers.GatedShortConv(16, 2, use_bias=True, rngs=r),
+    "softmax_head_gate": lambda r: layers.SoftmaxAttention(16, 2, head_gate=True, rngs=r),
     "language_model_hybrid": lambda r: models.LanguageModel(
         32, 16, 2, 2, attention="1 gated_deltanet : 1 softmax", mlp="swiglu", rngs=r
     ),
@@ -309,6 +310,13 @@ EXPECTED: dict[str, list[str]] = {
         "in_proj/kernel Param 16x48",
         "out_proj/bias Param 16",
         "out_proj/kernel Param 16x16",
+    ],
+    "softmax_head_gate": [
+        "g_proj/kernel Param 16x2",
+        "k_proj/kernel Param 16x16",
+        "out_proj/kernel Param 16x16",
+        "q_proj/kernel Param 16x16",
+        "v_proj/kernel Param 16x16",
     ],
     "lightning": [
         "k_proj/kernel Param 16x16",
