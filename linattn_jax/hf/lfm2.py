@@ -75,12 +75,16 @@ def mixer_rules(config: Mapping[str, Any], i: int) -> tuple[tables.Rule, ...]:
     return CONV_RULES + (CONV_BIAS_RULES if config["conv_bias"] else ())
 
 
-def legacy_names(config: common.Config) -> None:
-    """``block_ff_dim`` and ``tie_embedding`` read as ``intermediate_size`` and
-    ``tie_word_embeddings`` (over them, as ``transformers`` reads them)."""
-    for old, new in LEGACY.items():
-        if old in config:
-            config[new] = config.pop(old)
+def legacy(names: Mapping[str, str]) -> common.Step:
+    """The step reading each old name of ``names`` as its new one (over it, as
+    ``transformers``' ``__post_init__`` reads ``block_ff_dim`` and ``tie_embedding``)."""
+
+    def step(config: common.Config) -> None:
+        for old, new in names.items():
+            if old in config:
+                config[new] = config.pop(old)
+
+    return step
 
 
 def layer_types(config: common.Config) -> None:
@@ -147,14 +151,18 @@ def table(
     )
 
 
-STEPS = (
-    legacy_names,
-    common.defaults(DEFAULTS, keep_none=("block_ffn_dim_multiplier",)),
+# What LFM2's model types check alike after their defaults.
+CHECKS = (
     llama.heads,
     common.ints(llama.INT_FIELDS + ("conv_L_cache",)),
     common.divides("num_key_value_heads", "num_attention_heads"),
     common.bools(("tie_word_embeddings", "conv_bias")),
     common.numbers(("norm_eps",)),
+)
+STEPS = (
+    legacy(LEGACY),
+    common.defaults(DEFAULTS, keep_none=("block_ffn_dim_multiplier",)),
+    *CHECKS,
     check_mlp,
     layer_types,
     rope.parameters(1_000_000.0),

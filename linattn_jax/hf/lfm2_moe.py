@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from linattn_jax.hf import common, experts, lfm2, llama, rope, tables
+from linattn_jax.hf import common, experts, lfm2, rope, tables
 from linattn_jax.hf.tables import COPY, LINEAR
 
 # transformers' Lfm2MoeConfig defaults, for the fields a config.json leaves out.
@@ -56,12 +56,6 @@ def mlp_rules(config: Mapping[str, Any], i: int) -> tuple[tables.Rule, ...]:
     )
 
 
-def tie_embedding(config: common.Config) -> None:
-    """The legacy ``tie_embedding`` read as ``tie_word_embeddings``, as ``transformers``."""
-    if "tie_embedding" in config:
-        config["tie_word_embeddings"] = config.pop("tie_embedding")
-
-
 def options(config: Mapping[str, Any]) -> dict[str, Any]:
     """LFM2's layers, the MLPs from ``num_dense_layers`` on mixtures."""
     moe = dict(
@@ -80,16 +74,13 @@ FORMAT = lfm2.FORMAT.derive(
     model_types=("lfm2_moe",),
     architecture="Lfm2MoeForCausalLM",
     steps=(
-        tie_embedding,
+        lfm2.legacy({"tie_embedding": "tie_word_embeddings"}),
         common.defaults(DEFAULTS),
-        llama.heads,
-        common.ints(llama.INT_FIELDS + ("conv_L_cache",)),
+        *lfm2.CHECKS,
         common.ints(("moe_intermediate_size", "num_experts", "num_experts_per_tok")),
         common.ints(("num_dense_layers",), minimum=0),
         common.at_most("num_experts_per_tok", "num_experts"),
-        common.divides("num_key_value_heads", "num_attention_heads"),
-        common.bools(("tie_word_embeddings", "conv_bias", "use_expert_bias", "norm_topk_prob")),
-        common.numbers(("norm_eps",)),
+        common.bools(("use_expert_bias", "norm_topk_prob")),
         common.positive(("routed_scaling_factor",)),
         lambda config: common.check_layer_types(config, tuple(lfm2.LAYER_KINDS)),
         rope.parameters(1_000_000.0),
