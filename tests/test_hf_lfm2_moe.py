@@ -6,6 +6,8 @@ logits to 1e-5 normwise, prefill then decode steps == the full forward, 16 greed
 left-padded row == the row alone, the save round trip, ``--config.init_from``, the bad
 fields named."""
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from linattn_jax import hf
@@ -51,6 +53,31 @@ def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
 def test_init_from_builds_the_checkpoints_model(pair, tmp_path):
     ref, _, model, _ = pair
     helpers.assert_init_from_builds(model, ref, tmp_path)
+
+
+def test_the_router_of_small_scores_matches(pair):
+    """Scores near 0 (logits near -12), where the sum's 1e-6 matters (a weight of 0.46, not
+    0.5): our model's router against ``transformers``' own on the same tokens."""
+    ref, _, model, _ = pair
+    theirs = ref.model.layers[1].feed_forward
+    x = np.random.default_rng(1).normal(size=(5, 32)).astype(np.float32)
+    router = -12.0 + 0.05 * np.random.default_rng(2).normal(size=(6, 32)).astype(np.float32)
+    x = np.abs(x) / np.abs(x).sum(-1, keepdims=True)  # logits in about [-12.2, -11.8]
+    moe = model.blocks[1].mlp
+    saved = theirs.gate.weight.clone(), moe.router[...]
+    try:  # the fixture's models are shared: their routers put back after
+        with torch.no_grad():
+            theirs.gate.weight.copy_(torch.tensor(router))
+            _, weights, chosen = theirs.gate(torch.tensor(x), theirs.expert_bias)
+        moe.router[...] = jnp.asarray(router.T)
+        ours, _ = moe.route(jnp.asarray(x))
+    finally:
+        with torch.no_grad():
+            theirs.gate.weight.copy_(saved[0])
+        moe.router[...] = saved[1]
+    np.testing.assert_array_equal(ours.experts, chosen.numpy())
+    np.testing.assert_allclose(ours.weights, weights.numpy(), rtol=1e-5)
+    assert np.all(ours.weights < 0.99 * 1.5 / 2)  # the 1e-6 counts
 
 
 def test_bad_fields(pair):

@@ -7,9 +7,8 @@ The first layers' SwiGLU is ``intermediate_size`` wide (no ``block_auto_adjust_f
 rule here); a mixture has ``num_experts`` experts of ``moe_intermediate_size``, chosen
 ``num_experts_per_tok`` per token on ``sigmoid(router logits)`` plus ``expert_bias`` (with
 ``use_expert_bias``: our ``score_bias``, for the choice only), weighted by their sigmoid
-scores, over their sum with ``norm_topk_prob`` and times ``routed_scaling_factor``. One
-difference: ``transformers`` divides by the sum plus 1e-6, ours plus 1e-20 (a relative
-difference of 1e-6 over the sum, under 1e-6 wherever the chosen scores add up past 1).
+scores, over their sum plus 1e-6 with ``norm_topk_prob`` (our ``normalize_eps``) and times
+``routed_scaling_factor``.
 The file holds each expert's ``w1``, ``w3``, ``w2`` under ``feed_forward.experts.{j}.``,
 the router as ``feed_forward.gate.weight``.
 """
@@ -61,7 +60,8 @@ def options(config: Mapping[str, Any]) -> dict[str, Any]:
     moe = dict(
         num_experts=config["num_experts"], top_k=config["num_experts_per_tok"],
         hidden=config["moe_intermediate_size"], score="sigmoid",
-        normalize=config["norm_topk_prob"], scaling=float(config["routed_scaling_factor"]),
+        normalize=config["norm_topk_prob"], normalize_eps=1e-6,
+        scaling=float(config["routed_scaling_factor"]),
         score_bias=config["use_expert_bias"],
     )  # fmt: skip
     layers = range(config["num_hidden_layers"])
