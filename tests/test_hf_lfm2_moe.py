@@ -1,7 +1,7 @@
 """LFM2-MoE checkpoints (``linattn_jax.hf.lfm2_moe``) against ``transformers``' own PyTorch
-``Lfm2MoeForCausalLM`` (CPU, float32): a tiny random model made here with a dense first
-layer, then mixtures (random router and ``expert_bias``, so that the choice and the weights
-differ), a gated short convolution and an attention layer, a tied head and random norms:
+``Lfm2MoeForCausalLM`` (CPU, float32): a tiny random model made here of a gated short
+convolution with a dense MLP, then an attention layer with a mixture (random router and
+``expert_bias``, so that the choice and the weights differ), a tied head and random norms:
 logits to 1e-5 normwise, prefill then decode steps == the full forward, 16 greedy tokens, a
 left-padded row == the row alone, the save round trip, ``--config.init_from``, the bad
 fields named."""
@@ -23,9 +23,9 @@ RTOL = 1e-5
 def _lfm2_moe():
     config = transformers.Lfm2MoeConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=12,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, norm_eps=1e-5,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, norm_eps=1e-5,
         conv_L_cache=4, num_dense_layers=1, num_experts=6, num_experts_per_tok=2,
-        routed_scaling_factor=1.5, layer_types=["conv", "full_attention", "conv"],
+        routed_scaling_factor=1.5, layer_types=["conv", "full_attention"],
         rope_parameters={"rope_type": "default", "rope_theta": 500.0},
     )  # fmt: skip
     model = transformers.Lfm2MoeForCausalLM(config)
@@ -84,7 +84,7 @@ def test_bad_fields(pair):
     _, _, _, config = pair
     fmt = hf.lfm2_moe.FORMAT
     for field, value, message in [
-        ("layer_types", None, r"layer_types must list num_hidden_layers=3"),
+        ("layer_types", None, r"layer_types must list num_hidden_layers=2"),
         ("num_experts_per_tok", 7, r"num_experts_per_tok=7 must be <= num_experts=6"),
         ("num_dense_layers", -1, r"num_dense_layers must be an int >= 0, got -1"),
         ("use_expert_bias", "yes", r"use_expert_bias must be true or false"),
