@@ -20,10 +20,10 @@ RTOL = 1e-5
 
 def _lfm2():
     config = transformers.Lfm2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=70, num_hidden_layers=3,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=70, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, norm_eps=1e-5, conv_bias=True,
         conv_L_cache=3, block_multiple_of=8, block_ffn_dim_multiplier=1.5,
-        layer_types=["conv", "full_attention", "conv"], tie_word_embeddings=False,
+        layer_types=["conv", "full_attention"], tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 500.0},
     )  # fmt: skip
     return helpers.randomized_biases(transformers.Lfm2ForCausalLM(config))
@@ -61,7 +61,7 @@ def test_legacy_names_layer_indices_and_bad_fields(pair):
     assert fmt.model_options({**config, "block_auto_adjust_ff_dim": False})["mlp_hidden"] == 70
     assert fmt.model_options({**config, "block_ffn_dim_multiplier": None})["mlp_hidden"] == 46
     for field, value, message in [
-        ("layer_types", ["conv", "sliding_attention", "conv"], r"layer_types must list"),
+        ("layer_types", ["conv", "sliding_attention"], r"layer_types must list"),
         ("conv_L_cache", 0, r"conv_L_cache must be an int >= 1, got 0"),
         ("conv_bias", 1, r"conv_bias must be true or false"),
         ("block_ffn_dim_multiplier", -1, r"block_ffn_dim_multiplier must be a number > 0"),
