@@ -154,6 +154,10 @@ def test_lfm2_moe_router_of_small_scores_matches(pairs):
     assert np.all(ours.weights < 0.99 * 1.5 / 2)  # the 1e-6 counts
 
 
+def test_lfm2_moe_reads_the_fused_layout(pairs, tmp_path):
+    helpers.assert_reads_the_fused_layout(pairs("lfm2_moe"), tmp_path)
+
+
 def test_lfm2_moe_bad_fields(pairs):
     _, _, _, config = pairs("lfm2_moe")
     fmt = hf.lfm2_moe.FORMAT

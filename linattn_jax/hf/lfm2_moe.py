@@ -10,7 +10,8 @@ rule here); a mixture has ``num_experts`` experts of ``moe_intermediate_size``, 
 scores, over their sum plus 1e-6 with ``norm_topk_prob`` (our ``normalize_eps``) and times
 ``routed_scaling_factor``.
 The file holds each expert's ``w1``, ``w3``, ``w2`` under ``feed_forward.experts.{j}.``,
-the router as ``feed_forward.gate.weight``.
+the router as ``feed_forward.gate.weight``; ``transformers``' memory layout (the experts
+fused: ``feed_forward.experts.gate_up_proj``, ``down_proj``) is read too.
 """
 
 from __future__ import annotations
@@ -37,22 +38,36 @@ EXPERT_RULES = tables.rules(  # under feed_forward.experts.{j}., slice j of ours
     ("w3.weight", "mlp.up", LINEAR),
     ("w2.weight", "mlp.down", LINEAR),
 )
+FUSED_RULES = tables.rules(
+    ("feed_forward.experts.gate_up_proj", ("mlp.gate", "mlp.up"), tables.EXPERTS_GATE_UP),
+    ("feed_forward.experts.down_proj", "mlp.down", tables.EXPERTS_LINEAR),
+)
 
 
 def is_moe(config: Mapping[str, Any], i: int) -> bool:
     return i >= config["num_dense_layers"]
 
 
-def mlp_rules(config: Mapping[str, Any], i: int) -> tuple[tables.Rule, ...]:
-    """Layer ``i``'s MLP rows: LFM2's SwiGLU, or the router (and bias) and each expert's."""
+def mlp_rules(config: Mapping[str, Any], i: int, fused: bool) -> tuple[tables.Rule, ...]:
+    """Layer ``i``'s MLP rows: LFM2's SwiGLU, or the router (and bias) and each expert's
+    (``fused``: all experts' in two tensors)."""
     if not is_moe(config, i):
         return lfm2.MLP_RULES
     rows = ROUTER_RULES + (BIAS_RULES if config["use_expert_bias"] else ())
+    if fused:
+        return rows + FUSED_RULES
     return rows + tuple(
         r.at(f"feed_forward.experts.{j}.{r.hf}", r.ours, j)
         for j in range(config["num_experts"])
         for r in EXPERT_RULES
     )
+
+
+def table(config: Mapping[str, Any], prefix: str) -> tables.Table:
+    """LFM2's table with ``mlp_rules``' MLPs, the experts fused for a ``prefix`` ending in
+    ``experts.FUSED``."""
+    fused, prefix = prefix.endswith(experts.FUSED), prefix.removesuffix(experts.FUSED)
+    return lfm2.table(lambda config, i: mlp_rules(config, i, fused))(config, prefix)
 
 
 def options(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -86,5 +101,6 @@ FORMAT = lfm2.FORMAT.derive(
         rope.parameters(1_000_000.0),
     ),
     options=options,
-    table=lfm2.table(mlp_rules),
+    table=table,
+    prefixes=("model.", "model." + experts.FUSED),
 )
