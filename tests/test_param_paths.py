@@ -112,6 +112,8 @@ CASES = {
     "block_mixer_only_post_norm": lambda r: layers.TransformerBlock(
         16, 2, attention="kda", mlp="none", post_norm=True, rngs=r
     ),
+    "gated_conv": lambda r: layers.GatedShortConv(16, 2, use_bias=True, rngs=r),
+    "softmax_head_gate": lambda r: layers.SoftmaxAttention(16, 2, head_gate=True, rngs=r),
     "language_model_hybrid": lambda r: models.LanguageModel(
         32, 16, 2, 2, attention="1 gated_deltanet : 1 softmax", mlp="swiglu", rngs=r
     ),
@@ -301,6 +303,21 @@ EXPECTED: dict[str, list[str]] = {
         "q_a_proj/kernel Param 16x6",
         "q_b_proj/kernel Param 6x12",
     ],
+    "gated_conv": [
+        "conv/kernel Param 3x16",
+        "conv_bias Param 16",
+        "in_proj/bias Param 48",
+        "in_proj/kernel Param 16x48",
+        "out_proj/bias Param 16",
+        "out_proj/kernel Param 16x16",
+    ],
+    "softmax_head_gate": [
+        "g_proj/kernel Param 16x2",
+        "k_proj/kernel Param 16x16",
+        "out_proj/kernel Param 16x16",
+        "q_proj/kernel Param 16x16",
+        "v_proj/kernel Param 16x16",
+    ],
     "lightning": [
         "k_proj/kernel Param 16x16",
         "norm/scale Param 16",
@@ -405,6 +422,7 @@ def test_every_layer_type_is_pinned():
     kinds = {layers.LinearAttention, layers.DeltaRuleAttention, layers.Mamba2Mixer}
     kinds |= {layers.MLSTMLayer, layers.LightningAttention, layers.SoftmaxAttention}
     kinds |= {layers.LatentAttention, layers.TransformerBlock, models.LanguageModel}
+    kinds |= {layers.GatedShortConv}
     assert kinds <= built
 
 

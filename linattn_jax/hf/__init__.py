@@ -46,6 +46,9 @@ The layout: one module per model type over a shared loader.
       ├── gemma2 ((1 + w) sandwich norms, GeGLU, soft caps, alternating windows)
       │   └── gemma3 (gemma3_text: QK-norm, 5 local : 1 global, RoPE per layer type)
       └── deepseek_v3 (MLA, DeepSeek's mixture after the first dense layers)
+      lfm2 (gated short convolutions + QK-normed softmax attention)
+      ├── lfm2_moe (mixtures after the first dense layers)
+      └── lfm3 (sliding layers, gated Qwen3 attention, RoPE per type, sandwich norms)
 
 * ``safetensors_io``: the streaming reads and the sharded writes; ``text``: the tokenizer
   and ``generate_text``.
@@ -73,6 +76,9 @@ from linattn_jax.hf import (  # noqa: E402
     gemma3,
     granitemoehybrid,
     kimi_linear,
+    lfm2,
+    lfm2_moe,
+    lfm3,
     llama,
     mamba2,
     minimax,
@@ -125,6 +131,9 @@ __all__ = [
     "generate_text",
     "kimi_linear",
     "granitemoehybrid",
+    "lfm2",
+    "lfm2_moe",
+    "lfm3",
     "llama",
     "load_tokenizer",
     "mamba2",

@@ -28,6 +28,9 @@ from linattn_jax.hf import (
     gemma3,
     granitemoehybrid,
     kimi_linear,
+    lfm2,
+    lfm2_moe,
+    lfm3,
     llama,
     mamba2,
     minimax,
@@ -75,6 +78,9 @@ _FORMATS = (
     deepseek_v3.FORMAT,
     qwen2.FORMAT,
     qwen3.FORMAT,
+    lfm2.FORMAT,
+    lfm2_moe.FORMAT,
+    lfm3.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: fmt for fmt in _FORMATS for model_type in fmt.model_types

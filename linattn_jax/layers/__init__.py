@@ -1,7 +1,7 @@
 """The layers floor: Flax NNX modules that own parameters and call ``linattn_jax.ops``.
 
 One file per layer kind (``linear``, ``delta``, ``softmax``, ``mla``, ``mamba2``,
-``mlstm``, ``lightning``, ``linearized``), the pieces they share
+``mlstm``, ``lightning``, ``linearized``, ``gated_conv``), the pieces they share
 (``conv``, ``gates``, ``feature_maps``, ``norms``, ``rope``, ``common``), the mixture of
 experts (``moe``), the MLPs (``mlp``), the dispatch
 between a decoding step, the sequence-parallel form and the full-sequence form written
@@ -26,6 +26,7 @@ from linattn_jax.layers.feature_maps import (
     RandomProjection,
     T2RFeatureMap,
 )
+from linattn_jax.layers.gated_conv import GatedConvCache, GatedShortConv
 from linattn_jax.layers.gates import ChannelGate, HeadGate, MambaGate
 from linattn_jax.layers.lightning import LightningAttention, lightning_decays
 from linattn_jax.layers.linear import GATES, LinearAttention, LinearAttentionCache
@@ -90,4 +91,6 @@ __all__ = [
     "norms",
     "rope",
     "run_causal",
+    "GatedConvCache",
+    "GatedShortConv",
 ]

@@ -66,6 +66,7 @@ def route(
     *,
     score: str = "softmax",
     normalize: bool = False,
+    normalize_eps: float = 1e-20,
     scaling: float = 1.0,
     bias: jax.Array | None = None,
     num_groups: int = 1,
@@ -85,6 +86,8 @@ def route(
       top_k: experts per token, in ``[1, e]``.
       score: ``"softmax"`` or ``"sigmoid"``.
       normalize: the weights over their sum (``norm_topk_prob``).
+      normalize_eps: added to that sum (LFM2-MoE's 1e-6; by default 1e-20, which only keeps
+        all-zero sigmoid scores, an underflow, from a 0 / 0).
       scaling: the weights times this (``routed_scaling_factor``).
       bias: ``[e]`` added to the scores for the choice only, or None.
       num_groups: groups of experts (1: no grouping); must divide ``e``.
@@ -113,8 +116,7 @@ def route(
     _, experts = jax.lax.top_k(choice, top_k)
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if normalize:
-        # The 1e-20 keeps all-zero sigmoid scores (underflow) from a 0 / 0.
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + normalize_eps)
     return Routing(weights * scaling, experts.astype(jnp.int32), probs)
 
 
@@ -292,6 +294,7 @@ class MoE(nnx.Module):
       hidden: each routed expert's hidden width (``moe_intermediate_size``).
       score: ``"softmax"`` or ``"sigmoid"`` (``route``).
       normalize: the top-k weights over their sum (``norm_topk_prob``).
+      normalize_eps: added to that sum (``route``).
       scaling: the routed output's factor (``routed_scaling_factor``).
       score_bias: a ``RouterBias [e]`` (zeros) for the choice only.
       num_groups: groups of experts for grouped top-k (``n_group``; 1: none).
@@ -327,6 +330,7 @@ class MoE(nnx.Module):
         *,
         score: str = "softmax",
         normalize: bool = False,
+        normalize_eps: float = 1e-20,
         scaling: float = 1.0,
         score_bias: bool = False,
         num_groups: int = 1,
@@ -347,6 +351,9 @@ class MoE(nnx.Module):
         checks.check_bool("score_bias", score_bias)
         checks.check_bool("shared_gate", shared_gate)
         checks.check_number("scaling", scaling)
+        if not (isinstance(normalize_eps, int | float) and 0 < normalize_eps < 1):
+            raise ValueError(f"normalize_eps must be a number in (0, 1), got {normalize_eps!r}")
+        self.normalize_eps = float(normalize_eps)
         checks.check_sizes(num_groups=num_groups, top_k_groups=top_k_groups)
         if num_experts % num_groups:
             raise ValueError(f"num_groups must divide num_experts={num_experts}, got {num_groups}")
@@ -406,6 +413,7 @@ class MoE(nnx.Module):
         logits = x.astype(dtype) @ self.router[...].astype(dtype)
         routing = route(
             logits, self.top_k, score=self.score, normalize=self.normalize,
+            normalize_eps=self.normalize_eps,
             scaling=self.scaling, bias=None if self.bias is None else self.bias[...],
             num_groups=self.num_groups, top_k_groups=self.top_k_groups,
         )  # fmt: skip

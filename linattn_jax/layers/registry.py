@@ -13,6 +13,7 @@ from typing import Any
 from flax import nnx
 
 from linattn_jax.layers.delta import DeltaRuleAttention
+from linattn_jax.layers.gated_conv import GatedShortConv
 from linattn_jax.layers.lightning import LightningAttention
 from linattn_jax.layers.linear import LinearAttention
 from linattn_jax.layers.linearized import LinearizedAttention
@@ -186,6 +187,10 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
         ),
         # No mixer: an MLP-only block (Nemotron-H's "-" layers).
         "mlp": AttentionKind(None, "MLP only"),
+        # LFM2's gated short convolution: no attention, a causal conv between two gates.
+        "gated_conv": AttentionKind(
+            GatedShortConv, "gated short convolution (LFM2)", sequence_parallel=False
+        ),
     }
 )
 ATTENTION_KINDS = tuple(KINDS)
@@ -214,6 +219,7 @@ def make_attention(kind: str, width: int, num_heads: int, **options: Any) -> nnx
     ``"linearized"``: ``LinearizedAttention`` (a softmax layer's parameters with a learned
     linear core: a linearised transformer's student layers).
     ``"mlstm"``: ``MLSTMLayer`` (xLSTM).
+    ``"gated_conv"``: ``GatedShortConv`` (LFM2's gated short convolution).
 
     Raises:
       ValueError: an unknown kind, the kind without a mixer (``"mlp"``), or an option that
