@@ -175,7 +175,14 @@ def _table(path, config, checkpoint, flat, period=None) -> tables.Table:
     fmt = format_of(config)
     names = checkpoint.names()
     candidates = [tables.scanned_table(fmt.weight_table(config, p), period) for p in fmt.prefixes]
-    table = max(candidates, key=lambda t: len(set(names).intersection(n for n, _ in t)))
+    shape = lambda rule: tables.hf_shape(rule, [flat[p].shape for p in rule.ours])
+    # The table naming most of the file's tensors; of those alike (OLMo-Hybrid's two cuts of
+    # one conv), the one whose shapes the file has.
+    fits = lambda t: (
+        len(set(names).intersection(n for n, _ in t)),
+        sum(n in checkpoint.files and checkpoint.shape(n) == shape(r) for n, r in t),
+    )
+    table = max(candidates, key=fits)
     wanted = {name for name, _ in table}
     ignored = fmt.ignored_names(config)
     unknown = [n for n in names if n not in wanted and not n.startswith(ignored)]
@@ -189,8 +196,7 @@ def _table(path, config, checkpoint, flat, period=None) -> tables.Table:
             raise ValueError(
                 f"{os.fspath(path)}: tensor {name!r} is missing (config.json's model has it)"
             )
-        expected = tables.hf_shape(rule, [flat[p].shape for p in rule.ours])
-        found = checkpoint.shape(name)
+        expected, found = shape(rule), checkpoint.shape(name)
         if found != expected:
             raise ValueError(
                 f"tensor {name!r} has shape {found}, config.json's model needs {expected}"
