@@ -35,6 +35,7 @@ The layout: one module per model type over a shared loader.
       kimi_linear (KDA + MLA + DeepSeek's mixture)
       minimax (lightning + softmax attention, normed residuals, a mixture)
       olmo_hybrid (Gated DeltaNet + post-normed softmax)
+      lara_mini (Gated DeltaNet + sliding and full softmax + a mixture, plain norms)
       xlstm (mLSTM)
       llama (softmax attention + SwiGLU: the softmax model types' base)
       ├── mistral (every layer a sliding window)
@@ -73,6 +74,7 @@ from linattn_jax.hf import (  # noqa: E402
     gemma3,
     granitemoehybrid,
     kimi_linear,
+    lara_mini,
     llama,
     mamba2,
     minimax,
@@ -124,6 +126,7 @@ __all__ = [
     "from_pretrained",
     "generate_text",
     "kimi_linear",
+    "lara_mini",
     "granitemoehybrid",
     "llama",
     "load_tokenizer",

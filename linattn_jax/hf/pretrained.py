@@ -28,6 +28,7 @@ from linattn_jax.hf import (
     gemma3,
     granitemoehybrid,
     kimi_linear,
+    lara_mini,
     llama,
     mamba2,
     minimax,
@@ -75,6 +76,7 @@ _FORMATS = (
     deepseek_v3.FORMAT,
     qwen2.FORMAT,
     qwen3.FORMAT,
+    lara_mini.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: fmt for fmt in _FORMATS for model_type in fmt.model_types
