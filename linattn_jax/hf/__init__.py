@@ -33,6 +33,7 @@ The layout: one module per model type over a shared loader.
       │   └── falcon_h1 (attention and Mamba-2 side by side)
       └── nemotron_h (mixer, attention and squared-ReLU MLP layers)
       kimi_linear (KDA + MLA + DeepSeek's mixture)
+      └── bailing_hybrid (full-rank, bounded KDA gates; MLA with RoPE and a head gate)
       minimax (lightning + softmax attention, normed residuals, a mixture)
       olmo_hybrid (Gated DeltaNet + post-normed softmax)
       lara_mini (Gated DeltaNet + sliding and full softmax + a mixture, plain norms)
@@ -65,6 +66,7 @@ if _MISSING:
     )
 
 from linattn_jax.hf import (  # noqa: E402
+    bailing_hybrid,
     bamba,
     common,
     deepseek_v3,
@@ -112,6 +114,7 @@ __all__ = [
     "FORMATS",
     "MODEL_TYPES",
     "abstract_model",
+    "bailing_hybrid",
     "bamba",
     "check_pretrained",
     "common",

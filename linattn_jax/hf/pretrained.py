@@ -20,6 +20,7 @@ from flax import nnx
 
 from linattn_jax import sharding
 from linattn_jax.hf import (
+    bailing_hybrid,
     bamba,
     common,
     deepseek_v3,
@@ -77,6 +78,7 @@ _FORMATS = (
     qwen2.FORMAT,
     qwen3.FORMAT,
     lara_mini.FORMAT,
+    bailing_hybrid.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: fmt for fmt in _FORMATS for model_type in fmt.model_types
@@ -182,7 +184,12 @@ def _table(path, config, checkpoint, flat, period=None) -> tables.Table:
     # one conv), the one whose shapes the file has.
     fits = lambda t: (
         len(set(names).intersection(n for n, _ in t)),
-        sum(n in checkpoint.files and checkpoint.shape(n) == shape(r) for n, r in t),
+        sum(
+            n in checkpoint.files
+            and all(p in flat for p in r.ours)
+            and checkpoint.shape(n) == shape(r)
+            for n, r in t
+        ),
     )
     table = max(candidates, key=fits)
     wanted = {name for name, _ in table}
