@@ -92,7 +92,8 @@ def table(config: Mapping[str, Any], prefix: str) -> tables.Table:
     """Every tensor of a checkpoint of ``config``, in the model's order."""
     rows = [(prefix + r.hf, r) for r in MODEL_RULES]
     c = config["linear_num_heads"] * config["linear_head_dim"]  # channels of each of q, k, v
-    for i, (layer, mlp) in enumerate(zip(config["layer_types"], config["mlp_layer_types"])):
+    types = zip(config["layer_types"], config["mlp_layer_types"], strict=True)
+    for i, (layer, mlp) in enumerate(types):
         hf_layer, block = f"{prefix}layers.{i}.", f"blocks.{i}."
         rows += tables.prefixed(tables.NORM_RULES, hf_layer, block)
         if layer == "linear_attention":

@@ -325,12 +325,11 @@ def _check_options(
         checks.check_int("gate_rank", gate_rank, 0)
     if gate_lower_bound is not None:
         if variant != "kda":
-            raise ValueError(
-                f"gate_lower_bound is KDA's (variant='kda'), got variant={variant!r}"
-            )
-        if isinstance(gate_lower_bound, bool) or not isinstance(gate_lower_bound, (int, float)):
-            raise ValueError(f"gate_lower_bound must be a number < 0, got {gate_lower_bound!r}")
-        if not gate_lower_bound < 0:
+            raise ValueError(f"gate_lower_bound is KDA's (variant='kda'), got variant={variant!r}")
+        number = isinstance(gate_lower_bound, (int, float)) and not isinstance(
+            gate_lower_bound, bool
+        )
+        if not (number and gate_lower_bound < 0):
             raise ValueError(f"gate_lower_bound must be a number < 0, got {gate_lower_bound!r}")
     if output_gate_activation not in GATE_ACTIVATIONS:
         raise ValueError(
