@@ -95,6 +95,7 @@ from linattn_jax.hf import (  # noqa: E402
     safetensors_io,
     tables,
     text,
+    unsupported,
     xlstm,
 )
 from linattn_jax.hf.pretrained import (  # noqa: E402
@@ -152,5 +153,6 @@ __all__ = [
     "save_pretrained",
     "tables",
     "text",
+    "unsupported",
     "xlstm",
 ]

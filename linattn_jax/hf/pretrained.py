@@ -46,6 +46,7 @@ from linattn_jax.hf import (
     qwen3_next,
     safetensors_io,
     tables,
+    unsupported,
     xlstm,
 )
 from linattn_jax.models import LanguageModel
@@ -90,8 +91,10 @@ def format_of(config: Mapping[str, Any]) -> common.ModelFormat:
     """The ``ModelFormat`` of a config (raw or normalised) by its ``model_type``.
 
     Raises:
-      ValueError: a ``model_type`` no module reads.
+      ValueError: a ``model_type`` no module reads (one ``transformers`` has whose blocks
+        are missing here, ``unsupported.MODEL_TYPES``, named with them).
     """
+    unsupported.check(config)
     model_type = config.get("model_type")
     if model_type not in FORMATS:
         raise ValueError(
