@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from linattn_jax.hf import common, deepseek_v3, kimi_linear, rope, tables
-from linattn_jax.hf.tables import CONV, COPY, LINEAR, Rule, rules
+from linattn_jax.hf.tables import COPY, LINEAR, Rule, rules
 
 MODEL_TYPES = ("bailing_hybrid",)
 # transformers' BailingHybridConfig defaults, in its config.json names.
@@ -71,14 +71,11 @@ KDA_RULES = rules(
     ("attention.o_norm.weight", _a + "output_norm.scale", COPY),
     ("attention.dense.weight", _a + "out_proj.kernel", LINEAR),
 )
-CONV_RULE = Rule("", (_a + "conv.kernel",), CONV)  # q_, k_, v_conv1d: channel ranges
 HEAD_GATE_RULES = rules(("attention.g_proj.weight", _a + "g_proj.kernel", LINEAR))
-DENSE_RULES = tables.MLP_RULES
-ROUTER_RULES = rules(
-    ("mlp.gate.weight", "mlp.router", LINEAR),
-    ("mlp.gate.expert_bias", "mlp.bias", COPY),
+ROUTER_RULES = rules(  # under mlp.
+    ("gate.weight", "mlp.router", LINEAR),
+    ("gate.expert_bias", "mlp.bias", COPY),
 )
-SHARED_RULES = tables.under(tables.SWIGLU_RULES, "mlp.shared_experts.", "mlp.shared.")
 
 
 def mla_rules(config: Mapping[str, Any]) -> tuple[Rule, ...]:
@@ -88,30 +85,10 @@ def mla_rules(config: Mapping[str, Any]) -> tuple[Rule, ...]:
     return tuple(dataclasses.replace(r, hf=rename(r.hf)) for r in rows) + HEAD_GATE_RULES
 
 
-def table(config: Mapping[str, Any], prefix: str) -> tables.Table:
-    """Every tensor of a checkpoint of ``config``, in the model's order."""
-    rows = [(prefix + r.hf, r) for r in MODEL_RULES]
-    c = config["linear_num_heads"] * config["linear_head_dim"]  # channels of each of q, k, v
-    types = zip(config["layer_types"], config["mlp_layer_types"], strict=True)
-    for i, (layer, mlp) in enumerate(types):
-        hf_layer, block = f"{prefix}layers.{i}.", f"blocks.{i}."
-        rows += tables.prefixed(tables.NORM_RULES, hf_layer, block)
-        if layer == "linear_attention":
-            rows += tables.prefixed(KDA_RULES, hf_layer, block)
-            for j, part in enumerate("qkv"):
-                name = f"{hf_layer}attention.{part}_conv1d.weight"
-                index = (slice(None), slice(j * c, (j + 1) * c))
-                rows.append((name, CONV_RULE.at(name, [block + CONV_RULE.ours[0]], index)))
-        else:
-            rows += tables.prefixed(mla_rules(config), hf_layer, block)
-        if mlp == "dense":
-            rows += tables.prefixed(DENSE_RULES, hf_layer, block)
-        else:
-            rows += tables.prefixed(ROUTER_RULES, hf_layer, block)
-            n = config["num_experts"]
-            rows += tables.experts(tables.EXPERT_RULES, hf_layer, block, n)
-            rows += tables.prefixed(SHARED_RULES, hf_layer, block)
-    return rows
+table = kimi_linear.hybrid_table(
+    MODEL_RULES, KDA_RULES, "attention.{}_conv1d.weight", mla_rules, "mlp.", ROUTER_RULES,
+    tables.EXPERT_RULES, "mlp.shared_experts.",
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- the config
