@@ -64,11 +64,9 @@ FUSED_AWAY = ("linear_attn.in_proj_", "linear_attn.norm.")  # the in-memory rows
 SAVED_DELTA_RULES = DELTA_RULES + tuple(
     r for r in qwen3_5.LAYER_RULES["linear_attention"] if not r.hf.startswith(FUSED_AWAY)
 )
-MIXER_RULES = {
-    "full_attention": tables.ATTENTION_RULES + tables.QK_NORM_RULES,
-    "sliding_attention": tables.ATTENTION_RULES + tables.QK_NORM_RULES,
-}
+SOFTMAX_RULES = tables.ATTENTION_RULES + tables.QK_NORM_RULES  # full and sliding layers
 SHARED_RULES = qwen3_5_moe.SHARED_RULES[:3]  # no shared_expert_gate
+MOE_RULES = qwen3_5_moe.ROUTER_RULES + tables.FUSED_EXPERT_RULES + SHARED_RULES
 
 
 def table(config: Mapping[str, Any], prefix: str) -> tables.Table:
@@ -79,9 +77,8 @@ def table(config: Mapping[str, Any], prefix: str) -> tables.Table:
     rows = [(prefix + r.hf, r) for r in tables.MODEL_RULES]
     for i, layer_type in enumerate(config["layer_types"]):
         layer, block = f"{prefix}layers.{i}.", f"blocks.{i}."
-        mixer = MIXER_RULES.get(layer_type, delta)
-        moe = qwen3_5_moe.ROUTER_RULES + tables.FUSED_EXPERT_RULES + SHARED_RULES
-        rows += tables.prefixed(tables.NORM_RULES + mixer + moe, layer, block)
+        mixer = delta if layer_type == "linear_attention" else SOFTMAX_RULES
+        rows += tables.prefixed(tables.NORM_RULES + mixer + MOE_RULES, layer, block)
     return rows
 
 
