@@ -26,7 +26,8 @@ The layout: one module per model type over a shared loader.
 
       qwen3_5 (Gated DeltaNet + gated softmax)
       └── qwen3_5_moe (every MLP a mixture)
-          └── qwen3_next (fused DeltaNet projections, dense and MoE layers)
+          ├── qwen3_next (fused DeltaNet projections, dense and MoE layers)
+          └── lara_mini (sliding and full softmax layers, plain norms, fused in_proj)
       mamba2 (Mamba-2 mixers)
       ├── bamba (Mamba-2 + Llama attention + SwiGLU: the hybrids' base)
       │   ├── granitemoehybrid (experts + shared MLP, muP multipliers)
@@ -36,7 +37,6 @@ The layout: one module per model type over a shared loader.
       └── bailing_hybrid (full-rank, bounded KDA gates; MLA with RoPE and a head gate)
       minimax (lightning + softmax attention, normed residuals, a mixture)
       olmo_hybrid (Gated DeltaNet + post-normed softmax)
-      lara_mini (Gated DeltaNet + sliding and full softmax + a mixture, plain norms)
       xlstm (mLSTM)
       llama (softmax attention + SwiGLU: the softmax model types' base)
       ├── mistral (every layer a sliding window)
