@@ -48,8 +48,9 @@ def test_logits_decoding_and_left_padding_match(pair):
     helpers.assert_matches_decodes_and_pads(pair, VOCAB, RTOL)
 
 
-def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
+def test_save_round_trip_and_in_memory_names(pair, tmp_path):
     helpers.assert_round_trips(pair, tmp_path)
+    helpers.assert_reads_the_fused_layout(pair, tmp_path)
 
 
 def test_init_from_builds_the_checkpoints_model(pair, tmp_path):

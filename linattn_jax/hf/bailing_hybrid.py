@@ -22,18 +22,20 @@ The tensors are named as Ling's checkpoints name them, which ``transformers`` wr
 ``model.word_embeddings``, each layer's mixer under ``attention.`` (``dense`` its output
 projection; KDA's ``f_proj``, ``A_log``, ``dt_bias`` there; its ``q_conv1d``, ``k_conv1d``,
 ``v_conv1d`` channel ranges of our one conv), the router's ``mlp.gate.expert_bias`` and the
-experts per expert (``mlp.experts.{j}.{gate,up,down}_proj``); the multi-token-prediction
-layers after ``num_hidden_layers`` are not read.
+experts per expert (``mlp.experts.{j}.{gate,up,down}_proj``); or as ``transformers`` holds
+them in memory (``RENAMES``, one stacked ``conv1d``, the experts fused). The
+multi-token-prediction layers after ``num_hidden_layers`` are not read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from linattn_jax.hf import common, deepseek_v3, kimi_linear, rope, tables
-from linattn_jax.hf.tables import COPY, LINEAR, Rule, rules
+from linattn_jax.hf.tables import CONV, COPY, LINEAR, Rule, rules
 
 MODEL_TYPES = ("bailing_hybrid",)
 # transformers' BailingHybridConfig defaults, in its config.json names.
@@ -85,10 +87,42 @@ def mla_rules(config: Mapping[str, Any]) -> tuple[Rule, ...]:
     return tuple(dataclasses.replace(r, hf=rename(r.hf)) for r in rows) + HEAD_GATE_RULES
 
 
-table = kimi_linear.hybrid_table(
+saved_table = kimi_linear.hybrid_table(
     MODEL_RULES, KDA_RULES, "attention.{}_conv1d.weight", mla_rules, "mlp.", ROUTER_RULES,
     tables.EXPERT_RULES, "mlp.shared_experts.",
 )  # fmt: skip
+MEMORY = "#memory"  # a prefix ending so names the in-memory names' table
+# transformers' renaming on load (its conversion_mapping), saved -> in memory
+RENAMES = (
+    (r"\.word_embeddings\.", ".embed_tokens."),
+    (r"\.attention\.", ".self_attn."),
+    (r"self_attn\.(f_proj|dt_bias|A_log)", r"self_attn.forget_gate.\1"),
+    (r"\.self_attn\.dense\.", ".self_attn.o_proj."),
+    (r"\.mlp\.gate\.expert_bias", ".mlp.gate.e_score_correction_bias"),
+)
+_LAYER = re.compile(r"(.*layers\.(\d+)\.)(.*)")
+
+
+def table(config: Mapping[str, Any], prefix: str) -> tables.Table:
+    """Every tensor, in the model's order: the saved names, or for a ``prefix`` ending in
+    ``MEMORY`` those ``transformers`` holds in memory (``RENAMES``; the q, k, v convs
+    stacked in one ``conv1d``, the experts fused)."""
+    if not prefix.endswith(MEMORY):
+        return saved_table(config, prefix)
+    rows = []
+    for name, rule in saved_table(config, prefix.removesuffix(MEMORY)):
+        m = _LAYER.match(name)
+        layer, block, rest = (m[1], f"blocks.{m[2]}.", m[3]) if m else ("", "", name)
+        if rest == "attention.q_conv1d.weight":
+            fused = tables.rules(("self_attn.conv1d.weight", _a + "conv.kernel", CONV))
+            rows += tables.prefixed(fused, layer, block)
+        elif rest == "mlp.experts.0.gate_proj.weight":
+            rows += tables.prefixed(tables.FUSED_EXPERT_RULES, layer, block)
+        elif not rest.startswith(("attention.k_conv1d", "attention.v_conv1d", "mlp.experts.")):
+            for pattern, replacement in RENAMES:
+                name = re.sub(pattern, replacement, name)
+            rows.append((name, rule.at(name, rule.ours)))
+    return rows
 
 
 # ---------------------------------------------------------------------------- the config
@@ -173,5 +207,6 @@ FORMAT = kimi_linear.FORMAT.derive(
     ),
     options=options,
     table=table,
+    prefixes=("model.", "model." + MEMORY),
     ignored=mtp,
 )
