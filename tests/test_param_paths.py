@@ -114,6 +114,10 @@ CASES = {
     ),
     "gated_conv": lambda r: layers.GatedShortConv(16, 2, use_bias=True, rngs=r),
     "softmax_head_gate": lambda r: layers.SoftmaxAttention(16, 2, head_gate=True, rngs=r),
+    "kda_full_rank_bounded": lambda r: layers.DeltaRuleAttention(
+        16, 2, variant="kda", gate_rank=0, gate_lower_bound=-5.0, rngs=r
+    ),
+    "latent_head_gate": lambda r: layers.LatentAttention(16, 2, head_gate=True, rngs=r),
     "language_model_hybrid": lambda r: models.LanguageModel(
         32, 16, 2, 2, attention="1 gated_deltanet : 1 softmax", mlp="swiglu", rngs=r
     ),
@@ -408,6 +412,28 @@ EXPECTED: dict[str, list[str]] = {
         "q_norm/scale Param 6",
         "q_proj/kernel Param 16x48",
         "v_proj/kernel Param 16x12",
+    ],
+    # Added after 007b5f9 (#51): Ling 3's KDA and MLA.
+    "kda_full_rank_bounded": [
+        "beta_proj/kernel Param 16x2",
+        "conv/kernel Param 4x48",
+        "g_proj/kernel Param 16x16",
+        "gate/A_log Param 2",
+        "gate/dt_bias Param 16",
+        "gate/proj/kernel Param 16x16",
+        "k_proj/kernel Param 16x16",
+        "out_proj/kernel Param 16x16",
+        "output_norm/scale Param 8",
+        "q_proj/kernel Param 16x16",
+        "v_proj/kernel Param 16x16",
+    ],
+    "latent_head_gate": [
+        "g_proj/kernel Param 16x2",
+        "kv_a_proj/kernel Param 16x36",
+        "kv_b_proj/kernel Param 32x32",
+        "kv_norm/scale Param 32",
+        "out_proj/kernel Param 16x16",
+        "q_proj/kernel Param 16x24",
     ],
 }
 

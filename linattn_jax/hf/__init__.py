@@ -26,13 +26,15 @@ The layout: one module per model type over a shared loader.
 
       qwen3_5 (Gated DeltaNet + gated softmax)
       └── qwen3_5_moe (every MLP a mixture)
-          └── qwen3_next (fused DeltaNet projections, dense and MoE layers)
+          ├── qwen3_next (fused DeltaNet projections, dense and MoE layers)
+          └── lara_mini (sliding and full softmax layers, plain norms, fused in_proj)
       mamba2 (Mamba-2 mixers)
       ├── bamba (Mamba-2 + Llama attention + SwiGLU: the hybrids' base)
       │   ├── granitemoehybrid (experts + shared MLP, muP multipliers)
       │   └── falcon_h1 (attention and Mamba-2 side by side)
       └── nemotron_h (mixer, attention and squared-ReLU MLP layers)
       kimi_linear (KDA + MLA + DeepSeek's mixture)
+      └── bailing_hybrid (full-rank, bounded KDA gates; MLA with RoPE and a head gate)
       minimax (lightning + softmax attention, normed residuals, a mixture)
       olmo_hybrid (Gated DeltaNet + post-normed softmax)
       xlstm (mLSTM)
@@ -67,6 +69,7 @@ if _MISSING:
     )
 
 from linattn_jax.hf import (  # noqa: E402
+    bailing_hybrid,
     bamba,
     common,
     deepseek_v3,
@@ -79,6 +82,7 @@ from linattn_jax.hf import (  # noqa: E402
     lfm2,
     lfm2_moe,
     lfm3,
+    lara_mini,
     llama,
     mamba2,
     minimax,
@@ -97,6 +101,7 @@ from linattn_jax.hf import (  # noqa: E402
     safetensors_io,
     tables,
     text,
+    unsupported,
     xlstm,
 )
 from linattn_jax.hf.pretrained import (  # noqa: E402
@@ -116,6 +121,7 @@ __all__ = [
     "FORMATS",
     "MODEL_TYPES",
     "abstract_model",
+    "bailing_hybrid",
     "bamba",
     "check_pretrained",
     "common",
@@ -130,6 +136,7 @@ __all__ = [
     "from_pretrained",
     "generate_text",
     "kimi_linear",
+    "lara_mini",
     "granitemoehybrid",
     "lfm2",
     "lfm2_moe",
@@ -155,5 +162,6 @@ __all__ = [
     "save_pretrained",
     "tables",
     "text",
+    "unsupported",
     "xlstm",
 ]
