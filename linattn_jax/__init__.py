@@ -44,6 +44,7 @@ from linattn_jax.ops.ssd import (
     ssd,
     ssd_step,
 )
+from linattn_jax.ops.wkv import WKV_METHODS, WKVState, init_wkv_state, wkv, wkv_step
 
 __version__ = "0.1.0"
 
@@ -75,4 +76,9 @@ __all__ = [
     "sequence_parallel_ssd",
     "ssd",
     "ssd_step",
+    "WKV_METHODS",
+    "WKVState",
+    "init_wkv_state",
+    "wkv",
+    "wkv_step",
 ]
