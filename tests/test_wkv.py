@@ -91,7 +91,7 @@ def test_forms_equal_the_float64_loop_outputs_states_and_gradients(method, case)
 
     def run(k, v, time_decay, time_first, *s0):
         out, state = wkv.causal(
-            k, v, time_decay, time_first, method=method, chunk_size=4,
+            k, v, time_decay=time_decay, time_first=time_first, method=method, chunk_size=4,
             initial_state=wkv.State(*s0), return_state=True, **options,
         )  # fmt: skip
         return out, tuple(state)
@@ -196,8 +196,8 @@ def test_errors():
     with pytest.raises(ValueError, match=r"state must be a WKVState"):
         bad(initial_state=la.init_state(B, H, D, D))
     with pytest.raises(ValueError, match=r"state must be the WKVState after the previous"):
-        la.wkv_step(inputs["k"][:, 0], inputs["v"][:, 0], inputs["time_decay"],
-                    inputs["time_first"], state=None)  # fmt: skip
+        la.wkv_step(inputs["k"][:, 0], inputs["v"][:, 0], None, time_decay=inputs["time_decay"],
+                    time_first=inputs["time_first"])  # fmt: skip
     state = la.init_wkv_state(B, H, D)
     assert [x.shape for x in state] == [(B, H, D)] * 3
     assert np.all(np.asarray(state.m) == wkv.EMPTY) and np.all(np.asarray(state.num) == 0)

@@ -19,6 +19,7 @@ from linattn_jax.layers.linearized import LinearizedAttention
 from linattn_jax.layers.mamba2 import Mamba2Mixer
 from linattn_jax.layers.mla import LatentAttention
 from linattn_jax.layers.mlstm import MLSTMLayer
+from linattn_jax.layers.rwkv import RWKVTimeMix
 from linattn_jax.layers.softmax import SoftmaxAttention
 
 
@@ -186,6 +187,10 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
         ),
         # No mixer: an MLP-only block (Nemotron-H's "-" layers).
         "mlp": AttentionKind(None, "MLP only"),
+        # RWKV-4's time mix; its block's MLP is the channel mix (mlp="rwkv").
+        "rwkv": AttentionKind(
+            RWKVTimeMix, "RWKV-4", options=("method", "chunk_size"), sequence_parallel=False
+        ),
     }
 )
 ATTENTION_KINDS = tuple(KINDS)
@@ -214,6 +219,7 @@ def make_attention(kind: str, width: int, num_heads: int, **options: Any) -> nnx
     ``"linearized"``: ``LinearizedAttention`` (a softmax layer's parameters with a learned
     linear core: a linearised transformer's student layers).
     ``"mlstm"``: ``MLSTMLayer`` (xLSTM).
+    ``"rwkv"``: ``RWKVTimeMix`` (RWKV-4's time mix; its block's MLP ``mlp="rwkv"``).
 
     Raises:
       ValueError: an unknown kind, the kind without a mixer (``"mlp"``), or an option that

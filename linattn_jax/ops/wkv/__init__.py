@@ -5,7 +5,7 @@ e^{k_j + (t-1-j) w} + e^{u + k_t})``, ``w = -exp(time_decay)``, ``u = time_first
 stable by a running maximum of the log weights. One interface shared with the other
 families: ``State``, ``init_state``, ``METHODS``, ``causal``, ``step``; ``k`` and ``v``
 are the inputs (there is no query: the receptance gates the output in the layer), the
-per-channel ``time_decay`` and ``time_first`` after them. The long names (``wkv`` and so
+per-channel ``time_decay`` and ``time_first`` keywords. The long names (``wkv`` and so
 on) are the same functions.
 """
 

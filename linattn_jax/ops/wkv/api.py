@@ -39,9 +39,9 @@ METHODS = ("scan", "chunked", "quadratic")
 def causal(
     k: Float[Array, "b t h d"],
     v: Float[Array, "b t h d"],
+    *,
     time_decay: Float[Array, "h d"],
     time_first: Float[Array, "h d"],
-    *,
     method: str = "scan",
     chunk_size: int | None = None,
     initial_state: State | None = None,

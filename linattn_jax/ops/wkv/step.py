@@ -13,9 +13,10 @@ from linattn_jax.typing import Array, Float
 def step(
     k: Float[Array, "b h d"],
     v: Float[Array, "b h d"],
+    state: State,
+    *,
     time_decay: Float[Array, "h d"],
     time_first: Float[Array, "h d"],
-    state: State,
 ) -> tuple[Float[Array, "b h d"], State]:
     """One token of the WKV.
 
@@ -25,9 +26,9 @@ def step(
     Args:
       k: this token's key ``[b, h, d]``.
       v: its value ``[b, h, d]``.
+      state: the state after the previous token (``init_state`` before the first).
       time_decay: as in ``causal``, ``[h, d]``.
       time_first: as in ``causal``, ``[h, d]``.
-      state: the state after the previous token (``init_state`` before the first).
 
     Returns:
       ``(out [b, h, d] in v's dtype, the new float32 state)``.
