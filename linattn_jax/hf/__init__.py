@@ -36,6 +36,7 @@ The layout: one module per model type over a shared loader.
       minimax (lightning + softmax attention, normed residuals, a mixture)
       olmo_hybrid (Gated DeltaNet + post-normed softmax)
       xlstm (mLSTM)
+      rwkv (RWKV-4: time mix + channel mix, LayerNorms)
       llama (softmax attention + SwiGLU: the softmax model types' base)
       ├── mistral (every layer a sliding window)
       │   ├── phi3 (fused qkv and gate_up projections, partial RoPE)
@@ -88,6 +89,7 @@ from linattn_jax.hf import (  # noqa: E402
     qwen3_moe,
     qwen3_next,
     rope,
+    rwkv,
     safetensors_io,
     tables,
     text,
@@ -147,4 +149,5 @@ __all__ = [
     "tables",
     "text",
     "xlstm",
+    "rwkv",
 ]

@@ -72,7 +72,7 @@ def _mix_param(width: int, param_dtype) -> nnx.Param:
 
 def _mix(x, shifted, mu):
     """``mu * x + (1 - mu) * shifted``."""
-    mu = mu[...].astype(x.dtype)
+    mu = mu[...].astype(x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
     return x * mu + shifted * (1 - mu)
 
 
