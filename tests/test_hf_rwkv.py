@@ -83,3 +83,15 @@ def test_tied_head_and_bad_fields(pair, tmp_path):
     ]:
         with pytest.raises(ValueError, match=message):
             fmt.normalize_config({**config, field: value})
+
+
+def test_the_docs_weight_table_names_every_rule():
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs/guide/rwkv.md").read_text()
+    rules = hf.rwkv.MODEL_RULES + hf.rwkv.BLOCK_RULES + (hf.rwkv.HEAD_RULE,)
+    for rule in rules:
+        name = rule.hf.removesuffix(".weight").removesuffix(".bias").rsplit(".", 1)[-1]
+        assert name in page, rule.hf
+        for ours in rule.ours:
+            assert ours.rsplit(".", 1)[0].rsplit(".", 1)[-1] in page, ours
