@@ -44,7 +44,14 @@ from linattn_jax.ops.ssd import (
     ssd,
     ssd_step,
 )
-from linattn_jax.ops.wkv import WKV_METHODS, WKVState, init_wkv_state, wkv, wkv_step
+from linattn_jax.ops.wkv import (
+    WKV_METHODS,
+    WKVState,
+    init_wkv_state,
+    sequence_parallel_wkv,
+    wkv,
+    wkv_step,
+)
 
 __version__ = "0.1.0"
 
@@ -79,6 +86,7 @@ __all__ = [
     "WKV_METHODS",
     "WKVState",
     "init_wkv_state",
+    "sequence_parallel_wkv",
     "wkv",
     "wkv_step",
 ]

@@ -13,6 +13,7 @@ form with the same file names (``api``, ``chunked``, ``recurrent``, ``step``,
 from linattn_jax.ops import additive, checks, chunking, delta, feature_maps, mlstm, ssd, wkv
 
 FAMILIES = {"additive": additive, "delta": delta, "mlstm": mlstm}
+FAMILIES["wkv"] = wkv
 
 __all__ = ["FAMILIES", "additive", "checks", "chunking", "delta", "feature_maps", "mlstm", "ssd"]
 __all__ += ["wkv"]
