@@ -334,20 +334,20 @@ class TransformerBlock(nnx.Module):
 
     def _mlp_half(self, x, key_mask, recording: bool, segment_ids, state):
         """``(x + mlp(norm(x)), the MLP's new state)`` (a state only for RWKV's)."""
+        normed = x if self.post_norm else self.mlp_norm(x)
+        h, state = _call_mlp(self.mlp, normed, key_mask, recording, segment_ids, state)
         if self.post_norm:
-            h, state = self._mlp(x, key_mask, recording, segment_ids, state)
             return self._add(x, self.mlp_norm(h), self.mlp_residual), state
-        h = self.mlp_norm(x)
-        residual = h if self.normed_residual else x
-        h, state = self._mlp(h, key_mask, recording, segment_ids, state)
+        h = h if self.mlp_post_norm is None else self.mlp_post_norm(h)
+        residual = normed if self.normed_residual else x
         return self._add(residual, h, self.mlp_residual), state
 
-    def _mlp(self, h, key_mask, recording: bool, segment_ids, state):
-        if isinstance(self.mlp, MoE):
-            # Losses are recorded by full-sequence passes (training), not by decoding.
-            h = self.mlp(h, key_mask=key_mask, record=recording)
-        elif isinstance(self.mlp, RWKVChannelMix):
-            h, state = self.mlp(h, key_mask=key_mask, segment_ids=segment_ids, state=state)
-        else:
-            h = self.mlp(h)
-        return (h if self.mlp_post_norm is None else self.mlp_post_norm(h)), state
+
+def _call_mlp(mlp, h, key_mask, recording: bool, segment_ids, state):
+    """``(mlp(h), its new state)``: a mixture records its losses (full-sequence passes, not
+    decoding), RWKV's channel mix carries its previous input; the others have no state."""
+    if isinstance(mlp, MoE):
+        return mlp(h, key_mask=key_mask, record=recording), state
+    if isinstance(mlp, RWKVChannelMix):
+        return mlp(h, key_mask=key_mask, segment_ids=segment_ids, state=state)
+    return mlp(h), state

@@ -19,18 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from linattn_jax.ops import checks
+from linattn_jax.ops import checks, chunking
 from linattn_jax.ops.wkv import inputs, recurrent
 from linattn_jax.ops.wkv.state import State, as_internal
 from linattn_jax.typing import Array, Float
-
-
-def _join(log_a, a, log_b, b):
-    """``exp(log_a) a + exp(log_b) b`` for pairs of arrays ``a``, ``b`` of the weights'
-    shape: ``(log of the larger, the stabilised sums)``."""
-    m = jnp.maximum(log_a, log_b)
-    wa, wb = jnp.exp(log_a - m), jnp.exp(log_b - m)
-    return m, tuple(wa * x + wb * y for x, y in zip(a, b, strict=True))
 
 
 def sequence_parallel(
@@ -93,14 +85,15 @@ def sequence_parallel(
         prefix = [state]
         for s in range(shards):
             num_in, den_in, m_in = prefix[-1]
-            m_out, (num_out, den_out) = _join(
+            m_out, (num_out, den_out) = chunking.log_join(
                 totals[s] + m_in, (num_in, den_in), ms[s], (nums[s], dens[s])
             )
             prefix.append((num_out, den_out, inputs.floor(m_out)))
         index = jax.lax.axis_index(axis_name)
         num_in, den_in, m_in = (jnp.stack(x)[index] for x in zip(*prefix[:-1], strict=True))
-        grow = lambda x: jnp.broadcast_to(x[:, None], num.shape)
-        _, (num, den) = _join(into + m_in[:, None], (grow(num_in), grow(den_in)), p, (num, den))
+        # Each token: the entering state, decayed by the shard's tokens before it, and its own.
+        from_in = (num_in[:, None], den_in[:, None])
+        _, (num, den) = chunking.log_join(into + m_in[:, None], from_in, p, (num, den))
         return inputs.finish(num, den, v.dtype), prefix[-1]
 
     seq = P(batch_axis, axis_name)
