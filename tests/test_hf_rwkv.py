@@ -3,7 +3,9 @@
 random model made here with random decays, bonuses, token-shift mixes and LayerNorms (its
 ``attention_hidden_size`` is ``hidden_size``: ``transformers`` decodes no other): logits to 1e-5 normwise, prefill then
 decode steps == the full forward, 16 greedy tokens, a left-padded row == the row alone, the
-save round trip, ``--config.init_from``, a tied head, the bad fields named."""
+save round trip, ``--config.init_from``, a tied head with a narrower WKV
+(``attention_hidden_size`` 24, run by ``transformers`` without its cache), the bad fields
+named."""
 
 import numpy as np
 import pytest
@@ -18,9 +20,9 @@ VOCAB = 97
 RTOL = 1e-5
 
 
-def _rwkv(tie=False):
+def _rwkv(tie=False, wkv_width=32):
     config = transformers.RwkvConfig(
-        vocab_size=VOCAB, hidden_size=32, attention_hidden_size=32, intermediate_size=40,
+        vocab_size=VOCAB, hidden_size=32, attention_hidden_size=wkv_width, intermediate_size=40,
         num_hidden_layers=3, rescale_every=2, layer_norm_epsilon=1e-4, context_length=64,
         tie_word_embeddings=tie,
     )  # fmt: skip
@@ -63,13 +65,18 @@ def test_init_from_builds_the_checkpoints_model(pair, tmp_path):
     helpers.assert_init_from_builds(model, fresh, tmp_path)
 
 
-def test_tied_head_and_bad_fields(pair, tmp_path):
+def test_tied_head_narrow_wkv_and_bad_fields(pair, tmp_path):
+    """A tied head and ``attention_hidden_size`` 24 (``transformers`` runs it without its
+    cache only: its state is ``hidden_size`` wide)."""
     torch.manual_seed(1)
-    ref = _rwkv(tie=True).eval()
+    ref = _rwkv(tie=True, wkv_width=24).eval()
     model, config = helpers.from_torch(ref, tmp_path / "tied")
     assert model.head is None and config["tie_word_embeddings"] is True
+    assert model.blocks[0].attention.key.kernel.shape == (32, 24)
     tokens = np.random.default_rng(2).integers(0, VOCAB, (2, 7))
-    helpers.assert_close_normwise(helpers.logits(model, tokens), helpers.torch_logits(ref, tokens))
+    with torch.no_grad():
+        theirs = ref(torch.tensor(tokens), use_cache=False).logits.numpy()
+    helpers.assert_close_normwise(helpers.logits(model, tokens), theirs)
     _, _, _, config = pair
     fmt = hf.rwkv.FORMAT
     absent = {k: v for k, v in config.items() if k not in ("intermediate_size", "rescale_every")}
