@@ -1,11 +1,11 @@
 """RWKV-4 checkpoints (``linattn_jax.hf.rwkv``) against ``transformers``' own PyTorch
 ``RwkvForCausalLM`` (CPU, float32, in eval mode: layers rescaled every 2 blocks): a tiny
 random model made here with random decays, bonuses, token-shift mixes and LayerNorms (its
-``attention_hidden_size`` is ``hidden_size``: ``transformers`` decodes no other): logits to 1e-5 normwise, prefill then
-decode steps == the full forward, 16 greedy tokens, a left-padded row == the row alone, the
-save round trip, ``--config.init_from``, a tied head with a narrower WKV
-(``attention_hidden_size`` 24, run by ``transformers`` without its cache), the bad fields
-named."""
+``attention_hidden_size`` is ``hidden_size``: ``transformers`` decodes no other): logits to
+1e-5 normwise, prefill then decode steps == the full forward, 16 greedy tokens, a
+left-padded row == the row alone, the save round trip, ``--config.init_from``, a tied head
+with a narrower WKV (``attention_hidden_size`` 24, run by ``transformers`` without its
+cache), the bad fields named."""
 
 import numpy as np
 import pytest
