@@ -44,6 +44,14 @@ from linattn_jax.ops.ssd import (
     ssd,
     ssd_step,
 )
+from linattn_jax.ops.wkv import (
+    WKV_METHODS,
+    WKVState,
+    init_wkv_state,
+    sequence_parallel_wkv,
+    wkv,
+    wkv_step,
+)
 
 __version__ = "0.1.0"
 
@@ -75,4 +83,10 @@ __all__ = [
     "sequence_parallel_ssd",
     "ssd",
     "ssd_step",
+    "WKV_METHODS",
+    "WKVState",
+    "init_wkv_state",
+    "sequence_parallel_wkv",
+    "wkv",
+    "wkv_step",
 ]

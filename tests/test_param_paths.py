@@ -61,6 +61,9 @@ CASES = {
         rngs=r,
     ),  # fmt: skip
     "mlstm": lambda r: layers.MLSTMLayer(16, 2, use_bias=True, rngs=r),
+    "rwkv_block": lambda r: layers.TransformerBlock(
+        16, 2, attention="rwkv", mlp="rwkv", mlp_hidden=24, norm="layer", wkv_width=12, rngs=r
+    ),
     "lightning": lambda r: layers.LightningAttention(16, 2, layer_index=1, num_layers=3, rngs=r),
     "softmax": lambda r: layers.SoftmaxAttention(16, 2, rngs=r),
     "softmax_gqa_rope_norms_gate": lambda r: layers.SoftmaxAttention(
@@ -396,6 +399,26 @@ EXPECTED: dict[str, list[str]] = {
         "q/kernel Param 16x8",
         "v/bias Param 16",
         "v/kernel Param 16x16",
+    ],
+    "rwkv_block": [
+        "attention/key/kernel Param 16x12",
+        "attention/output/kernel Param 12x16",
+        "attention/receptance/kernel Param 16x12",
+        "attention/time_decay Param 12",
+        "attention/time_first Param 12",
+        "attention/time_mix_key Param 16",
+        "attention/time_mix_receptance Param 16",
+        "attention/time_mix_value Param 16",
+        "attention/value/kernel Param 16x12",
+        "attention_norm/bias Param 16",
+        "attention_norm/scale Param 16",
+        "mlp/key/kernel Param 16x24",
+        "mlp/receptance/kernel Param 16x16",
+        "mlp/time_mix_key Param 16",
+        "mlp/time_mix_receptance Param 16",
+        "mlp/value/kernel Param 24x16",
+        "mlp_norm/bias Param 16",
+        "mlp_norm/scale Param 16",
     ],
     "softmax": [
         "k_proj/kernel Param 16x16",

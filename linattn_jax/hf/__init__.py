@@ -38,6 +38,7 @@ The layout: one module per model type over a shared loader.
       minimax (lightning + softmax attention, normed residuals, a mixture)
       olmo_hybrid (Gated DeltaNet + post-normed softmax)
       xlstm (mLSTM)
+      rwkv (RWKV-4: time mix + channel mix, LayerNorms)
       llama (softmax attention + SwiGLU: the softmax model types' base)
       ├── mistral (every layer a sliding window)
       │   ├── phi3 (fused qkv and gate_up projections, partial RoPE)
@@ -79,10 +80,10 @@ from linattn_jax.hf import (  # noqa: E402
     gemma3,
     granitemoehybrid,
     kimi_linear,
+    lara_mini,
     lfm2,
     lfm2_moe,
     lfm3,
-    lara_mini,
     llama,
     mamba2,
     minimax,
@@ -98,6 +99,7 @@ from linattn_jax.hf import (  # noqa: E402
     qwen3_moe,
     qwen3_next,
     rope,
+    rwkv,
     safetensors_io,
     tables,
     text,
@@ -164,4 +166,5 @@ __all__ = [
     "text",
     "unsupported",
     "xlstm",
+    "rwkv",
 ]

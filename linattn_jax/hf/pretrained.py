@@ -29,10 +29,10 @@ from linattn_jax.hf import (
     gemma3,
     granitemoehybrid,
     kimi_linear,
+    lara_mini,
     lfm2,
     lfm2_moe,
     lfm3,
-    lara_mini,
     llama,
     mamba2,
     minimax,
@@ -47,6 +47,7 @@ from linattn_jax.hf import (
     qwen3_5_moe,
     qwen3_moe,
     qwen3_next,
+    rwkv,
     safetensors_io,
     tables,
     unsupported,
@@ -86,6 +87,7 @@ _FORMATS = (
     lfm3.FORMAT,
     lara_mini.FORMAT,
     bailing_hybrid.FORMAT,
+    rwkv.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: fmt for fmt in _FORMATS for model_type in fmt.model_types

@@ -20,6 +20,7 @@ from linattn_jax.layers.linearized import LinearizedAttention
 from linattn_jax.layers.mamba2 import Mamba2Mixer
 from linattn_jax.layers.mla import LatentAttention
 from linattn_jax.layers.mlstm import MLSTMLayer
+from linattn_jax.layers.rwkv import RWKVTimeMix
 from linattn_jax.layers.softmax import SoftmaxAttention
 
 
@@ -191,6 +192,10 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
         "gated_conv": AttentionKind(
             GatedShortConv, "gated short convolution (LFM2)", sequence_parallel=False
         ),
+        # RWKV-4's time mix; its block's MLP is the channel mix (mlp="rwkv").
+        "rwkv": AttentionKind(
+            RWKVTimeMix, "RWKV-4", options=("method", "chunk_size"), sequence_parallel=False
+        ),
     }
 )
 ATTENTION_KINDS = tuple(KINDS)
@@ -220,6 +225,7 @@ def make_attention(kind: str, width: int, num_heads: int, **options: Any) -> nnx
     linear core: a linearised transformer's student layers).
     ``"mlstm"``: ``MLSTMLayer`` (xLSTM).
     ``"gated_conv"``: ``GatedShortConv`` (LFM2's gated short convolution).
+    ``"rwkv"``: ``RWKVTimeMix`` (RWKV-4's time mix; its block's MLP ``mlp="rwkv"``).
 
     Raises:
       ValueError: an unknown kind, the kind without a mixer (``"mlp"``), or an option that

@@ -7,10 +7,13 @@ form with the same file names (``api``, ``chunked``, ``recurrent``, ``step``,
 ``mlstm`` (xLSTM's stabilised exponential gates). ``FAMILIES`` names them. ``ssd``
 (Mamba-2) is the additive rule with its own inputs (``x, dt, A, B, C``) and the same forms
 (``causal``, ``step``, ``sequence_parallel``).
+``wkv`` is RWKV-4's per-channel WKV (``k, v, time_decay, time_first``; ``causal``, ``step``).
 """
 
-from linattn_jax.ops import additive, checks, chunking, delta, feature_maps, mlstm, ssd
+from linattn_jax.ops import additive, checks, chunking, delta, feature_maps, mlstm, ssd, wkv
 
 FAMILIES = {"additive": additive, "delta": delta, "mlstm": mlstm}
+FAMILIES["wkv"] = wkv
 
 __all__ = ["FAMILIES", "additive", "checks", "chunking", "delta", "feature_maps", "mlstm", "ssd"]
+__all__ += ["wkv"]
