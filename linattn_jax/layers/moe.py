@@ -1,11 +1,13 @@
-"""A mixture of SwiGLU experts (Shazeer et al. 2017; Switch, DeepSeek-V3, Qwen3-Next): a
+"""A mixture of SwiGLU (or squared-ReLU) experts (Shazeer et al. 2017; Switch, DeepSeek-V3,
+Qwen3-Next; Nemotron-H's squared ReLU): a
 router picks ``top_k`` experts per token, the tokens are sorted by expert and each expert's
 matmuls run as one grouped matmul (``jax.lax.ragged_dot``) over its contiguous rows:
 dropless (every token reaches its ``top_k`` experts, no capacity), and no
 ``[tokens, experts, width]`` tensor in this code (JAX's own CPU lowering of ``ragged_dot``
 masks a dense one; GPUs and TPUs run a grouped matmul).
 
-The pure functions (``route``, ``dispatch``, ``grouped_swiglu``, ``combine_experts``,
+The pure functions (``route``, ``dispatch``, ``grouped_swiglu``, ``grouped_relu2``,
+``combine_experts``,
 ``load_balancing_loss``, ``router_z_loss``) take arrays and return arrays; ``MoE`` owns the
 parameters. Tokens are the rows of ``x [n, width]`` (``n = batch * length``); ``e`` is the
 number of routed experts, ``k`` the experts per token.
@@ -24,10 +26,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax import sharding
-from linattn_jax.layers.mlp import SwiGLU
+from linattn_jax.layers.mlp import ReLU2MLP, SwiGLU
 from linattn_jax.ops import checks
 
 SCORES = ("softmax", "sigmoid")
+# The experts' MLPs: SwiGLU (gate, up, down) or squared ReLU (up, down; no gate).
+ACTIVATIONS = ("swiglu", "relu2")
 # The losses a MoE layer records (``MoE.losses``), in this order.
 LOSSES = ("load_balancing", "router_z")
 
@@ -172,18 +176,25 @@ def grouped_swiglu(
     return jax.lax.ragged_dot(h, down, group_sizes)
 
 
+def grouped_relu2(x: jax.Array, up: jax.Array, down: jax.Array, group_sizes: jax.Array):
+    """Each expert's squared-ReLU MLP, ``down_e(relu(x up_e)^2)``, on its rows of ``x``
+    (``grouped_swiglu``'s rows and shapes, no gate)."""
+    h = jnp.square(jax.nn.relu(jax.lax.ragged_dot(x, up, group_sizes)))
+    return jax.lax.ragged_dot(h, down, group_sizes)
+
+
 def combine_experts(
     x: jax.Array,
     routing: Routing,
     valid: jax.Array | None,
-    gate: jax.Array,
+    gate: jax.Array | None,
     up: jax.Array,
     down: jax.Array,
     *,
     first_expert: int | jax.Array = 0,
 ) -> jax.Array:
     """``sum_j weights[:, j] * expert_{experts[:, j]}(x)`` for each token of ``x [n, width]``:
-    sorted by expert, ``grouped_swiglu``, and back.
+    sorted by expert, ``grouped_swiglu`` (``grouped_relu2`` where ``gate`` is None), and back.
 
     ``gate``/``up``/``down`` hold experts ``first_expert, ...`` only (expert parallelism: a
     device's share); choices of other experts contribute zero here.
@@ -193,9 +204,12 @@ def combine_experts(
     """
     n, k = routing.experts.shape
     local = routing.experts - first_expert
-    plan = dispatch(local, valid, gate.shape[0])
+    plan = dispatch(local, valid, up.shape[0])
     rows = jnp.take(x, plan.order // k, axis=0)
-    out = grouped_swiglu(rows, gate, up, down, plan.group_sizes)
+    if gate is None:
+        out = grouped_relu2(rows, up, down, plan.group_sizes)
+    else:
+        out = grouped_swiglu(rows, gate, up, down, plan.group_sizes)
     used = jnp.arange(n * k, dtype=jnp.int32) < jnp.sum(plan.group_sizes, dtype=jnp.int32)
     weights = jnp.take(routing.weights.reshape(n * k), plan.order)
     out = jnp.where(used[:, None], out * weights[:, None].astype(out.dtype), 0)
@@ -266,7 +280,8 @@ def collect_losses(model: nnx.Module) -> jax.Array:
 
 
 class MoE(nnx.Module):
-    """Routed SwiGLU experts plus optional shared ones: ``x [..., width] -> [..., width]``.
+    """Routed SwiGLU (or squared-ReLU) experts plus optional shared ones: ``x [..., width]
+    -> [..., width]``.
 
     Args:
       width: model width.
@@ -280,7 +295,10 @@ class MoE(nnx.Module):
       num_groups: groups of experts for grouped top-k (``n_group``; 1: none).
       top_k_groups: the groups chosen from (``topk_group``).
       shared_hidden: hidden width of one shared SwiGLU every token goes through (0: none;
-        DeepSeek's ``n_shared_experts * moe_intermediate_size``).
+        DeepSeek's ``n_shared_experts * moe_intermediate_size``); a ``ReLU2MLP`` with
+        ``activation="relu2"`` (Nemotron-H's ``moe_shared_expert_intermediate_size``).
+      activation: the experts' MLP, ``"swiglu"`` or ``"relu2"`` (``down(relu(x up)^2)``,
+        no ``gate``: Nemotron-H's), the shared expert's too.
       shared_gate: the shared output times ``sigmoid(x w)``, ``w [width, 1]`` (Qwen3-Next's
         ``shared_expert_gate``).
       rngs: as in Flax.
@@ -288,7 +306,8 @@ class MoE(nnx.Module):
         it is.
       param_dtype: the parameters' dtype, as in Flax.
 
-    Parameters: ``router`` ``[width, e]``; ``gate``, ``up`` ``[e, width, hidden]`` and
+    Parameters: ``router`` ``[width, e]``; ``gate`` (None for ``"relu2"``), ``up``
+    ``[e, width, hidden]`` and
     ``down`` ``[e, hidden, width]``, named ``("expert", "embed", "mlp")`` and
     ``("expert", "mlp", "embed")`` (``linattn_jax.sharding``). Under a mesh with an
     ``expert`` axis of more than one device (``jax.set_mesh``), each device holds
@@ -296,7 +315,8 @@ class MoE(nnx.Module):
     group (the tokens all-gathered over the axis, the outputs reduce-scattered back).
 
     Raises:
-      ValueError: a bad size, an unknown ``score``, or groups that do not divide ``e``.
+      ValueError: a bad size, an unknown ``score`` or ``activation``, or groups that do
+        not divide ``e``.
     """
 
     def __init__(
@@ -314,6 +334,7 @@ class MoE(nnx.Module):
         top_k_groups: int = 1,
         shared_hidden: int = 0,
         shared_gate: bool = False,
+        activation: str = "swiglu",
         rngs: nnx.Rngs,
         dtype=None,
         param_dtype=jnp.float32,
@@ -323,6 +344,8 @@ class MoE(nnx.Module):
             raise ValueError(f"top_k must be <= num_experts={num_experts}, got {top_k}")
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         checks.check_bool("normalize", normalize)
         checks.check_bool("score_bias", score_bias)
         checks.check_bool("shared_gate", shared_gate)
@@ -352,15 +375,17 @@ class MoE(nnx.Module):
         expert = lambda shape, *names: nnx.Param(
             sharding.with_axes(init, *names)(rngs.params(), shape, param_dtype)
         )
-        self.gate = expert((num_experts, width, hidden), e, em, ml)
+        gated = activation == "swiglu"
+        self.gate = nnx.data(expert((num_experts, width, hidden), e, em, ml) if gated else None)
         self.up = expert((num_experts, width, hidden), e, em, ml)
         self.down = expert((num_experts, hidden, width), e, ml, em)
         self.bias = nnx.data(
             RouterBias(jnp.zeros(num_experts, jnp.float32)) if score_bias else None
         )
         if shared_hidden:
+            shared = SwiGLU if gated else ReLU2MLP
             self.shared = nnx.data(
-                SwiGLU(width, shared_hidden, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                shared(width, shared_hidden, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
             )
         else:
             self.shared = nnx.data(None)
@@ -414,7 +439,9 @@ class MoE(nnx.Module):
             balance = load_balancing_loss(routing.probs, routing.experts, valid)
             z = router_z_loss(logits, valid)
             self.losses[...] = jnp.stack([balance, z]).astype(jnp.float32)
-        weights = [w[...].astype(dtype) for w in (self.gate, self.up, self.down)]
+        weights = [
+            None if w is None else w[...].astype(dtype) for w in (self.gate, self.up, self.down)
+        ]
         out = _experts(flat, routing, valid, *weights)
         if self.shared is not None:
             shared = self.shared(flat)
@@ -432,7 +459,7 @@ def _experts(x, routing: Routing, valid, gate, up, down) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     axis = sharding.EXPERT_AXIS
     devices = 0 if mesh.empty or axis not in mesh.shape else mesh.shape[axis]
-    if devices <= 1 or gate.shape[0] % devices:
+    if devices <= 1 or up.shape[0] % devices:
         return combine_experts(x, routing, valid, gate, up, down)
     P = jax.sharding.PartitionSpec
     split = x.shape[0] % devices == 0  # tokens split over the axis: gather, then scatter back
@@ -443,7 +470,7 @@ def _experts(x, routing: Routing, valid, gate, up, down) -> jax.Array:
         if split:
             gather = lambda a: jax.lax.all_gather(a, axis, tiled=True)
             x, weights, experts, valid = map(gather, (x, weights, experts, valid))
-        first = jax.lax.axis_index(axis) * gate.shape[0]
+        first = jax.lax.axis_index(axis) * up.shape[0]
         own = Routing(weights, experts, None)
         out = combine_experts(x, own, valid, gate, up, down, first_expert=first)
         if split:
