@@ -31,7 +31,8 @@ The layout: one module per model type over a shared loader.
       ├── bamba (Mamba-2 + Llama attention + SwiGLU: the hybrids' base)
       │   ├── granitemoehybrid (experts + shared MLP, muP multipliers)
       │   └── falcon_h1 (attention and Mamba-2 side by side)
-      └── nemotron_h (mixer, attention and squared-ReLU MLP layers)
+      ├── nemotron_h (mixer, attention and squared-ReLU MLP layers)
+      └── zamba2 (mixers plus shared transformer blocks with per-use adapters)
       kimi_linear (KDA + MLA + DeepSeek's mixture)
       minimax (lightning + softmax attention, normed residuals, a mixture)
       olmo_hybrid (Gated DeltaNet + post-normed softmax)
@@ -92,6 +93,7 @@ from linattn_jax.hf import (  # noqa: E402
     tables,
     text,
     xlstm,
+    zamba2,
 )
 from linattn_jax.hf.pretrained import (  # noqa: E402
     FORMATS,
@@ -147,4 +149,5 @@ __all__ = [
     "tables",
     "text",
     "xlstm",
+    "zamba2",
 ]

@@ -45,6 +45,7 @@ from linattn_jax.hf import (
     safetensors_io,
     tables,
     xlstm,
+    zamba2,
 )
 from linattn_jax.models import LanguageModel
 from linattn_jax.models.options import freeze
@@ -75,6 +76,7 @@ _FORMATS = (
     deepseek_v3.FORMAT,
     qwen2.FORMAT,
     qwen3.FORMAT,
+    zamba2.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: fmt for fmt in _FORMATS for model_type in fmt.model_types

@@ -1,0 +1,65 @@
+"""Zamba2 checkpoints (``linattn_jax.hf.zamba2``) against ``transformers``' own PyTorch
+``Zamba2ForCausalLM`` (CPU, float32, its pure-torch paths): a tiny random model made here
+with every option on (two shared blocks used at three hybrid layers, adapters on q, k, v
+and the MLP, RoPE, biases; random norms, ``A_log``, ``dt_bias``, ``D``, adapters and
+biases): logits to 1e-5 normwise, prefill then decode steps == the full forward, 16 greedy
+tokens, a left-padded row == the row alone, the save round trip (``transformers`` reads it
+back, every tensor equal), bad fields."""
+
+import pytest
+
+from linattn_jax import hf
+from tests import helpers
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+RTOL = 1e-5
+
+
+def _zamba2():
+    config = transformers.Zamba2Config(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=6,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid", "mamba"],
+        mamba_d_state=6, mamba_expand=2, mamba_ngroups=2, n_mamba_heads=4,
+        num_attention_heads=4, num_key_value_heads=4, num_mem_blocks=2, intermediate_size=24,
+        use_shared_attention_adapter=True, adapter_rank=3, use_mem_rope=True,
+        add_bias_linear=True, chunk_size=8, pad_token_id=0, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    model = helpers.randomized_mamba(transformers.Zamba2ForCausalLM(config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "adapter_list" in name:
+                p.normal_(0.0, 0.3)  # transformers makes them small: a mapping error must show
+    return helpers.randomized_biases(model)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """``(torch model, its directory, our model, our config)``."""
+    return helpers.torch_pair(tmp_path_factory, "zamba2", _zamba2, 1.0)
+
+
+def test_logits_decoding_and_left_padding_match(pair):
+    _, _, model, _ = pair
+    assert model.shared.layers == (1, 3, 4) and len(model.shared.blocks) == 2
+    helpers.assert_matches_decodes_and_pads(pair, VOCAB, RTOL)
+
+
+def test_save_round_trip_through_transformers(pair, tmp_path):
+    helpers.assert_round_trips(pair, tmp_path)
+
+
+def test_bad_fields_are_named(pair):
+    _, _, _, config = pair
+    fmt = hf.zamba2.FORMAT
+    for field, value, message in [
+        ("num_mem_blocks", 4, r"at least num_mem_blocks=4 'hybrid' layers, got 3"),
+        ("use_long_context", True, r"use_long_context must be False"),
+        ("num_attention_heads", 3, r"num_attention_heads=3 must divide 32"),
+        ("hidden_act", "relu", r"hidden_act must be .one of .*got .relu."),
+        ("num_key_value_heads", 2, r"use_shared_attention_adapter needs num_key_value_heads="),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            fmt.normalize_config({**config, field: value})
