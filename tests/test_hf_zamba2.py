@@ -4,7 +4,7 @@ with every option on (two shared blocks used at three hybrid layers, adapters on
 and the MLP, RoPE, biases; random norms, ``A_log``, ``dt_bias``, ``D``, adapters and
 biases): logits to 1e-5 normwise, prefill then decode steps == the full forward, 16 greedy
 tokens, a left-padded row == the row alone, the save round trip (``transformers`` reads it
-back, every tensor equal), bad fields."""
+back, every tensor equal), ``--config.init_from``, bad fields."""
 
 import pytest
 
@@ -49,6 +49,11 @@ def test_logits_decoding_and_left_padding_match(pair):
 
 def test_save_round_trip_through_transformers(pair, tmp_path):
     helpers.assert_round_trips(pair, tmp_path)
+
+
+def test_init_from_builds_the_checkpoints_model(pair, tmp_path):
+    ref, _, model, _ = pair
+    helpers.assert_init_from_builds(model, ref, tmp_path)
 
 
 def test_bad_fields_are_named(pair):
