@@ -252,27 +252,12 @@ class TransformerBlock(nnx.Module):
         parallel = None if self.parallel is None else self.parallel.init_state(batch, max_length)
         return BlockState(self.attention.init_state(batch, max_length), conv, parallel)
 
-    def __call__(
-        self, x, *, key_mask=None, segment_ids=None, state=None, return_state=False,
-        mixer_input=None,
-    ):  # fmt: skip
-        """``x [b, t, width] -> [b, t, width]`` (and the new ``BlockState``).
-
-        ``mixer_input`` ``[b, t, width]`` (or None) is added to the mixer's input before its
-        norm, not to the residual: ``x + attn(norm(x + mixer_input))`` (Zamba2's shared
-        blocks' outputs, ``layers.shared``); pre-norm blocks with a mixer only.
-        """
+    def __call__(self, x, *, key_mask=None, segment_ids=None, state=None, return_state=False):
         check_state(state, BlockState)
-        if mixer_input is not None and (self.attention is None or self.post_norm):
-            raise ValueError("mixer_input needs a pre-norm block with a mixer")
         if self.attention is None:  # an MLP-only layer
             x = self._mlp_half(x, key_mask, state is None and not return_state)
             return (x, BlockState(None, None)) if return_state else x
-        h = normed = (
-            x
-            if self.post_norm
-            else self.attention_norm(x if mixer_input is None else x + mixer_input)
-        )
+        h = normed = x if self.post_norm else self.attention_norm(x)
         residual = normed if self.normed_residual else x
         (in_1, out_1), (in_2, out_2) = self.branch_multipliers
         if in_1 != 1.0:

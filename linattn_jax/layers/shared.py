@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax import sharding
+from linattn_jax.layers.blocks import BlockState
 from linattn_jax.layers.common import split_heads
 from linattn_jax.layers.norms import RMSNorm
 from linattn_jax.layers.softmax import KVCache, attend_cached, attend_full, check_heads
@@ -131,6 +132,22 @@ class SharedBlock(nnx.Module):
         return self.down_proj(ACTIVATIONS[self.activation](gate) * up), new_state
 
 
+def mixer_step(block, x, extra, *, key_mask, segment_ids, state, cached):
+    """``(x + mixer(norm(x + extra)), the new BlockState or None)`` of a mixer-only
+    pre-norm ``block`` (a ``TransformerBlock``): ``extra`` joins the mixer's input, not the
+    residual (Zamba2's hybrid layers)."""
+    if block.mlp is not None or block.conv is not None or block.parallel is not None:
+        raise ValueError("a shared block's output goes to a mixer-only block (mlp='none')")
+    out = block.attention(
+        block.attention_norm(x + extra), key_mask=key_mask, segment_ids=segment_ids,
+        state=None if state is None else state.attention, return_state=cached,
+    )  # fmt: skip
+    if not cached:
+        return x + out, None
+    out, s = out
+    return x + out, BlockState(s, None)
+
+
 class SharedBlocks(nnx.Module):
     """``num_blocks`` shared blocks used at the layers ``layers`` of a stack, use ``k`` by
     block ``k % num_blocks`` (``LanguageModel``'s ``shared_blocks=`` option).
@@ -201,11 +218,17 @@ class SharedBlocks(nnx.Module):
             for k in range(len(self.layers))
         ]
 
-    def run(self, blocks, x, *, key_mask, segment_ids, state, return_state: bool):
+    def run(
+        self, blocks, x, *, key_mask, segment_ids, state, return_state: bool, period=None,
+        remat: str = "none",
+    ):  # fmt: skip
         """``x [b, t, width]`` (the input embeddings) through the stack ``blocks``
-        (``TransformerBlock``s), each use's output added to its layer's mixer input:
-        ``x`` (and ``[*each block's state, each use's]`` when ``return_state``).
-        ``state``: that list, or None."""
+        (mixer-only ``TransformerBlock``s), each use's output added to its layer's mixer
+        input: ``x`` (and ``[*each block's state, each use's]`` when ``return_state``).
+        ``state``: that list, or None. ``models.stack.run_blocks``' call: unrolled
+        (``period`` None), no ``remat``."""
+        if period is not None or remat != "none":
+            raise ValueError("shared blocks run unrolled layers without remat")
         cached = state is not None or return_state
         if state is None:
             states, uses = [None] * len(blocks), [None] * len(self.layers)
@@ -222,10 +245,12 @@ class SharedBlocks(nnx.Module):
                 )  # fmt: skip
                 extra = self.uses[k].out_proj(extra)
                 new_uses.append(s)
-            call = dict(key_mask=key_mask, segment_ids=segment_ids, mixer_input=extra)
-            if cached:
+            call = dict(key_mask=key_mask, segment_ids=segment_ids)
+            if extra is None and cached:
                 x, s = block(x, state=states[i], return_state=True, **call)
-                new.append(s)
-            else:
+            elif extra is None:
                 x = block(x, **call)
+            else:
+                x, s = mixer_step(block, x, extra, state=states[i], cached=cached, **call)
+            new.append(s if cached else None)
         return (x, [*new, new_uses]) if return_state else x

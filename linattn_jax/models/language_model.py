@@ -194,7 +194,7 @@ class LanguageModel(nnx.Module):
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
         x = sharding.constrain(x, sharding.BATCH, sharding.LENGTH, None)
-        run = stack.run_blocks if self.shared is None else self._shared_run
+        run = stack.run_blocks if self.shared is None else self.shared.run
         x = run(
             self.blocks,
             x,
@@ -215,9 +215,5 @@ class LanguageModel(nnx.Module):
         if self.logit_soft_cap is not None:
             logits = self.logit_soft_cap * jnp.tanh(logits / self.logit_soft_cap)
         return (logits, new_states) if return_state else logits
-
-    def _shared_run(self, blocks, x, *, period, remat, **inputs):
-        """``run_blocks`` with the shared blocks (unrolled, no remat)."""
-        return self.shared.run(blocks, x, **inputs)
 
     generate = sampling.generate
