@@ -7,8 +7,9 @@ tokens, a left-padded row == the row alone, the save round trip (``transformers`
 back, every tensor equal), ``--config.init_from``, bad fields."""
 
 import pytest
+from flax import nnx
 
-from linattn_jax import hf
+from linattn_jax import hf, layers, models
 from tests import helpers
 
 torch = pytest.importorskip("torch")
@@ -68,3 +69,18 @@ def test_bad_fields_are_named(pair):
     ]:
         with pytest.raises(ValueError, match=message):
             fmt.normalize_config({**config, field: value})
+
+
+def test_shared_blocks_options_are_checked():
+    mamba = dict(attention="mamba2", mlp="none", kind_options={"mamba2": dict(head_dim=8)})
+    shared = dict(layers=(1,), num_heads=2, mlp_hidden=8, adapter_rank=2)
+    build = lambda shared, **more: models.LanguageModel(
+        VOCAB, 16, 2, 4, **mamba, shared_blocks=shared, **more, rngs=nnx.Rngs(0)
+    )
+    alone = lambda **more: layers.SharedBlocks(16, 2, **{**shared, **more}, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"layers must increase within \[0, depth=2\), got \(2,\)"):
+        alone(layers=(2,))
+    with pytest.raises(ValueError, match="activation must be one of"):
+        alone(activation="relu")
+    with pytest.raises(ValueError, match="shared_blocks needs scan_layers=False"):
+        build(shared, scan_layers=True)

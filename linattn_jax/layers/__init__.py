@@ -38,6 +38,7 @@ from linattn_jax.layers.moe import MoE
 from linattn_jax.layers.norms import GatedRMSNorm, RMSNorm
 from linattn_jax.layers.recurrent import SequenceSharding, run_causal
 from linattn_jax.layers.registry import ATTENTION_KINDS, KINDS, AttentionKind, make_attention
+from linattn_jax.layers.shared import SharedBlocks
 from linattn_jax.layers.softmax import LINEAR_ONLY_OPTIONS, KVCache, SoftmaxAttention
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "Mamba2Mixer",
     "MambaGate",
     "MoE",
+    "SharedBlocks",
     "MultiHeadLayerNorm",
     "RMSNorm",
     "RandomProjection",

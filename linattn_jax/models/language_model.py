@@ -103,6 +103,8 @@ class LanguageModel(nnx.Module):
         )  # fmt: skip
         self.hf_config = None
         check_multiplier("embedding_multiplier", embedding_multiplier)
+        if shared_blocks is not None and (scan_layers or remat != "none"):
+            raise ValueError("shared_blocks needs scan_layers=False and remat='none'")
         check_multiplier("logits_scaling", logits_scaling)
         self.embedding_multiplier = float(embedding_multiplier)
         self.logits_scaling = float(logits_scaling)
@@ -129,8 +131,6 @@ class LanguageModel(nnx.Module):
             **block_kwargs,
         )
         self.depth, self.remat = depth, remat
-        if shared_blocks is not None and (scan_layers or remat != "none"):
-            raise ValueError("shared_blocks needs scan_layers=False and remat='none'")
         self.shared = nnx.data(
             None
             if shared_blocks is None
