@@ -157,8 +157,10 @@ class SharedBlocks(nnx.Module):
       depth: the stack's layers (``layers`` index them).
       layers: the layers with a use, increasing (Zamba2's ``hybrid_layer_ids``).
       num_blocks: the parameter sets (``num_mem_blocks``).
-      num_heads, num_kv_heads, head_dim: the attention's heads (GQA) and their width
-        (default ``2 width / num_heads``: the input is ``2 width`` wide).
+      num_heads: the attention's heads.
+      num_kv_heads: its key and value heads (GQA; default ``num_heads``).
+      head_dim: each head's width (default ``2 width / num_heads``: the input is ``2
+        width`` wide).
       rope_theta: RoPE's base on whole heads (``use_mem_rope``), or None: no RoPE.
       scale: the scores' factor (None: ``head_dim ** -0.5``; Zamba2: ``(head_dim / 2) **
         -0.5``).
@@ -167,7 +169,9 @@ class SharedBlocks(nnx.Module):
       adapter_rank: the adapters' rank; ``attention_adapters``: adapters on q, k and v
         too (``use_shared_attention_adapter``).
       max_length: the KV caches' length (decoding).
-      rngs, dtype, param_dtype: as in Flax.
+      rngs: as in Flax.
+      dtype: the computation dtype (None: the input's), as in Flax.
+      param_dtype: the parameters' dtype, as in Flax.
 
     Raises:
       ValueError: a bad size, ``layers`` not increasing within ``[0, depth)``, an unknown
