@@ -466,7 +466,10 @@ def _experts(x, routing: Routing, valid, gate, up, down) -> jax.Array:
     rows = P(axis) if split else P()
     valid = jnp.ones(x.shape[0], bool) if valid is None else valid
 
-    def local(x, weights, experts, valid, gate, up, down):
+    experts_weights = (up, down) if gate is None else (gate, up, down)  # no None through
+
+    def local(x, weights, experts, valid, *experts_weights):
+        gate, up, down = (None, *experts_weights)[-3:]
         if split:
             gather = lambda a: jax.lax.all_gather(a, axis, tiled=True)
             x, weights, experts, valid = map(gather, (x, weights, experts, valid))
@@ -480,9 +483,9 @@ def _experts(x, routing: Routing, valid, gate, up, down) -> jax.Array:
     run = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(rows, rows, rows, rows, P(axis), P(axis), P(axis)),
+        in_specs=(rows,) * 4 + (P(axis),) * len(experts_weights),
         out_specs=rows,
         axis_names={axis},
         check_vma=False,
     )
-    return run(x, routing.weights, routing.experts, valid, gate, up, down)
+    return run(x, routing.weights, routing.experts, valid, *experts_weights)
