@@ -122,7 +122,7 @@ CASES = {
         mlp="moe",
         moe=dict(SMALL_MOE, shared_hidden=8, activation="relu2"),
         rngs=r,
-    ),  # fmt: skip
+    ),
     "shared_blocks": lambda r: layers.SharedBlocks(
         16,
         3,
@@ -133,7 +133,7 @@ CASES = {
         attention_adapters=True,
         mlp_bias=True,
         rngs=r,
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -452,7 +452,7 @@ EXPECTED: dict[str, list[str]] = {
                 "v_adapter/up/kernel Param 2x32",
             )
         ),
-    ],  # fmt: skip
+    ],
 }
 
 
