@@ -4,7 +4,8 @@ with every option on (two shared blocks used at three hybrid layers, adapters on
 and the MLP, RoPE, biases; random norms, ``A_log``, ``dt_bias``, ``D``, adapters and
 biases): logits to 1e-5 normwise, prefill then decode steps == the full forward, 16 greedy
 tokens, a left-padded row == the row alone, the save round trip (``transformers`` reads it
-back, every tensor equal), ``--config.init_from``, bad fields."""
+back, every tensor equal), a file with the tied copies of the shared blocks,
+``--config.init_from``, bad fields."""
 
 import pytest
 from flax import nnx
@@ -48,8 +49,13 @@ def test_logits_decoding_and_left_padding_match(pair):
     helpers.assert_matches_decodes_and_pads(pair, VOCAB, RTOL)
 
 
-def test_save_round_trip_through_transformers(pair, tmp_path):
+def test_save_round_trip_and_the_tied_copies(pair, tmp_path):
     helpers.assert_round_trips(pair, tmp_path)
+    # transformers' state dict holds every hybrid layer's shared_transformer (tied copies).
+    ref, directory, model, _ = pair
+    assert "model.layers.3.shared_transformer.self_attn.q_proj.weight" in ref.state_dict()
+    (tmp_path / "full").mkdir()
+    helpers.assert_same_params(helpers.load_state_dict(ref, tmp_path / "full", directory), model)
 
 
 def test_init_from_builds_the_checkpoints_model(pair, tmp_path):
