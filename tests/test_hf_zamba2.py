@@ -7,6 +7,9 @@ tokens, a left-padded row == the row alone, the save round trip (``transformers`
 back, every tensor equal), a file with the tied copies of the shared blocks,
 ``--config.init_from``, bad fields."""
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -90,3 +93,19 @@ def test_shared_blocks_options_are_checked():
         alone(activation="relu")
     with pytest.raises(ValueError, match="shared_blocks needs scan_layers=False"):
         build(shared, scan_layers=True)
+
+
+def test_packed_rows_equal_each_sequence_alone():
+    """``segment_ids``: the shared blocks' attention (RoPE positions too) and the mixers
+    restart at each run of equal ids, a repeated id a new sequence."""
+    shared = dict(layers=(0, 1), num_heads=2, mlp_hidden=8, adapter_rank=2, rope_theta=1e4)
+    model = models.LanguageModel(
+        VOCAB, 16, 2, 4, attention="mamba2", mlp="none", shared_blocks=shared,
+        kind_options={"mamba2": dict(head_dim=8, state_dim=4)}, rngs=nnx.Rngs(0),
+    )  # fmt: skip
+    ids = jnp.asarray([[0] * 4 + [1] * 4 + [0] * 4], jnp.int32)  # one compile for the runs
+    tokens = jax.random.randint(jax.random.key(0), (1, 12), 0, VOCAB)
+    run = nnx.jit(lambda m, t, s: m(t, segment_ids=s))
+    packed = run(model, tokens, ids)
+    alone = [run(model, tokens[:, a:b], ids[:, a:b] * 0) for a, b in [(0, 4), (4, 8), (8, 12)]]
+    helpers.assert_close_normwise(np.asarray(packed), np.concatenate(alone, 1), RTOL)
