@@ -29,7 +29,7 @@ from linattn_jax.hf import common, mamba2, tables
 from linattn_jax.hf.tables import COPY, LINEAR
 
 MODEL_TYPES = ("zamba2",)
-LEGACY_TYPES = {"mamba": "linear_attention", "m": "linear_attention", "h": "hybrid"}
+LEGACY_TYPES = {"mamba": "linear_attention"}  # as transformers remaps the old name
 MIXER_NORM_EPS = 1e-5  # transformers' Zamba2RMSNormGated, whatever rms_norm_eps
 
 MODEL_RULES = tables.rules(
