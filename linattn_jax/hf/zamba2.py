@@ -109,11 +109,11 @@ def tied_copies(config: Mapping[str, Any]) -> tuple[str, ...]:
 
 # transformers' Zamba2Config defaults, for fields a config.json leaves out.
 DEFAULTS = dict(
-    mamba_d_state=64, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1, time_step_min=0.001,
-    n_mamba_heads=8, add_bias_linear=False, hidden_act="gelu", num_attention_heads=32,
-    num_mem_blocks=1, use_shared_attention_adapter=False, adapter_rank=128,
-    use_mem_rope=False, rms_norm_eps=1e-5, use_long_context=False, tie_word_embeddings=True,
-    max_position_embeddings=4096,
+    hidden_size=2560, mamba_d_state=64, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1,
+    time_step_min=0.001, n_mamba_heads=8, add_bias_linear=False, hidden_act="gelu",
+    num_attention_heads=32, num_mem_blocks=1, use_shared_attention_adapter=False,
+    adapter_rank=128, use_mem_rope=False, rms_norm_eps=1e-5, use_long_context=False,
+    tie_word_embeddings=True, max_position_embeddings=4096,
 )  # fmt: skip
 INT_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "mamba_d_state", "mamba_d_conv",
@@ -125,12 +125,8 @@ INT_FIELDS = (
 def derived(config: common.Config) -> None:
     """The fields ``transformers`` derives (``intermediate_size``, ``num_key_value_heads``,
     the layer types' new names, ``hybrid_layer_ids``, the heads' widths), as it does."""
-    for field in [k for k, v in config.items() if v is None and k in DEFAULTS]:
-        del config[field]
-    hidden = config.get("hidden_size", 2560)
-    config.setdefault("hidden_size", hidden)
-    config["intermediate_size"] = config.get("intermediate_size") or 4 * hidden
-    heads = config.get("num_attention_heads", DEFAULTS["num_attention_heads"])
+    config["intermediate_size"] = config.get("intermediate_size") or 4 * config["hidden_size"]
+    heads = config["num_attention_heads"]
     config["num_key_value_heads"] = config.get("num_key_value_heads") or heads
     types = config.get("layers_block_type")
     if not isinstance(types, list) or not types:
@@ -217,8 +213,9 @@ FORMAT = common.ModelFormat(
     model_types=MODEL_TYPES,
     architecture="Zamba2ForCausalLM",
     steps=(
-        derived,
         common.defaults(DEFAULTS),
+        common.ints(("hidden_size", "num_attention_heads")),
+        derived,
         common.ints(INT_FIELDS),
         widths,
         common.divides("mamba_ngroups", "n_mamba_heads"),
