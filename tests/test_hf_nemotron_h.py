@@ -5,7 +5,8 @@ sigmoid scores, a random correction bias, 1 of 2 groups, renormalised and scaled
 squared-ReLU experts and a shared squared-ReLU MLP (random norms, ``A_log``, ``dt_bias``,
 ``D``, routers): logits to 1e-5 normwise, prefill then decode steps == the full forward, 16
 greedy tokens, a left-padded row == the row alone, the save round trip (per expert) and
-``transformers``' fused layout; bad fields."""
+``transformers``' fused layout; a mixture in a latent space (``moe_latent_size``); bad
+fields."""
 
 import pytest
 
@@ -19,8 +20,8 @@ VOCAB = 64
 RTOL = 1e-5
 
 
-def _nemotron_h():
-    config = transformers.NemotronHConfig(
+def _nemotron_h(**options):
+    config = transformers.NemotronHConfig(**{**dict(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=24,
         layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "moe"],
         num_attention_heads=2, num_key_value_heads=1, head_dim=8, mamba_num_heads=4,
@@ -29,7 +30,7 @@ def _nemotron_h():
         moe_shared_expert_intermediate_size=20, n_group=2, topk_group=1,
         routed_scaling_factor=2.5, norm_topk_prob=True, pad_token_id=0, bos_token_id=0,
         eos_token_id=1,
-    )  # fmt: skip
+    ), **options})  # fmt: skip
     model = helpers.randomized_mamba(transformers.NemotronHForCausalLM(config))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -56,11 +57,19 @@ def test_save_round_trip_and_the_fused_layout(pair, tmp_path):
     helpers.assert_reads_the_fused_layout(pair, tmp_path)
 
 
+def test_latent_mixture_matches_and_saves(tmp_path):
+    """``moe_latent_size``: the experts between ``fc1_latent_proj`` and ``fc2_latent_proj``."""
+    torch.manual_seed(1)
+    latent = _nemotron_h(layers_block_type=["full_attention", "moe"], moe_latent_size=8)
+    model, _ = helpers.assert_matches_and_saves(latent.eval(), tmp_path, VOCAB, RTOL)
+    assert model.blocks[1].mlp.up.shape == (8, 8, 12)
+
+
 def test_bad_fields_are_named(pair):
     _, _, _, config = pair
     fmt = hf.nemotron_h.FORMAT
     for field, value, message in [
-        ("moe_latent_size", 8, r"moe_latent_size must be None"),
+        ("moe_latent_size", 0, r"moe_latent_size must be an int >= 1, got 0"),
         ("n_group", 3, r"n_group=3 must divide n_routed_experts=8"),
         ("topk_group", 3, r"topk_group=3 must be <= n_group=2"),
         ("num_experts_per_tok", 9, r"num_experts_per_tok=9 must be <= n_routed_experts=8"),

@@ -18,7 +18,8 @@ Every Nemotron-H layer is ``x + mixer(RMSNorm(x))`` with one mixer per layer typ
   ``routed_scaling_factor``) plus one shared squared-ReLU MLP of
   ``moe_shared_expert_intermediate_size``; our ``"mlp"`` block with ``mlp="moe"``. The
   experts are read per expert (``mixer.experts.{j}.``, as saved) or fused (``transformers``'
-  memory layout); ``moe_latent_size`` (latent projections around the experts) is refused.
+  memory layout); with ``moe_latent_size`` the experts run between ``fc1_latent_proj`` and
+  ``fc2_latent_proj`` (``MoE(latent=...)``).
 
 Every RMSNorm's epsilon is ``layer_norm_epsilon``. The tensors live under ``backbone.`` (as
 ``transformers`` saves them; ``model.``, its module names, is read too), ``lm_head.weight``
@@ -64,6 +65,10 @@ MOE_RULES = tables.rules(
     ("mixer.shared_experts.up_proj.weight", "mlp.shared.up_proj.kernel", LINEAR),
     ("mixer.shared_experts.down_proj.weight", "mlp.shared.down_proj.kernel", LINEAR),
 )
+LATENT_RULES = tables.rules(
+    ("mixer.fc1_latent_proj.weight", "mlp.latent_in.kernel", LINEAR),
+    ("mixer.fc2_latent_proj.weight", "mlp.latent_out.kernel", LINEAR),
+)
 EXPERT_RULES = tables.rules(
     ("up_proj.weight", "mlp.up", LINEAR), ("down_proj.weight", "mlp.down", LINEAR)
 )
@@ -83,13 +88,14 @@ def layer_rules(config: Mapping[str, Any], i: int, fused: bool = False) -> tuple
             "mixer.", conv_bias=config["use_conv_bias"], bias=config["use_bias"]
         )
     if layer_type == "moe":
+        rules = MOE_RULES + (LATENT_RULES if config["moe_latent_size"] is not None else ())
         if fused:
-            return MOE_RULES + FUSED_EXPERT_RULES
+            return rules + FUSED_EXPERT_RULES
         n = config["n_routed_experts"]
         each = [
             r.at(f"mixer.experts.{j}.{r.hf}", r.ours, j) for j in range(n) for r in EXPERT_RULES
         ]
-        return MOE_RULES + tuple(each)
+        return rules + tuple(each)
     return ATTENTION_RULES if layer_type == "full_attention" else MLP_RULES
 
 
@@ -119,9 +125,8 @@ INT_FIELDS = (
     "moe_shared_expert_intermediate_size", "num_experts_per_tok", "n_group", "topk_group",
 )  # fmt: skip
 SUPPORTED = dict(
-    mamba_hidden_act="silu", mlp_hidden_act="relu2", attention_bias=False, mlp_bias=False,
-    moe_latent_size=None,
-)  # fmt: skip
+    mamba_hidden_act="silu", mlp_hidden_act="relu2", attention_bias=False, mlp_bias=False
+)
 
 
 def legacy_names(config: common.Config) -> None:
@@ -170,6 +175,8 @@ def check_rest(config: Mapping[str, Any]) -> None:
         raise ValueError(f"config.json: time_step_min must be a number >= 0, got {low!r}")
     common.check_number(config, "layer_norm_epsilon", 0, 1)
     common.check_bools(config, ("norm_topk_prob",))
+    if config["moe_latent_size"] is not None:
+        common.check_ints(config, ("moe_latent_size",))
     common.check_positive(config, ("routed_scaling_factor",))
     common.check_divides(config, "n_group", "n_routed_experts")
     common.check_at_most(config, "topk_group", "n_group")
@@ -219,6 +226,7 @@ def mixture(config: Mapping[str, Any]) -> dict[str, Any]:
         normalize=config["norm_topk_prob"], scaling=float(config["routed_scaling_factor"]),
         score_bias=True, num_groups=config["n_group"], top_k_groups=config["topk_group"],
         shared_hidden=config["moe_shared_expert_intermediate_size"], activation="relu2",
+        latent=config["moe_latent_size"] or 0,
     )  # fmt: skip
     return dict(mlp=["moe" if t == "moe" else "relu2" for t in types], moe=moe)
 

@@ -299,6 +299,9 @@ class MoE(nnx.Module):
         ``activation="relu2"`` (Nemotron-H's ``moe_shared_expert_intermediate_size``).
       activation: the experts' MLP, ``"swiglu"`` or ``"relu2"`` (``down(relu(x up)^2)``,
         no ``gate``: Nemotron-H's), the shared expert's too.
+      latent: the routed experts run in a ``latent``-wide space between ``latent_in``
+        ``[width, latent]`` and ``latent_out`` ``[latent, width]`` (no biases; the router
+        and the shared expert read ``x``: Nemotron-H's ``moe_latent_size``); 0: none.
       shared_gate: the shared output times ``sigmoid(x w)``, ``w [width, 1]`` (Qwen3-Next's
         ``shared_expert_gate``).
       rngs: as in Flax.
@@ -335,6 +338,7 @@ class MoE(nnx.Module):
         shared_hidden: int = 0,
         shared_gate: bool = False,
         activation: str = "swiglu",
+        latent: int = 0,
         rngs: nnx.Rngs,
         dtype=None,
         param_dtype=jnp.float32,
@@ -361,6 +365,7 @@ class MoE(nnx.Module):
                 f"{num_experts // num_groups}"
             )
         checks.check_int("shared_hidden", shared_hidden, 0)
+        checks.check_int("latent", latent, 0)
         if shared_gate and not shared_hidden:
             raise ValueError("shared_gate gates the shared expert: give shared_hidden > 0")
         self.num_experts, self.top_k = num_experts, top_k
@@ -375,10 +380,16 @@ class MoE(nnx.Module):
         expert = lambda shape, *names: nnx.Param(
             sharding.with_axes(init, *names)(rngs.params(), shape, param_dtype)
         )
-        gated = activation == "swiglu"
-        self.gate = nnx.data(expert((num_experts, width, hidden), e, em, ml) if gated else None)
-        self.up = expert((num_experts, width, hidden), e, em, ml)
-        self.down = expert((num_experts, hidden, width), e, ml, em)
+        gated, inner = activation == "swiglu", latent or width
+        self.gate = nnx.data(expert((num_experts, inner, hidden), e, em, ml) if gated else None)
+        self.up = expert((num_experts, inner, hidden), e, em, ml)
+        self.down = expert((num_experts, hidden, inner), e, ml, em)
+        linear = lambda n_in, n_out: nnx.Linear(
+            n_in, n_out, use_bias=False, kernel_init=sharding.kernel(em, None), dtype=dtype,
+            param_dtype=param_dtype, rngs=rngs,
+        )  # fmt: skip
+        self.latent_in = nnx.data(linear(width, latent) if latent else None)
+        self.latent_out = nnx.data(linear(latent, width) if latent else None)
         self.bias = nnx.data(
             RouterBias(jnp.zeros(num_experts, jnp.float32)) if score_bias else None
         )
@@ -442,7 +453,10 @@ class MoE(nnx.Module):
         weights = [
             None if w is None else w[...].astype(dtype) for w in (self.gate, self.up, self.down)
         ]
-        out = _experts(flat, routing, valid, *weights)
+        inner = flat if self.latent_in is None else self.latent_in(flat)
+        out = _experts(inner, routing, valid, *weights)
+        if self.latent_out is not None:
+            out = self.latent_out(out)
         if self.shared is not None:
             shared = self.shared(flat)
             if self.shared_gate is not None:
