@@ -109,3 +109,20 @@ def test_packed_rows_equal_each_sequence_alone():
     packed = run(model, tokens, ids)
     alone = [run(model, tokens[:, a:b], ids[:, a:b] * 0) for a, b in [(0, 4), (4, 8), (8, 12)]]
     helpers.assert_close_normwise(np.asarray(packed), np.concatenate(alone, 1), RTOL)
+
+
+def test_real_size_config_maps_every_tensor():
+    """Zamba2-2.7B's dimensions (``transformers``' defaults: width 2560, 32 heads, 8 Mamba
+    heads of 640, state 64) with two shared blocks and q/k/v adapters over 4 layers: every
+    tensor's name and shape against ``transformers``' model on the meta device, less the
+    tied copies of the shared blocks and the tied head."""
+    config = transformers.Zamba2Config(
+        num_hidden_layers=4, num_mem_blocks=2, use_shared_attention_adapter=True,
+        layers_block_type=["mamba", "hybrid", "hybrid", "hybrid"],
+    )  # fmt: skip
+    with torch.device("meta"):
+        reference = transformers.Zamba2ForCausalLM(config).state_dict()
+    tied = ("lm_head.", *(f"model.layers.{i}.shared_transformer." for i in (3,)))
+    reference = {n: tuple(x.shape) for n, x in reference.items() if not n.startswith(tied)}
+    ours = hf.expected_tensors(hf.zamba2.FORMAT.normalize_config(config.to_dict()))
+    assert {n: s for n, (s, _) in ours.items()} == reference
