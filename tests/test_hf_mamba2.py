@@ -104,8 +104,8 @@ def test_bad_configs_are_refused_by_field(torch_model, torch_bamba, torch_nemotr
             {**torch_bamba.config.to_dict(), "attn_layer_indices": [5]}
         )
     nemotron = torch_nemotron_h.config.to_dict()
-    with pytest.raises(ValueError, match="'moe' layers, which are not supported yet"):
-        hf.nemotron_h.FORMAT.normalize_config({**nemotron, "layers_block_type": ["moe", "mlp"]})
+    with pytest.raises(ValueError, match=r"layers_block_type must be in .*got \['gdn'\]"):
+        hf.nemotron_h.FORMAT.normalize_config({**nemotron, "layers_block_type": ["gdn", "mlp"]})
     legacy = {k: v for k, v in nemotron.items() if k != "layers_block_type"}
     legacy = hf.nemotron_h.FORMAT.normalize_config({**legacy, "hybrid_override_pattern": "M-*-"})
     assert legacy["layers_block_type"] == nemotron["layers_block_type"]

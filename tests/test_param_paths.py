@@ -124,6 +124,25 @@ CASES = {
     "language_model_hybrid": lambda r: models.LanguageModel(
         32, 16, 2, 2, attention="1 gated_deltanet : 1 softmax", mlp="swiglu", rngs=r
     ),
+    "block_moe_relu2": lambda r: layers.TransformerBlock(
+        16,
+        2,
+        attention="mlp",
+        mlp="moe",
+        moe=dict(SMALL_MOE, shared_hidden=8, activation="relu2"),
+        rngs=r,
+    ),
+    "shared_blocks": lambda r: layers.SharedBlocks(
+        16,
+        3,
+        layers=(0, 2),
+        num_heads=2,
+        mlp_hidden=8,
+        adapter_rank=2,
+        attention_adapters=True,
+        mlp_bias=True,
+        rngs=r,
+    ),
 }
 
 
@@ -457,6 +476,48 @@ EXPECTED: dict[str, list[str]] = {
         "kv_norm/scale Param 32",
         "out_proj/kernel Param 16x16",
         "q_proj/kernel Param 16x24",
+    ],
+    "block_moe_relu2": [
+        "mlp/bias RouterBias 4",
+        "mlp/down Param 4x8x16",
+        "mlp/losses RouterLosses 2",
+        "mlp/router Param 16x4",
+        "mlp/shared/down_proj/kernel Param 8x16",
+        "mlp/shared/up_proj/kernel Param 16x8",
+        "mlp/up Param 4x16x8",
+        "mlp_norm/scale Param 16",
+    ],
+    "shared_blocks": [
+        *(
+            f"blocks/0/{p}"
+            for p in (
+                "down_proj/bias Param 16",
+                "down_proj/kernel Param 8x16",
+                "gate_up_proj/bias Param 16",
+                "gate_up_proj/kernel Param 16x16",
+                "input_norm/scale Param 32",
+                "k_proj/kernel Param 32x32",
+                "mlp_norm/scale Param 16",
+                "out_proj/kernel Param 32x16",
+                "q_proj/kernel Param 32x32",
+                "v_proj/kernel Param 32x32",
+            )
+        ),
+        *(
+            f"uses/{k}/{p}"
+            for k in (0, 1)
+            for p in (
+                "k_adapter/down/kernel Param 32x2",
+                "k_adapter/up/kernel Param 2x32",
+                "mlp_adapter/down/kernel Param 16x2",
+                "mlp_adapter/up/kernel Param 2x16",
+                "out_proj/kernel Param 16x16",
+                "q_adapter/down/kernel Param 32x2",
+                "q_adapter/up/kernel Param 2x32",
+                "v_adapter/down/kernel Param 32x2",
+                "v_adapter/up/kernel Param 2x32",
+            )
+        ),
     ],
 }
 

@@ -32,7 +32,8 @@ The layout: one module per model type over a shared loader.
       ├── bamba (Mamba-2 + Llama attention + SwiGLU: the hybrids' base)
       │   ├── granitemoehybrid (experts + shared MLP, muP multipliers)
       │   └── falcon_h1 (attention and Mamba-2 side by side)
-      └── nemotron_h (mixer, attention and squared-ReLU MLP layers)
+      ├── nemotron_h (mixer, attention and squared-ReLU MLP layers)
+      └── zamba2 (mixers plus shared transformer blocks with per-use adapters)
       kimi_linear (KDA + MLA + DeepSeek's mixture)
       └── bailing_hybrid (full-rank, bounded KDA gates; MLA with RoPE and a head gate)
       minimax (lightning + softmax attention, normed residuals, a mixture)
@@ -105,6 +106,7 @@ from linattn_jax.hf import (  # noqa: E402
     text,
     unsupported,
     xlstm,
+    zamba2,
 )
 from linattn_jax.hf.pretrained import (  # noqa: E402
     FORMATS,
@@ -167,4 +169,5 @@ __all__ = [
     "unsupported",
     "xlstm",
     "rwkv",
+    "zamba2",
 ]

@@ -12,7 +12,14 @@ Every Nemotron-H layer is ``x + mixer(RMSNorm(x))`` with one mixer per layer typ
   RoPE) and without biases, our ``"softmax"`` block with ``mlp="none"``;
 * ``"mlp"`` (``-``): a squared-ReLU MLP (``up_proj``, ``down_proj``), our ``"mlp"`` block
   with ``mlp="relu2"`` (its norm is our ``mlp_norm``);
-* ``"moe"`` (``E``): refused by name until the mixture-of-experts layers land.
+* ``"moe"`` (``E``): a mixture of squared-ReLU experts (``layers.MoE`` with
+  ``activation="relu2"``: DeepSeek-V3's router, sigmoid scores, ``e_score_correction_bias``
+  for the choice only, ``topk_group`` of ``n_group`` groups, ``norm_topk_prob``,
+  ``routed_scaling_factor``) plus one shared squared-ReLU MLP of
+  ``moe_shared_expert_intermediate_size``; our ``"mlp"`` block with ``mlp="moe"``. The
+  experts are read per expert (``mixer.experts.{j}.``, as saved) or fused (``transformers``'
+  memory layout); with ``moe_latent_size`` the experts run between ``fc1_latent_proj`` and
+  ``fc2_latent_proj`` (``MoE(latent=...)``).
 
 Every RMSNorm's epsilon is ``layer_norm_epsilon``. The tensors live under ``backbone.`` (as
 ``transformers`` saves them; ``model.``, its module names, is read too), ``lm_head.weight``
@@ -25,11 +32,16 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from linattn_jax.hf import common, mamba2, tables
-from linattn_jax.hf.tables import COPY, LINEAR, Rule
+from linattn_jax.hf import common, experts, mamba2, tables
+from linattn_jax.hf.tables import COPY, EXPERTS_LINEAR, LINEAR, Rule
 
 MODEL_TYPES = ("nemotron_h",)
-LAYER_KINDS = {"linear_attention": "mamba2", "full_attention": "softmax", "mlp": "mlp"}
+LAYER_KINDS = {
+    "linear_attention": "mamba2",
+    "full_attention": "softmax",
+    "mlp": "mlp",
+    "moe": "mlp",
+}
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 MODEL_RULES = mamba2.MODEL_RULES
@@ -46,14 +58,44 @@ MLP_RULES = tables.rules(
     ("mixer.down_proj.weight", "mlp.down_proj.kernel", LINEAR),
 )
 
+MOE_RULES = tables.rules(
+    ("norm.weight", "mlp_norm.scale", COPY),
+    ("mixer.gate.weight", "mlp.router", LINEAR),
+    ("mixer.gate.e_score_correction_bias", "mlp.bias", COPY),
+    ("mixer.shared_experts.up_proj.weight", "mlp.shared.up_proj.kernel", LINEAR),
+    ("mixer.shared_experts.down_proj.weight", "mlp.shared.down_proj.kernel", LINEAR),
+)
+LATENT_RULES = tables.rules(
+    ("mixer.fc1_latent_proj.weight", "mlp.latent_in.kernel", LINEAR),
+    ("mixer.fc2_latent_proj.weight", "mlp.latent_out.kernel", LINEAR),
+)
+EXPERT_RULES = tables.rules(
+    ("up_proj.weight", "mlp.up", LINEAR), ("down_proj.weight", "mlp.down", LINEAR)
+)
+# transformers' memory layout: [e, hidden, width] and [e, width, hidden], nn.Linear's each.
+FUSED_EXPERT_RULES = tables.rules(
+    ("mixer.experts.up_proj", "mlp.up", EXPERTS_LINEAR),
+    ("mixer.experts.down_proj", "mlp.down", EXPERTS_LINEAR),
+)
 
-def layer_rules(config: Mapping[str, Any], i: int) -> tuple[Rule, ...]:
-    """Layer ``i``'s rows, by its type: Mamba-2's, attention's or the MLP's."""
+
+def layer_rules(config: Mapping[str, Any], i: int, fused: bool = False) -> tuple[Rule, ...]:
+    """Layer ``i``'s rows, by its type: Mamba-2's, attention's, the MLP's or the mixture's
+    (its experts per expert, or ``fused``)."""
     layer_type = config["layers_block_type"][i]
     if layer_type == "linear_attention":
         return mamba2.BLOCK_RULES + mamba2.mixer_rules(
             "mixer.", conv_bias=config["use_conv_bias"], bias=config["use_bias"]
         )
+    if layer_type == "moe":
+        rules = MOE_RULES + (LATENT_RULES if config["moe_latent_size"] is not None else ())
+        if fused:
+            return rules + FUSED_EXPERT_RULES
+        n = config["n_routed_experts"]
+        each = [
+            r.at(f"mixer.experts.{j}.{r.hf}", r.ours, j) for j in range(n) for r in EXPERT_RULES
+        ]
+        return rules + tuple(each)
     return ATTENTION_RULES if layer_type == "full_attention" else MLP_RULES
 
 
@@ -65,7 +107,9 @@ DEFAULTS = dict(
     attention_bias=False, sliding_window=None, intermediate_size=21504, mlp_hidden_act="relu2",
     mlp_bias=False, ssm_state_size=128, mamba_num_heads=128, mamba_head_dim=64,
     mamba_hidden_act="silu", n_groups=8, conv_kernel=4, time_step_min=0.001, use_conv_bias=True,
-    use_bias=False, layer_norm_epsilon=1e-5,
+    use_bias=False, layer_norm_epsilon=1e-5, n_routed_experts=8, moe_intermediate_size=7688,
+    moe_shared_expert_intermediate_size=7688, moe_latent_size=None, num_experts_per_tok=2,
+    routed_scaling_factor=1.0, n_group=1, topk_group=1, norm_topk_prob=True,
 )  # fmt: skip
 # Old names transformers still reads.
 LEGACY = dict(
@@ -77,7 +121,8 @@ LEGACY = dict(
 INT_FIELDS = (
     "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
     "intermediate_size", "ssm_state_size", "mamba_num_heads", "mamba_head_dim", "n_groups",
-    "conv_kernel",
+    "conv_kernel", "n_routed_experts", "moe_intermediate_size",
+    "moe_shared_expert_intermediate_size", "num_experts_per_tok", "n_group", "topk_group",
 )  # fmt: skip
 SUPPORTED = dict(
     mamba_hidden_act="silu", mlp_hidden_act="relu2", attention_bias=False, mlp_bias=False
@@ -105,17 +150,11 @@ def legacy_names(config: common.Config) -> None:
 
 
 def check_layers(config: Mapping[str, Any]) -> None:
-    """Raises ``ValueError`` unless ``layers_block_type`` lists dense layer types."""
+    """Raises ``ValueError`` unless ``layers_block_type`` lists known layer types."""
     types = config.get("layers_block_type")
     if not isinstance(types, list) or not types:
         raise ValueError(
             f"config.json: layers_block_type must be a list of layer types, got {types!r}"
-        )
-    if "moe" in types:
-        raise ValueError(
-            "config.json: layers_block_type has 'moe' layers, which are not supported yet "
-            "(the mixture-of-experts MLP is another issue); dense layer types: "
-            f"{sorted(LAYER_KINDS)}"
         )
     unknown = sorted(set(types) - set(LAYER_KINDS))
     if unknown:
@@ -135,11 +174,18 @@ def check_rest(config: Mapping[str, Any]) -> None:
     if not common.is_number(low) or low < 0:
         raise ValueError(f"config.json: time_step_min must be a number >= 0, got {low!r}")
     common.check_number(config, "layer_norm_epsilon", 0, 1)
+    common.check_bools(config, ("norm_topk_prob",))
+    if config["moe_latent_size"] is not None:
+        common.check_ints(config, ("moe_latent_size",))
+    common.check_positive(config, ("routed_scaling_factor",))
+    common.check_divides(config, "n_group", "n_routed_experts")
+    common.check_at_most(config, "topk_group", "n_group")
+    common.check_at_most(config, "num_experts_per_tok", "n_routed_experts")
 
 
 def options(config: Mapping[str, Any]) -> dict[str, Any]:
-    """A block per layer type: a Mamba-2 mixer, attention without RoPE, or a squared-ReLU
-    MLP; the depth is ``layers_block_type``'s length."""
+    """A block per layer type: a Mamba-2 mixer, attention without RoPE, a squared-ReLU MLP
+    or a mixture of them; the depth is ``layers_block_type``'s length."""
     mixer = mamba2.mixer_options(
         head_dim=config["mamba_head_dim"],
         state_dim=config["ssm_state_size"],
@@ -163,15 +209,35 @@ def options(config: Mapping[str, Any]) -> dict[str, Any]:
                 mlp="none",
             ),
         },
-        mlp="relu2",
         mlp_hidden=config["intermediate_size"],
+        **mixture(config),
     )
 
 
+def mixture(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``mlp="relu2"``, or with ``"moe"`` layers each layer's MLP kind and ``moe``, the
+    mixture's options."""
+    types = config["layers_block_type"]
+    if "moe" not in types:
+        return dict(mlp="relu2")
+    moe = dict(
+        num_experts=config["n_routed_experts"], top_k=config["num_experts_per_tok"],
+        hidden=config["moe_intermediate_size"], score="sigmoid",
+        normalize=config["norm_topk_prob"], scaling=float(config["routed_scaling_factor"]),
+        score_bias=True, num_groups=config["n_group"], top_k_groups=config["topk_group"],
+        shared_hidden=config["moe_shared_expert_intermediate_size"], activation="relu2",
+        latent=config["moe_latent_size"] or 0,
+    )  # fmt: skip
+    return dict(mlp=["moe" if t == "moe" else "relu2" for t in types], moe=moe)
+
+
 def table(config: Mapping[str, Any], prefix: str) -> tables.Table:
-    """Mamba-2's table over ``layers_block_type``'s layers."""
+    """Mamba-2's table over ``layers_block_type``'s layers (the experts fused for a
+    ``prefix`` ending in ``experts.FUSED``)."""
+    fused, prefix = prefix.endswith(experts.FUSED), prefix.removesuffix(experts.FUSED)
     depth = dict(config, num_hidden_layers=len(config["layers_block_type"]))
-    return tables.layered(MODEL_RULES, layer_rules)(depth, prefix)
+    rules = lambda config, i: layer_rules(config, i, fused)
+    return tables.layered(MODEL_RULES, rules)(depth, prefix)
 
 
 FORMAT = mamba2.FORMAT.derive(
@@ -190,7 +256,8 @@ FORMAT = mamba2.FORMAT.derive(
     ),
     options=options,
     table=table,
-    prefixes=(mamba2.PREFIX, "model."),  # as transformers writes it; it reads "model." too
+    # as transformers writes it; it reads "model." too, and holds the experts fused
+    prefixes=(mamba2.PREFIX, "model.", "model." + experts.FUSED),
     ignored=lambda config: ("mtp.",),
     ties_head=False,  # NemotronHForCausalLM ties nothing, whatever the config says
 )

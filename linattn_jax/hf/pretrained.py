@@ -52,6 +52,7 @@ from linattn_jax.hf import (
     tables,
     unsupported,
     xlstm,
+    zamba2,
 )
 from linattn_jax.models import LanguageModel
 from linattn_jax.models.options import freeze
@@ -88,6 +89,7 @@ _FORMATS = (
     lara_mini.FORMAT,
     bailing_hybrid.FORMAT,
     rwkv.FORMAT,
+    zamba2.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: fmt for fmt in _FORMATS for model_type in fmt.model_types

@@ -40,6 +40,7 @@ from linattn_jax.layers.norms import GatedRMSNorm, RMSNorm
 from linattn_jax.layers.recurrent import SequenceSharding, run_causal
 from linattn_jax.layers.registry import ATTENTION_KINDS, KINDS, AttentionKind, make_attention
 from linattn_jax.layers.rwkv import RWKVChannelMix, RWKVState, RWKVTimeMix, token_shift
+from linattn_jax.layers.shared import SharedBlocks
 from linattn_jax.layers.softmax import LINEAR_ONLY_OPTIONS, KVCache, SoftmaxAttention
 
 __all__ = [
@@ -75,6 +76,7 @@ __all__ = [
     "Mamba2Mixer",
     "MambaGate",
     "MoE",
+    "SharedBlocks",
     "MultiHeadLayerNorm",
     "RMSNorm",
     "RandomProjection",

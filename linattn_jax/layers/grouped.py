@@ -16,6 +16,7 @@ Two forms, equal up to float rounding:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -47,6 +48,24 @@ def resolve(method: str) -> str:
     if method == "auto":
         return "tiled" if jax.default_backend() == "cpu" else "ragged"
     return method
+
+
+def apply(
+    body: Callable, x: jax.Array, group_sizes: jax.Array, *, method: str = "auto"
+) -> jax.Array:
+    """``body(dot, x)`` for rows ``x [m, width]`` sorted by group, where ``dot(rows, w)``
+    multiplies each group's rows by its ``w [e, ., .]`` in the form ``method`` gives
+    (``body`` may apply elementwise functions between its products: a padding row is
+    zeros, and no product reaches across rows).
+
+    Returns:
+      ``[m, out]``: zeros for the rows past the groups' sum.
+    """
+    if resolve(method) == "tiled":
+        layout = tiles(group_sizes, x.shape[0])
+        dot = lambda rows, w: tiled_dot(rows, w, layout.groups)
+        return from_tiles(body(dot, to_tiles(x, layout)), layout)
+    return body(lambda rows, w: jax.lax.ragged_dot(rows, w, group_sizes), x)
 
 
 def tile_rows(rows: int, groups: int) -> int:

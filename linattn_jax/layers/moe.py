@@ -1,11 +1,13 @@
-"""A mixture of SwiGLU experts (Shazeer et al. 2017; Switch, DeepSeek-V3, Qwen3-Next): a
+"""A mixture of SwiGLU (or squared-ReLU) experts (Shazeer et al. 2017; Switch, DeepSeek-V3,
+Qwen3-Next; Nemotron-H's squared ReLU): a
 router picks ``top_k`` experts per token, the tokens are sorted by expert and each expert's
 matmuls run as one grouped matmul over its contiguous rows (``layers.grouped``:
 ``jax.lax.ragged_dot`` on GPUs and TPUs; on CPU, whose ``ragged_dot`` computes every expert
 on every row, each expert's rows in whole tiles): dropless (every token reaches its
 ``top_k`` experts, no capacity), and no ``[tokens, experts, width]`` tensor.
 
-The pure functions (``route``, ``dispatch``, ``grouped_swiglu``, ``combine_experts``,
+The pure functions (``route``, ``dispatch``, ``grouped_swiglu``, ``grouped_relu2``,
+``combine_experts``,
 ``load_balancing_loss``, ``router_z_loss``) take arrays and return arrays; ``MoE`` owns the
 parameters. Tokens are the rows of ``x [n, width]`` (``n = batch * length``); ``e`` is the
 number of routed experts, ``k`` the experts per token.
@@ -25,10 +27,12 @@ from flax import nnx
 
 from linattn_jax import sharding
 from linattn_jax.layers import grouped
-from linattn_jax.layers.mlp import SwiGLU
+from linattn_jax.layers.mlp import ReLU2MLP, SwiGLU
 from linattn_jax.ops import checks
 
 SCORES = ("softmax", "sigmoid")
+# The experts' MLPs: SwiGLU (gate, up, down) or squared ReLU (up, down; no gate).
+ACTIVATIONS = ("swiglu", "relu2")
 # The losses a MoE layer records (``MoE.losses``), in this order.
 LOSSES = ("load_balancing", "router_z")
 
@@ -178,22 +182,24 @@ def grouped_swiglu(
     Returns:
       ``[m, width]``.
     """
-    if grouped.resolve(method) == "tiled":
-        layout = grouped.tiles(group_sizes, x.shape[0])
-        rows = grouped.to_tiles(x, layout)
-        h = jax.nn.silu(grouped.tiled_dot(rows, gate, layout.groups))
-        h = h * grouped.tiled_dot(rows, up, layout.groups)
-        return grouped.from_tiles(grouped.tiled_dot(h, down, layout.groups), layout)
-    h = jax.nn.silu(jax.lax.ragged_dot(x, gate, group_sizes))
-    h = h * jax.lax.ragged_dot(x, up, group_sizes)
-    return jax.lax.ragged_dot(h, down, group_sizes)
+    swiglu = lambda dot, x: dot(jax.nn.silu(dot(x, gate)) * dot(x, up), down)
+    return grouped.apply(swiglu, x, group_sizes, method=method)
+
+
+def grouped_relu2(
+    x: jax.Array, up: jax.Array, down: jax.Array, group_sizes: jax.Array, *, method: str = "auto"
+) -> jax.Array:
+    """Each expert's squared-ReLU MLP, ``down_e(relu(x up_e)^2)``, on its rows of ``x``
+    (``grouped_swiglu``'s rows, shapes and ``method``, no gate)."""
+    relu2 = lambda dot, x: dot(jnp.square(jax.nn.relu(dot(x, up))), down)
+    return grouped.apply(relu2, x, group_sizes, method=method)
 
 
 def combine_experts(
     x: jax.Array,
     routing: Routing,
     valid: jax.Array | None,
-    gate: jax.Array,
+    gate: jax.Array | None,
     up: jax.Array,
     down: jax.Array,
     *,
@@ -201,7 +207,7 @@ def combine_experts(
     method: str = "auto",
 ) -> jax.Array:
     """``sum_j weights[:, j] * expert_{experts[:, j]}(x)`` for each token of ``x [n, width]``:
-    sorted by expert, ``grouped_swiglu``, and back.
+    sorted by expert, ``grouped_swiglu`` (``grouped_relu2`` where ``gate`` is None), and back.
 
     ``gate``/``up``/``down`` hold experts ``first_expert, ...`` only (expert parallelism: a
     device's share); choices of other experts contribute zero here. ``method``: as in
@@ -212,9 +218,12 @@ def combine_experts(
     """
     n, k = routing.experts.shape
     local = routing.experts - first_expert
-    plan = dispatch(local, valid, gate.shape[0])
+    plan = dispatch(local, valid, up.shape[0])
     rows = jnp.take(x, plan.order // k, axis=0)
-    out = grouped_swiglu(rows, gate, up, down, plan.group_sizes, method=method)
+    if gate is None:
+        out = grouped_relu2(rows, up, down, plan.group_sizes, method=method)
+    else:
+        out = grouped_swiglu(rows, gate, up, down, plan.group_sizes, method=method)
     used = jnp.arange(n * k, dtype=jnp.int32) < jnp.sum(plan.group_sizes, dtype=jnp.int32)
     weights = jnp.take(routing.weights.reshape(n * k), plan.order)
     out = jnp.where(used[:, None], out * weights[:, None].astype(out.dtype), 0)
@@ -285,7 +294,8 @@ def collect_losses(model: nnx.Module) -> jax.Array:
 
 
 class MoE(nnx.Module):
-    """Routed SwiGLU experts plus optional shared ones: ``x [..., width] -> [..., width]``.
+    """Routed SwiGLU (or squared-ReLU) experts plus optional shared ones: ``x [..., width]
+    -> [..., width]``.
 
     Args:
       width: model width.
@@ -300,7 +310,13 @@ class MoE(nnx.Module):
       num_groups: groups of experts for grouped top-k (``n_group``; 1: none).
       top_k_groups: the groups chosen from (``topk_group``).
       shared_hidden: hidden width of one shared SwiGLU every token goes through (0: none;
-        DeepSeek's ``n_shared_experts * moe_intermediate_size``).
+        DeepSeek's ``n_shared_experts * moe_intermediate_size``); a ``ReLU2MLP`` with
+        ``activation="relu2"`` (Nemotron-H's ``moe_shared_expert_intermediate_size``).
+      activation: the experts' MLP, ``"swiglu"`` or ``"relu2"`` (``down(relu(x up)^2)``,
+        no ``gate``: Nemotron-H's), the shared expert's too.
+      latent: the routed experts run in a ``latent``-wide space between ``latent_in``
+        ``[width, latent]`` and ``latent_out`` ``[latent, width]`` (no biases; the router
+        and the shared expert read ``x``: Nemotron-H's ``moe_latent_size``); 0: none.
       shared_gate: the shared output times ``sigmoid(x w)``, ``w [width, 1]`` (Qwen3-Next's
         ``shared_expert_gate``).
       method: the grouped matmuls' form, ``"auto"``, ``"ragged"`` or ``"tiled"``
@@ -310,7 +326,8 @@ class MoE(nnx.Module):
         it is.
       param_dtype: the parameters' dtype, as in Flax.
 
-    Parameters: ``router`` ``[width, e]``; ``gate``, ``up`` ``[e, width, hidden]`` and
+    Parameters: ``router`` ``[width, e]``; ``gate`` (None for ``"relu2"``), ``up``
+    ``[e, width, hidden]`` and
     ``down`` ``[e, hidden, width]``, named ``("expert", "embed", "mlp")`` and
     ``("expert", "mlp", "embed")`` (``linattn_jax.sharding``). Under a mesh with an
     ``expert`` axis of more than one device (``jax.set_mesh``), each device holds
@@ -318,7 +335,8 @@ class MoE(nnx.Module):
     group (the tokens all-gathered over the axis, the outputs reduce-scattered back).
 
     Raises:
-      ValueError: a bad size, an unknown ``score``, or groups that do not divide ``e``.
+      ValueError: a bad size, an unknown ``score`` or ``activation``, or groups that do
+        not divide ``e``.
     """
 
     def __init__(
@@ -337,6 +355,8 @@ class MoE(nnx.Module):
         top_k_groups: int = 1,
         shared_hidden: int = 0,
         shared_gate: bool = False,
+        activation: str = "swiglu",
+        latent: int = 0,
         method: str = "auto",
         rngs: nnx.Rngs,
         dtype=None,
@@ -347,6 +367,8 @@ class MoE(nnx.Module):
             raise ValueError(f"top_k must be <= num_experts={num_experts}, got {top_k}")
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         checks.check_bool("normalize", normalize)
         checks.check_bool("score_bias", score_bias)
         checks.check_bool("shared_gate", shared_gate)
@@ -365,6 +387,7 @@ class MoE(nnx.Module):
                 f"{num_experts // num_groups}"
             )
         checks.check_int("shared_hidden", shared_hidden, 0)
+        checks.check_int("latent", latent, 0)
         grouped.resolve(method)  # a bad name fails here, not at the first call
         if shared_gate and not shared_hidden:
             raise ValueError("shared_gate gates the shared expert: give shared_hidden > 0")
@@ -380,15 +403,23 @@ class MoE(nnx.Module):
         expert = lambda shape, *names: nnx.Param(
             sharding.with_axes(init, *names)(rngs.params(), shape, param_dtype)
         )
-        self.gate = expert((num_experts, width, hidden), e, em, ml)
-        self.up = expert((num_experts, width, hidden), e, em, ml)
-        self.down = expert((num_experts, hidden, width), e, ml, em)
+        gated, inner = activation == "swiglu", latent or width
+        self.gate = nnx.data(expert((num_experts, inner, hidden), e, em, ml) if gated else None)
+        self.up = expert((num_experts, inner, hidden), e, em, ml)
+        self.down = expert((num_experts, hidden, inner), e, ml, em)
+        linear = lambda n_in, n_out: nnx.Linear(
+            n_in, n_out, use_bias=False, kernel_init=sharding.kernel(em, None), dtype=dtype,
+            param_dtype=param_dtype, rngs=rngs,
+        )  # fmt: skip
+        self.latent_in = nnx.data(linear(width, latent) if latent else None)
+        self.latent_out = nnx.data(linear(latent, width) if latent else None)
         self.bias = nnx.data(
             RouterBias(jnp.zeros(num_experts, jnp.float32)) if score_bias else None
         )
         if shared_hidden:
+            shared = SwiGLU if gated else ReLU2MLP
             self.shared = nnx.data(
-                SwiGLU(width, shared_hidden, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                shared(width, shared_hidden, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
             )
         else:
             self.shared = nnx.data(None)
@@ -443,8 +474,13 @@ class MoE(nnx.Module):
             balance = load_balancing_loss(routing.probs, routing.experts, valid)
             z = router_z_loss(logits, valid)
             self.losses[...] = jnp.stack([balance, z]).astype(jnp.float32)
-        weights = [w[...].astype(dtype) for w in (self.gate, self.up, self.down)]
-        out = _experts(flat, routing, valid, *weights, method=self.method)
+        weights = [
+            None if w is None else w[...].astype(dtype) for w in (self.gate, self.up, self.down)
+        ]
+        inner = flat if self.latent_in is None else self.latent_in(flat)
+        out = _experts(inner, routing, valid, *weights, method=self.method)
+        if self.latent_out is not None:
+            out = self.latent_out(out)
         if self.shared is not None:
             shared = self.shared(flat)
             if self.shared_gate is not None:
@@ -461,18 +497,21 @@ def _experts(x, routing: Routing, valid, gate, up, down, *, method: str) -> jax.
     mesh = jax.sharding.get_abstract_mesh()
     axis = sharding.EXPERT_AXIS
     devices = 0 if mesh.empty or axis not in mesh.shape else mesh.shape[axis]
-    if devices <= 1 or gate.shape[0] % devices:
+    if devices <= 1 or up.shape[0] % devices:
         return combine_experts(x, routing, valid, gate, up, down, method=method)
     P = jax.sharding.PartitionSpec
     split = x.shape[0] % devices == 0  # tokens split over the axis: gather, then scatter back
     rows = P(axis) if split else P()
     valid = jnp.ones(x.shape[0], bool) if valid is None else valid
 
-    def local(x, weights, experts, valid, gate, up, down):
+    experts_weights = (up, down) if gate is None else (gate, up, down)  # no None through
+
+    def local(x, weights, experts, valid, *experts_weights):
+        gate, up, down = (None, *experts_weights)[-3:]
         if split:
             gather = lambda a: jax.lax.all_gather(a, axis, tiled=True)
             x, weights, experts, valid = map(gather, (x, weights, experts, valid))
-        first = jax.lax.axis_index(axis) * gate.shape[0]
+        first = jax.lax.axis_index(axis) * up.shape[0]
         own = Routing(weights, experts, None)
         out = combine_experts(x, own, valid, gate, up, down, first_expert=first, method=method)
         if split:
@@ -482,9 +521,9 @@ def _experts(x, routing: Routing, valid, gate, up, down, *, method: str) -> jax.
     run = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(rows, rows, rows, rows, P(axis), P(axis), P(axis)),
+        in_specs=(rows,) * 4 + (P(axis),) * len(experts_weights),
         out_specs=rows,
         axis_names={axis},
         check_vma=False,
     )
-    return run(x, routing.weights, routing.experts, valid, gate, up, down)
+    return run(x, routing.weights, routing.experts, valid, *experts_weights)

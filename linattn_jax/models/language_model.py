@@ -13,6 +13,7 @@ from flax import nnx
 from linattn_jax import sharding
 from linattn_jax.layers.blocks import make_norm
 from linattn_jax.layers.mlp import check_multiplier
+from linattn_jax.layers.shared import SharedBlocks
 from linattn_jax.models import sampling, stack
 from linattn_jax.models.common import check_state, check_tokens
 from linattn_jax.models.options import freeze
@@ -49,6 +50,10 @@ class LanguageModel(nnx.Module):
         ``embedding_multiplier``; 1: none).
       logits_scaling: the logits divided by this (Granite's ``logits_scaling``; 1: none).
       logit_soft_cap: None, or the logits are ``cap * tanh(logits / cap)`` (xLSTM-7B: 30).
+      shared_blocks: None, or ``layers.shared.SharedBlocks``' options (``layers``,
+        ``num_blocks``, ...): transformer blocks shared by several layers over ``[hidden,
+        embeddings]``, each use with its own adapters and KV cache (Zamba2); unrolled
+        layers only (no ``scan_layers``, no ``remat``).
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
       param_dtype: the parameters' dtype, as in Flax.
@@ -85,6 +90,7 @@ class LanguageModel(nnx.Module):
         embedding_multiplier: float = 1.0,
         logits_scaling: float = 1.0,
         logit_soft_cap: float | None = None,
+        shared_blocks: Mapping[str, Any] | None = None,
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -99,10 +105,13 @@ class LanguageModel(nnx.Module):
                 embedding_multiplier=embedding_multiplier, logits_scaling=logits_scaling,
                 logit_soft_cap=logit_soft_cap, dtype=dtype, param_dtype=param_dtype,
                 **block_kwargs,
+                **({} if shared_blocks is None else dict(shared_blocks=shared_blocks)),
             )
         )  # fmt: skip
         self.hf_config = None
         check_multiplier("embedding_multiplier", embedding_multiplier)
+        if shared_blocks is not None and (scan_layers or remat != "none"):
+            raise ValueError("shared_blocks needs scan_layers=False and remat='none'")
         check_multiplier("logits_scaling", logits_scaling)
         self.embedding_multiplier = float(embedding_multiplier)
         self.logits_scaling = float(logits_scaling)
@@ -130,6 +139,13 @@ class LanguageModel(nnx.Module):
             **block_kwargs,
         )
         self.depth, self.remat = depth, remat
+        self.shared = nnx.data(
+            None
+            if shared_blocks is None
+            else SharedBlocks(
+                width, depth, **shared_blocks, rngs=rngs, dtype=dtype, param_dtype=param_dtype
+            )
+        )
         if logit_soft_cap is not None:
             checks.check_number("logit_soft_cap", logit_soft_cap, minimum=0.0)
             if not logit_soft_cap > 0:
@@ -155,8 +171,12 @@ class LanguageModel(nnx.Module):
 
     def init_state(self, batch: int, max_length: int | None = None) -> list:
         """One decoding state per block, each its own kind's (``max_length``: softmax's KV
-        cache length); with ``scan_layers``, one per block of the period, stacked."""
-        return stack.init_states(self.blocks, self.depth, self.period, batch, max_length)
+        cache length); with ``scan_layers``, one per block of the period, stacked; with
+        ``shared_blocks``, then a list of one KV cache per use."""
+        states = stack.init_states(self.blocks, self.depth, self.period, batch, max_length)
+        return (
+            states if self.shared is None else [*states, self.shared.init_state(batch, max_length)]
+        )
 
     def __call__(
         self,
@@ -177,14 +197,16 @@ class LanguageModel(nnx.Module):
             holding ids outside ``[0, vocab_size)``.
         """
         check_tokens(tokens, self.vocab_size)
-        check_state(state, len(self.blocks), tokens.shape[0], 0 if self.period is None else 1)
+        states = len(self.blocks) + (self.shared is not None)
+        check_state(state, states, tokens.shape[0], 0 if self.period is None else 1)
         x = self.embed(tokens)
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         x = sharding.constrain(x, sharding.BATCH, sharding.LENGTH, None)
-        x = stack.run_blocks(
+        run = stack.run_blocks if self.shared is None else self.shared.run
+        x = run(
             self.blocks,
             x,
             period=self.period,
