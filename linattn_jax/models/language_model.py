@@ -121,23 +121,11 @@ class LanguageModel(nnx.Module):
             dtype=dtype, param_dtype=param_dtype, rngs=rngs,
         )  # fmt: skip
         self.blocks, self.layout, self.period = stack.make_blocks(
-            depth,
-            width,
-            num_heads,
-            attention=attention,
-            kind_options=kind_options,
-            scan_layers=scan_layers,
-            remat=remat,
-            causal=True,
-            mlp_ratio=mlp_ratio,
-            short_conv=short_conv,
-            zero_centred_norm=zero_centred_norm,
-            norm=norm,
-            rngs=rngs,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            **block_kwargs,
-        )
+            depth, width, num_heads, attention=attention, kind_options=kind_options,
+            scan_layers=scan_layers, remat=remat, causal=True, mlp_ratio=mlp_ratio,
+            short_conv=short_conv, zero_centred_norm=zero_centred_norm, norm=norm, rngs=rngs,
+            dtype=dtype, param_dtype=param_dtype, **block_kwargs,
+        )  # fmt: skip
         self.depth, self.remat = depth, remat
         self.shared = nnx.data(
             None
