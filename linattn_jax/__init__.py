@@ -36,6 +36,13 @@ from linattn_jax.ops.mlstm import (
     mlstm_step,
     sequence_parallel_mlstm,
 )
+from linattn_jax.ops.rglru import (
+    RGLRU_METHODS,
+    RGLRUState,
+    init_rglru_state,
+    rglru,
+    rglru_step,
+)
 from linattn_jax.ops.ssd import (
     SSD_METHODS,
     SSDState,
@@ -75,4 +82,9 @@ __all__ = [
     "sequence_parallel_ssd",
     "ssd",
     "ssd_step",
+    "RGLRU_METHODS",
+    "RGLRUState",
+    "init_rglru_state",
+    "rglru",
+    "rglru_step",
 ]
