@@ -185,3 +185,35 @@ def test_errors():
         rglru.step(**{n: x[:, 0] for n, x in inputs.items()}, state=None, a_param=a_param)
     state = rglru.init_rglru_state(B, H, D)
     assert state.h.shape == (B, H, D) and np.all(np.asarray(state.h) == 0)
+
+
+def test_recurrent_block_decodes_pads_and_packs_like_its_full_forward():
+    """``RGLRUBlock``: a prefill then steps equals the full forward (state included); a
+    left-padded row (NaN at the padding) equals the row alone; two packed segments equal
+    each run alone."""
+    from flax import nnx
+
+    from linattn_jax.layers import RGLRUBlock
+
+    block = RGLRUBlock(8, 2, lru_width=6, conv_size=3, rngs=nnx.Rngs(0))
+    forward = nnx.jit(lambda m, x, mask=None, ids=None: m(x, key_mask=mask, segment_ids=ids))
+    layer = functools.partial(forward, block)
+    decode = functools.partial(nnx.jit(lambda m, x, s: m(x, state=s, return_state=True)), block)
+    x = jax.random.normal(jax.random.PRNGKey(1), (B, T, 8))
+    full, end = decode(x, block.init_state(B))
+    state, outs = block.init_state(B), []
+    for piece in (slice(0, 5), *(slice(t, t + 1) for t in range(5, T))):
+        y, state = decode(x[:, piece], state)
+        outs.append(y)
+    helpers.assert_close_normwise(jnp.concatenate(outs, 1), full)
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(end), strict=True):
+        np.testing.assert_allclose(got, want, **helpers.tol(jnp.float32))
+    padded = jnp.concatenate([jnp.full((B, 3, 8), jnp.nan), x], axis=1)
+    mask = jnp.zeros((B, T + 3), bool).at[:, 3:].set(True)
+    out = layer(padded, mask)
+    helpers.assert_close_normwise(out[:, 3:], full)
+    assert np.all(np.asarray(out[:, :3]) == 0)
+    ids = jnp.asarray([[0] * 4 + [1] * (T - 4)] * B)
+    packed = layer(x, ids=ids)
+    alone = jnp.concatenate([full[:, :4], layer(x[:, 4:])], axis=1)  # full: causal
+    helpers.assert_close_normwise(packed, alone)

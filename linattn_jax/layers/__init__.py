@@ -1,7 +1,7 @@
 """The layers floor: Flax NNX modules that own parameters and call ``linattn_jax.ops``.
 
 One file per layer kind (``linear``, ``delta``, ``softmax``, ``mla``, ``mamba2``,
-``mlstm``, ``lightning``, ``linearized``), the pieces they share
+``mlstm``, ``lightning``, ``linearized``, ``rglru``), the pieces they share
 (``conv``, ``gates``, ``feature_maps``, ``norms``, ``rope``, ``common``), the mixture of
 experts (``moe``), the MLPs (``mlp``), the dispatch
 between a decoding step, the sequence-parallel form and the full-sequence form written
@@ -38,6 +38,7 @@ from linattn_jax.layers.moe import MoE
 from linattn_jax.layers.norms import GatedRMSNorm, RMSNorm
 from linattn_jax.layers.recurrent import SequenceSharding, run_causal
 from linattn_jax.layers.registry import ATTENTION_KINDS, KINDS, AttentionKind, make_attention
+from linattn_jax.layers.rglru import RGLRUBlock, RGLRUCache
 from linattn_jax.layers.softmax import LINEAR_ONLY_OPTIONS, KVCache, SoftmaxAttention
 
 __all__ = [
@@ -90,4 +91,6 @@ __all__ = [
     "norms",
     "rope",
     "run_causal",
+    "RGLRUBlock",
+    "RGLRUCache",
 ]

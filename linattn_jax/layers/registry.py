@@ -19,6 +19,7 @@ from linattn_jax.layers.linearized import LinearizedAttention
 from linattn_jax.layers.mamba2 import Mamba2Mixer
 from linattn_jax.layers.mla import LatentAttention
 from linattn_jax.layers.mlstm import MLSTMLayer
+from linattn_jax.layers.rglru import RGLRUBlock
 from linattn_jax.layers.softmax import SoftmaxAttention
 
 
@@ -186,6 +187,13 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
         ),
         # No mixer: an MLP-only block (Nemotron-H's "-" layers).
         "mlp": AttentionKind(None, "MLP only"),
+        # Griffin's recurrent block (RecurrentGemma): gated branch, conv, RG-LRU.
+        "rglru": AttentionKind(
+            RGLRUBlock,
+            "RG-LRU (Griffin)",
+            options=("method", "chunk_size"),
+            sequence_parallel=False,
+        ),
     }
 )
 ATTENTION_KINDS = tuple(KINDS)
