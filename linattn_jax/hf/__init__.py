@@ -36,6 +36,7 @@ The layout: one module per model type over a shared loader.
       minimax (lightning + softmax attention, normed residuals, a mixture)
       olmo_hybrid (Gated DeltaNet + post-normed softmax)
       xlstm (mLSTM)
+      recurrent_gemma (Griffin's RG-LRU blocks + local multi-query attention)
       llama (softmax attention + SwiGLU: the softmax model types' base)
       ├── mistral (every layer a sliding window)
       │   ├── phi3 (fused qkv and gate_up projections, partial RoPE)
@@ -147,4 +148,5 @@ __all__ = [
     "tables",
     "text",
     "xlstm",
+    "recurrent_gemma",
 ]

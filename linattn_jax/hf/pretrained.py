@@ -42,6 +42,7 @@ from linattn_jax.hf import (
     qwen3_5_moe,
     qwen3_moe,
     qwen3_next,
+    recurrent_gemma,
     safetensors_io,
     tables,
     xlstm,
@@ -75,6 +76,7 @@ _FORMATS = (
     deepseek_v3.FORMAT,
     qwen2.FORMAT,
     qwen3.FORMAT,
+    recurrent_gemma.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: fmt for fmt in _FORMATS for model_type in fmt.model_types
