@@ -194,7 +194,7 @@ class RGLRUBlock(nnx.Module):
             rglru, u, i, r, state=None if state is None else state.lru, key_mask=key_mask,
             segment_ids=segment_ids, method=self.method, chunk_size=self.chunk_size,
             sharding=None, options=dict(a_param=a_param, c=self.c),
-            step_options=dict(reset=reset[:, 0]), causal_options=dict(reset=reset),
+            step_options=dict(reset=reset[:, 0] if t else None), causal_options=dict(reset=reset),
         )  # fmt: skip
         out = self.linear_out(h.reshape(b, t, self.lru_width).astype(y.dtype) * y)
         if not return_state:
