@@ -68,3 +68,17 @@ def test_bad_fields_are_named(pair):
         with pytest.raises(ValueError, match=message):
             fmt.normalize_config({**config, field: value})
     assert hf.recurrent_gemma.embedding_scale(2560) == 50.5  # sqrt(2560) = 50.596 in bfloat16
+
+
+def test_the_docs_weight_table_names_every_rule(pair):
+    from pathlib import Path
+
+    _, _, _, config = pair
+    page = (Path(__file__).parents[1] / "docs/guide/rglru.md").read_text()
+    rg = hf.recurrent_gemma
+    rules = rg.MODEL_RULES + rg.NORM_RULES + rg.RECURRENT_RULES + rg.MLP_RULES
+    for rule in rules + rg.attention_rules(config):  # a row names it, or its sibling
+        name = rule.hf.removesuffix(".weight").removesuffix(".bias").rsplit(".", 1)[-1]
+        assert rule.hf in page or f"`{name}`" in page, rule.hf
+        for ours in rule.ours:
+            assert ours in page or f"`{ours.split('.')[-2]}`" in page, ours
