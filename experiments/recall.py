@@ -56,6 +56,8 @@ KINDS = {
     # and a state of n = 32 per channel, so h n p = 64 * width floats (the delta rule's
     # width² at width 64).
     "mamba2": {"attention": "mamba2", "short_conv": 0, "mamba2.state_dim": 32},
+    # Griffin's recurrent block (its own convolution): a state of one float per channel.
+    "rglru": {"attention": "rglru", "short_conv": 0},
 }
 LABELS = {
     "softmax": "softmax attention",
@@ -70,6 +72,7 @@ LABELS = {
     "mlstm": "mLSTM (xLSTM)",
     "hybrid": "Gated DeltaNet : softmax, 1:1",
     "mamba2": "Mamba-2 (SSD, state 32)",
+    "rglru": "RG-LRU (Griffin)",
 }
 
 
@@ -147,6 +150,8 @@ def _state_floats(config_json: str) -> int:
             held = (cache.k, cache.v)
         elif isinstance(cache, layers.Mamba2Cache):
             held = cache.ssm  # the convolution's few floats are not counted
+        elif isinstance(cache, layers.RGLRUCache):
+            held = cache.lru  # h; the convolution's few floats are not counted
         elif isinstance(cache, ops.mlstm.State):
             held = cache  # C, n and m
         elif isinstance(cache, layers.LinearAttentionCache) and not attention.normalize:
