@@ -42,6 +42,7 @@ from linattn_jax.ops.rglru import (
     init_rglru_state,
     rglru,
     rglru_step,
+    sequence_parallel_rglru,
 )
 from linattn_jax.ops.ssd import (
     SSD_METHODS,
@@ -87,4 +88,5 @@ __all__ = [
     "init_rglru_state",
     "rglru",
     "rglru_step",
+    "sequence_parallel_rglru",
 ]

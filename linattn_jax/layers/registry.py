@@ -192,7 +192,6 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
             RGLRUBlock,
             "RG-LRU (Griffin)",
             options=("method", "chunk_size"),
-            sequence_parallel=False,
         ),
     }
 )

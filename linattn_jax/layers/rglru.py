@@ -36,7 +36,7 @@ from linattn_jax.layers.common import (
     split_heads,
 )
 from linattn_jax.layers.conv import CausalConv1D
-from linattn_jax.layers.recurrent import run_causal
+from linattn_jax.layers.recurrent import run_causal, sequence_sharding
 from linattn_jax.ops import checks, rglru
 
 ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True), "gelu": jax.nn.gelu}
@@ -74,6 +74,10 @@ class RGLRUBlock(nnx.Module):
       causal: must be True (the block is a recurrence); False is refused by decoding.
       method: the full-sequence form (``ops.rglru.METHODS``).
       chunk_size: tokens per chunk; None: the family's default.
+      sequence_axis: a mesh axis that splits full-sequence forwards along their length
+        (``ops.rglru.sequence_parallel``; no ``key_mask`` or ``segment_ids`` then).
+      batch_axis: the mesh axis that splits the batch alongside ``sequence_axis``.
+      mesh: the mesh of those axes; the current one when None.
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's); states stay float32.
       param_dtype: the parameters' dtype.
@@ -95,6 +99,9 @@ class RGLRUBlock(nnx.Module):
         causal: bool = True,
         method: str = "chunked",
         chunk_size: int | None = None,
+        sequence_axis: str | None = None,
+        batch_axis: str | tuple[str, ...] | None = None,
+        mesh: jax.sharding.Mesh | None = None,
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -113,6 +120,7 @@ class RGLRUBlock(nnx.Module):
         self.width, self.num_heads, self.lru_width = width, num_heads, lru
         self.activation, self.c, self.causal = activation, float(c), causal
         self.method, self.chunk_size = method, chunk_size
+        self.sharding = nnx.data(sequence_sharding(sequence_axis, batch_axis, mesh, causal))
         embed, heads = sharding.EMBED, sharding.HEADS
         zeros = nnx.initializers.zeros_init()
         linear = lambda n_in, n_out, *axes: nnx.Linear(
@@ -193,7 +201,7 @@ class RGLRUBlock(nnx.Module):
         h, lru = run_causal(
             rglru, u, i, r, state=None if state is None else state.lru, key_mask=key_mask,
             segment_ids=segment_ids, method=self.method, chunk_size=self.chunk_size,
-            sharding=None, options=dict(a_param=a_param, c=self.c),
+            sharding=self.sharding, options=dict(a_param=a_param, c=self.c),
             step_options=dict(reset=reset[:, 0] if t else None), causal_options=dict(reset=reset),
         )  # fmt: skip
         out = self.linear_out(h.reshape(b, t, self.lru_width).astype(y.dtype) * y)

@@ -5,7 +5,7 @@
 form with the same file names (``api``, ``chunked``, ``recurrent``, ``step``,
 ``sequence_parallel``, ``state``) and exposing one interface: ``additive``, ``delta`` and
 ``mlstm`` (xLSTM's stabilised exponential gates), and ``rglru`` (Griffin's RG-LRU, a
-diagonal recurrence: no sequence-parallel form yet). ``FAMILIES`` names them. ``ssd``
+diagonal recurrence). ``FAMILIES`` names them. ``ssd``
 (Mamba-2) is the additive rule with its own inputs (``x, dt, A, B, C``) and the same forms
 (``causal``, ``step``, ``sequence_parallel``).
 """

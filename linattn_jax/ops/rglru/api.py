@@ -14,7 +14,8 @@ any token ``reset`` marks. ``sqrt`` has Griffin's bounded derivative (at most 10
 
 ``causal`` runs one of the forms: ``"chunked"`` (``chunked.py``: an associative scan in
 each chunk, the fast default) or ``"scan"`` (``recurrent.py``, the reference
-recurrence); ``step`` (``step.py``) decodes one token.
+recurrence); ``step`` (``step.py``) decodes one token; ``sequence_parallel`` shards the
+length.
 
 Padding: a token masked by ``key_mask`` leaves the state untouched and outputs 0, whatever
 its inputs hold (NaN and inf included). A non-finite input of a real token spoils its own
