@@ -56,6 +56,9 @@ KINDS = {
     # and a state of n = 32 per channel, so h n p = 64 * width floats (the delta rule's
     # width² at width 64).
     "mamba2": {"attention": "mamba2", "short_conv": 0, "mamba2.state_dim": 32},
+    # RWKV-4 (its own token shifts, no short_conv): the time mix and the channel mix as the
+    # MLP; the WKV's per-token scan (its chunked form is slower on every device measured).
+    "rwkv": {"attention": "rwkv", "mlp": "rwkv", "short_conv": 0, "method": "scan"},
     # Griffin's recurrent block (its own convolution): a state of one float per channel.
     "rglru": {"attention": "rglru", "short_conv": 0},
 }
@@ -72,6 +75,7 @@ LABELS = {
     "mlstm": "mLSTM (xLSTM)",
     "hybrid": "Gated DeltaNet : softmax, 1:1",
     "mamba2": "Mamba-2 (SSD, state 32)",
+    "rwkv": "RWKV-4",
     "rglru": "RG-LRU (Griffin)",
 }
 
@@ -154,6 +158,8 @@ def _state_floats(config_json: str) -> int:
             held = cache.lru  # h; the convolution's few floats are not counted
         elif isinstance(cache, ops.mlstm.State):
             held = cache  # C, n and m
+        elif isinstance(cache, layers.RWKVState):
+            held = cache  # the WKV's num, den and m, and the time mix's previous input
         elif isinstance(cache, layers.LinearAttentionCache) and not attention.normalize:
             held = cache.state.s  # no denominator: Z is never read
         else:

@@ -52,6 +52,14 @@ from linattn_jax.ops.ssd import (
     ssd,
     ssd_step,
 )
+from linattn_jax.ops.wkv import (
+    WKV_METHODS,
+    WKVState,
+    init_wkv_state,
+    sequence_parallel_wkv,
+    wkv,
+    wkv_step,
+)
 
 __version__ = "0.1.0"
 
@@ -83,6 +91,12 @@ __all__ = [
     "sequence_parallel_ssd",
     "ssd",
     "ssd_step",
+    "WKV_METHODS",
+    "WKVState",
+    "init_wkv_state",
+    "sequence_parallel_wkv",
+    "wkv",
+    "wkv_step",
     "RGLRU_METHODS",
     "RGLRUState",
     "init_rglru_state",

@@ -286,7 +286,9 @@ def test_sweep_shorthand_maps_kinds_and_feature_maps():
         (dict(chunk_size=0), "chunk_size"),
         (dict(method="quadratic"), "method"),
         (dict(gate_rank=4), "gate_rank"),
-        (dict(variant="kda", gate_rank=0), "gate_rank"),
+        (dict(variant="kda", gate_rank=-1), "gate_rank"),
+        (dict(gate_lower_bound=-5.0), r"gate_lower_bound is KDA's"),
+        (dict(variant="kda", gate_lower_bound=0.5), r"gate_lower_bound must be a number < 0"),
         (dict(output_gate=1), "output_gate"),
         (dict(allow_negative_eigenvalues="yes"), "allow_negative_eigenvalues"),
     ],
@@ -307,6 +309,18 @@ def test_bad_gate_and_kind_raise():
         _layer("kda", causal=False).init_state(B)
     with pytest.raises(ValueError, match="state"):
         _layer("kda")(_x(), state=layers.LinearAttentionCache(None, None))
+
+
+def test_ling_bounded_full_rank_gate():
+    """Ling 3's KDA gate: one matrix (``gate_rank=0``), ``lower_bound * sigmoid(exp(A_log)
+    (W x + dt_bias))`` per key channel (the whole layer against transformers in
+    tests/test_hf_bailing_hybrid.py)."""
+    gate = _layer("kda", gate_rank=0, gate_lower_bound=-5.0).gate
+    assert gate.proj.kernel.shape == (W, W)
+    x = _x(3)
+    a = (x @ gate.proj.kernel[...] + gate.dt_bias[...][None, None]).reshape(B, T, H, W // H)
+    decay = jnp.exp(gate.A_log[...])[None, None, :, None]
+    np.testing.assert_allclose(gate(x), -5.0 / (1 + jnp.exp(-decay * a)), **tol(jnp.float32))
 
 
 def test_kimi_output_gate_options():

@@ -131,6 +131,8 @@ def test_mla_options_checked():
         LatentAttention(W, H, rope_theta=1e4, rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match="unexpected"):
         LatentAttention(W, H, sliding_window=4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="head_gate must be True or False, got 1"):
+        LatentAttention(W, H, head_gate=1, rngs=nnx.Rngs(0))
     layer = make()
     with pytest.raises(ValueError, match="segment_ids"):
         layer(jnp.zeros((1, 2, W)), segment_ids=jnp.zeros((1, 2), int), return_state=True)

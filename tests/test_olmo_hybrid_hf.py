@@ -102,3 +102,18 @@ def test_the_true_conv_shapes_are_written_for_unequal_key_and_value_widths(pair)
     shapes = {name: shape for name, (shape, _) in hf.expected_tensors(wide).items()}
     conv = "model.layers.0.linear_attn.{}_conv1d.weight"
     assert [shapes[conv.format(p)] for p in "qkv"] == [(16, 1, 4), (16, 1, 4), (24, 1, 4)]
+
+
+def test_transformers_equal_thirds_of_unequal_widths_load_with_its_logits(tmp_path):
+    # transformers saves the fused conv [2 h dk + hv dv] as three equal chunks (19, 19, 18
+    # channels here, keys 16 and values 24 wide) and joins them back on load.
+    torch.manual_seed(1)
+    wide = dict(CONFIG, linear_value_head_dim=6, num_hidden_layers=2)
+    wide["layer_types"] = ["linear_attention", "full_attention"]
+    ref = helpers.randomized(OlmoHybridForCausalLM(OlmoHybridConfig(**wide)).eval(), 1.0)
+    ref.save_pretrained(tmp_path)
+    shapes = {n: s for n, (s, _) in hf.expected_tensors(hf.read_config(tmp_path)).items()}
+    assert shapes["model.layers.0.linear_attn.v_conv1d.weight"] == (24, 1, 4)  # ours written
+    model, _ = hf.from_pretrained(tmp_path)
+    tokens = np.random.default_rng(3).integers(2, CONFIG["vocab_size"], (2, 9))
+    assert_close_normwise(helpers.logits(model, tokens), torch_logits(ref, tokens), LOGITS_RTOL)

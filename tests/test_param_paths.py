@@ -61,6 +61,9 @@ CASES = {
         rngs=r,
     ),  # fmt: skip
     "mlstm": lambda r: layers.MLSTMLayer(16, 2, use_bias=True, rngs=r),
+    "rwkv_block": lambda r: layers.TransformerBlock(
+        16, 2, attention="rwkv", mlp="rwkv", mlp_hidden=24, norm="layer", wkv_width=12, rngs=r
+    ),
     "lightning": lambda r: layers.LightningAttention(16, 2, layer_index=1, num_layers=3, rngs=r),
     "softmax": lambda r: layers.SoftmaxAttention(16, 2, rngs=r),
     "softmax_gqa_rope_norms_gate": lambda r: layers.SoftmaxAttention(
@@ -112,6 +115,12 @@ CASES = {
     "block_mixer_only_post_norm": lambda r: layers.TransformerBlock(
         16, 2, attention="kda", mlp="none", post_norm=True, rngs=r
     ),
+    "gated_conv": lambda r: layers.GatedShortConv(16, 2, use_bias=True, rngs=r),
+    "softmax_head_gate": lambda r: layers.SoftmaxAttention(16, 2, head_gate=True, rngs=r),
+    "kda_full_rank_bounded": lambda r: layers.DeltaRuleAttention(
+        16, 2, variant="kda", gate_rank=0, gate_lower_bound=-5.0, rngs=r
+    ),
+    "latent_head_gate": lambda r: layers.LatentAttention(16, 2, head_gate=True, rngs=r),
     "language_model_hybrid": lambda r: models.LanguageModel(
         32, 16, 2, 2, attention="1 gated_deltanet : 1 softmax", mlp="swiglu", rngs=r
     ),
@@ -313,6 +322,21 @@ EXPECTED: dict[str, list[str]] = {
         "q_a_proj/kernel Param 16x6",
         "q_b_proj/kernel Param 6x12",
     ],
+    "gated_conv": [
+        "conv/kernel Param 3x16",
+        "conv_bias Param 16",
+        "in_proj/bias Param 48",
+        "in_proj/kernel Param 16x48",
+        "out_proj/bias Param 16",
+        "out_proj/kernel Param 16x16",
+    ],
+    "softmax_head_gate": [
+        "g_proj/kernel Param 16x2",
+        "k_proj/kernel Param 16x16",
+        "out_proj/kernel Param 16x16",
+        "q_proj/kernel Param 16x16",
+        "v_proj/kernel Param 16x16",
+    ],
     "lightning": [
         "k_proj/kernel Param 16x16",
         "norm/scale Param 16",
@@ -388,6 +412,26 @@ EXPECTED: dict[str, list[str]] = {
         "v/bias Param 16",
         "v/kernel Param 16x16",
     ],
+    "rwkv_block": [
+        "attention/key/kernel Param 16x12",
+        "attention/output/kernel Param 12x16",
+        "attention/receptance/kernel Param 16x12",
+        "attention/time_decay Param 12",
+        "attention/time_first Param 12",
+        "attention/time_mix_key Param 16",
+        "attention/time_mix_receptance Param 16",
+        "attention/time_mix_value Param 16",
+        "attention/value/kernel Param 16x12",
+        "attention_norm/bias Param 16",
+        "attention_norm/scale Param 16",
+        "mlp/key/kernel Param 16x24",
+        "mlp/receptance/kernel Param 16x16",
+        "mlp/time_mix_key Param 16",
+        "mlp/time_mix_receptance Param 16",
+        "mlp/value/kernel Param 24x16",
+        "mlp_norm/bias Param 16",
+        "mlp_norm/scale Param 16",
+    ],
     "softmax": [
         "k_proj/kernel Param 16x16",
         "out_proj/kernel Param 16x16",
@@ -403,6 +447,28 @@ EXPECTED: dict[str, list[str]] = {
         "q_norm/scale Param 6",
         "q_proj/kernel Param 16x48",
         "v_proj/kernel Param 16x12",
+    ],
+    # Added after 007b5f9 (#51): Ling 3's KDA and MLA.
+    "kda_full_rank_bounded": [
+        "beta_proj/kernel Param 16x2",
+        "conv/kernel Param 4x48",
+        "g_proj/kernel Param 16x16",
+        "gate/A_log Param 2",
+        "gate/dt_bias Param 16",
+        "gate/proj/kernel Param 16x16",
+        "k_proj/kernel Param 16x16",
+        "out_proj/kernel Param 16x16",
+        "output_norm/scale Param 8",
+        "q_proj/kernel Param 16x16",
+        "v_proj/kernel Param 16x16",
+    ],
+    "latent_head_gate": [
+        "g_proj/kernel Param 16x2",
+        "kv_a_proj/kernel Param 16x36",
+        "kv_b_proj/kernel Param 32x32",
+        "kv_norm/scale Param 32",
+        "out_proj/kernel Param 16x16",
+        "q_proj/kernel Param 16x24",
     ],
     "block_rglru_geglu_bias": [
         "attention/conv_1d/bias Param 8",
@@ -455,6 +521,7 @@ def test_every_layer_type_is_pinned():
     kinds = {layers.LinearAttention, layers.DeltaRuleAttention, layers.Mamba2Mixer}
     kinds |= {layers.MLSTMLayer, layers.LightningAttention, layers.SoftmaxAttention}
     kinds |= {layers.LatentAttention, layers.TransformerBlock, models.LanguageModel}
+    kinds |= {layers.GatedShortConv}
     kinds |= {layers.RGLRUBlock}
     assert kinds <= built
 

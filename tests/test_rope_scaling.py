@@ -69,6 +69,20 @@ def test_frequencies_and_attention_factor_match_transformers(parameters, seq_len
     assert math.isclose(scaling.attention_factor, factor, rel_tol=1e-12)
 
 
+def test_proportional_frequencies_match_transformers():
+    """LFM3's full layers: the whole head's pairs and frequencies, the first
+    ``partial_rotary_factor`` of them kept (9 of 32 here), the rest 0, over ``factor``."""
+    parameters = {"rope_type": "proportional", "factor": 2.0}
+    config = _config(parameters, 0.3)
+    theirs, factor = ROPE_INIT_FUNCTIONS["proportional"](config)
+    options = hf.rope.options({"max_position_embeddings": MAX_LENGTH}, config.rope_parameters)
+    assert "partial_rotary_factor" not in options  # the scaling's own, not the layer's
+    scaling = rope_scaling.parse_rope_scaling(options["rope_scaling"], HEAD_DIM)
+    ours = rope_scaling.inverse_frequencies(scaling, HEAD_DIM, options["rope_theta"])
+    np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), rtol=1e-6, atol=0)
+    assert np.count_nonzero(np.asarray(ours)) == 9 and factor == scaling.attention_factor == 1
+
+
 def test_legacy_rope_scaling_and_yarns_factor_are_read_as_transformers_reads_them():
     base = dict(
         model_type="llama", vocab_size=10, hidden_size=16, intermediate_size=8,

@@ -306,6 +306,42 @@ def test_mlstm_sequence_parallel_equals_one_device():
 
 
 @pytest.mark.skipif(not EIGHT, reason="needs 8 devices (run by the launcher test)")
+def test_wkv_sequence_parallel_equals_one_device():
+    """RWKV-4's WKV (``ops.wkv``): 4 shards x 2 batch shards, keys up to ~60 and a given
+    state; outputs, final (num, den, m) and gradients against one device."""
+    b, t, h, d = 2, 12, 2, 3
+    ks = jax.random.split(jax.random.PRNGKey(25), 7)
+    inputs = dict(
+        k=20.0 * jax.random.normal(ks[0], (b, t, h, d)),
+        v=jax.random.normal(ks[1], (b, t, h, d)),
+        time_decay=jax.random.normal(ks[2], (h, d)),
+        time_first=jax.random.normal(ks[3], (h, d)),
+    )
+    s0 = la.WKVState(
+        num=jax.random.normal(ks[4], (b, h, d)),
+        den=1.0 + jnp.abs(jax.random.normal(ks[5], (b, h, d))),
+        m=jax.random.normal(ks[6], (b, h, d)),
+    )
+    w = jax.random.normal(jax.random.PRNGKey(26), (b, t, h, d))
+
+    def loss(fn, inputs):
+        out, state = fn(**inputs, initial_state=s0, return_state=True)
+        return jnp.sum(out * w) + jnp.sum(state.num) + jnp.sum(state.m), (out, state)
+
+    parallel = functools.partial(
+        la.ops.wkv.sequence_parallel, axis_name="seq", batch_axis="batch", mesh=_mesh(4, 2),
+        chunk_size=2,
+    )  # fmt: skip
+    single = functools.partial(la.wkv, chunk_size=2)
+    grad = lambda fn: jax.jit(jax.grad(functools.partial(loss, fn), has_aux=True))(inputs)
+    (g, (out, s)), (ref_g, (ref_out, ref_s)) = grad(parallel), grad(single)
+    helpers.assert_close_normwise(out, ref_out)
+    for a, e in zip(s, ref_s, strict=True):
+        helpers.assert_close_normwise(a, e)
+    helpers.assert_close_normwise(g, ref_g)
+
+
+@pytest.mark.skipif(not EIGHT, reason="needs 8 devices (run by the launcher test)")
 def test_rglru_sequence_parallel_equals_one_device():
     """The RG-LRU (``ops.rglru``): 4 shards x 2 batch shards, a reset inside a shard, from
     no state (token 0 a sequence start) and from a given one; outputs, final state and

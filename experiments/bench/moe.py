@@ -3,9 +3,11 @@
 For each width ``D`` of ``--moe-widths``: ``layers.MoE`` with ``E = 8`` experts of hidden
 width ``D``, ``k = 2`` per token, against ``layers.SwiGLU`` of hidden width ``k * D`` (the
 parameters one token goes through are the same, the router's ``D x E`` apart), on
-``--tokens`` tokens. Each is timed forward+backward (the gradient of a sum of the outputs
-with respect to the parameters and the input), the two calls interleaved repeat by repeat
-so that the ratio sees the same load; XLA's compiled scratch memory of each; and the
+``--tokens`` tokens; the MoE in its default grouped-matmul form (``"auto"``: tiled on
+CPU) and with ``method="ragged"`` (``jax.lax.ragged_dot``, the form before the tiles).
+Each is timed forward+backward (the gradient of a sum of the outputs with respect to the
+parameters and the input), the calls interleaved repeat by repeat so that the ratios see
+the same load; XLA's compiled scratch memory of each; and the
 dispatch alone (the router, the sort by expert, the gather of the rows and the weighted
 scatter back, without the experts' matmuls), whose time over the MoE's is its share.
 """
@@ -62,9 +64,11 @@ def measure(width: int, tokens: int, repeats: int) -> dict:
     rngs = nnx.Rngs(0)
     layer = MoE(width, EXPERTS, TOP_K, width, rngs=rngs)
     dense = SwiGLU(width, TOP_K * width, rngs=rngs)
+    ragged = MoE(width, EXPERTS, TOP_K, width, method="ragged", rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (tokens, width), jnp.float32)
     cases = {
         "moe": _loss(layer),
+        "ragged": _loss(ragged),
         "dense": _loss(dense),
         "dispatch": _dispatch_only(layer),
     }
@@ -76,7 +80,7 @@ def measure(width: int, tokens: int, repeats: int) -> dict:
         steps[name] = (compiled, params)
         jax.block_until_ready(compiled(params, x))  # warm up
     times = {name: [] for name in steps}
-    for _ in range(repeats):  # interleaved: each repeat times all three under the same load
+    for _ in range(repeats):  # interleaved: each repeat times all four under the same load
         for name, (step, params) in steps.items():
             start = time.perf_counter()
             jax.block_until_ready(step(params, x))
@@ -85,6 +89,9 @@ def measure(width: int, tokens: int, repeats: int) -> dict:
         row[f"{name}_ms"] = statistics.median(values)
     row["moe_over_dense"] = statistics.median(
         m / d for m, d in zip(times["moe"], times["dense"], strict=True)
+    )
+    row["ragged_over_moe"] = statistics.median(
+        r / m for r, m in zip(times["ragged"], times["moe"], strict=True)
     )
     row["dispatch_share"] = statistics.median(
         s / m for s, m in zip(times["dispatch"], times["moe"], strict=True)
@@ -97,15 +104,16 @@ def measure(width: int, tokens: int, repeats: int) -> dict:
 def table(rows: list[dict]) -> str:
     lines = [
         f"| D | tokens | MoE ({EXPERTS} experts, top-{TOP_K}) fwd+bwd ms | dense SwiGLU "
-        f"({TOP_K}D) ms | MoE / dense | dispatch ms | dispatch share | MoE scratch MiB | "
-        "dense scratch MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"({TOP_K}D) ms | MoE / dense | ragged_dot MoE ms | ragged / MoE | dispatch ms | "
+        "dispatch share | MoE scratch MiB | ragged scratch MiB | dense scratch MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['width']} | {r['tokens']} | {r['moe_ms']:.2f} | {r['dense_ms']:.2f} | "
-            f"{r['moe_over_dense']:.2f}x | {r['dispatch_ms']:.2f} | "
-            f"{100 * r['dispatch_share']:.0f}% | {r['moe_scratch_mib']:.1f} | "
+            f"{r['moe_over_dense']:.2f}x | {r['ragged_ms']:.2f} | {r['ragged_over_moe']:.2f}x | "
+            f"{r['dispatch_ms']:.2f} | {100 * r['dispatch_share']:.0f}% | "
+            f"{r['moe_scratch_mib']:.1f} | {r['ragged_scratch_mib']:.1f} | "
             f"{r['dense_scratch_mib']:.1f} |"
         )
     return "\n".join(lines) + "\n"

@@ -26,16 +26,19 @@ The layout: one module per model type over a shared loader.
 
       qwen3_5 (Gated DeltaNet + gated softmax)
       └── qwen3_5_moe (every MLP a mixture)
-          └── qwen3_next (fused DeltaNet projections, dense and MoE layers)
+          ├── qwen3_next (fused DeltaNet projections, dense and MoE layers)
+          └── lara_mini (sliding and full softmax layers, plain norms, fused in_proj)
       mamba2 (Mamba-2 mixers)
       ├── bamba (Mamba-2 + Llama attention + SwiGLU: the hybrids' base)
       │   ├── granitemoehybrid (experts + shared MLP, muP multipliers)
       │   └── falcon_h1 (attention and Mamba-2 side by side)
       └── nemotron_h (mixer, attention and squared-ReLU MLP layers)
       kimi_linear (KDA + MLA + DeepSeek's mixture)
+      └── bailing_hybrid (full-rank, bounded KDA gates; MLA with RoPE and a head gate)
       minimax (lightning + softmax attention, normed residuals, a mixture)
       olmo_hybrid (Gated DeltaNet + post-normed softmax)
       xlstm (mLSTM)
+      rwkv (RWKV-4: time mix + channel mix, LayerNorms)
       recurrent_gemma (Griffin's RG-LRU blocks + local multi-query attention)
       llama (softmax attention + SwiGLU: the softmax model types' base)
       ├── mistral (every layer a sliding window)
@@ -47,6 +50,9 @@ The layout: one module per model type over a shared loader.
       ├── gemma2 ((1 + w) sandwich norms, GeGLU, soft caps, alternating windows)
       │   └── gemma3 (gemma3_text: QK-norm, 5 local : 1 global, RoPE per layer type)
       └── deepseek_v3 (MLA, DeepSeek's mixture after the first dense layers)
+      lfm2 (gated short convolutions + QK-normed softmax attention)
+      ├── lfm2_moe (mixtures after the first dense layers)
+      └── lfm3 (sliding layers, gated Qwen3 attention, RoPE per type, sandwich norms)
 
 * ``safetensors_io``: the streaming reads and the sharded writes; ``text``: the tokenizer
   and ``generate_text``.
@@ -65,6 +71,7 @@ if _MISSING:
     )
 
 from linattn_jax.hf import (  # noqa: E402
+    bailing_hybrid,
     bamba,
     common,
     deepseek_v3,
@@ -74,6 +81,10 @@ from linattn_jax.hf import (  # noqa: E402
     gemma3,
     granitemoehybrid,
     kimi_linear,
+    lara_mini,
+    lfm2,
+    lfm2_moe,
+    lfm3,
     llama,
     mamba2,
     minimax,
@@ -89,9 +100,11 @@ from linattn_jax.hf import (  # noqa: E402
     qwen3_moe,
     qwen3_next,
     rope,
+    rwkv,
     safetensors_io,
     tables,
     text,
+    unsupported,
     xlstm,
 )
 from linattn_jax.hf.pretrained import (  # noqa: E402
@@ -111,6 +124,7 @@ __all__ = [
     "FORMATS",
     "MODEL_TYPES",
     "abstract_model",
+    "bailing_hybrid",
     "bamba",
     "check_pretrained",
     "common",
@@ -125,7 +139,11 @@ __all__ = [
     "from_pretrained",
     "generate_text",
     "kimi_linear",
+    "lara_mini",
     "granitemoehybrid",
+    "lfm2",
+    "lfm2_moe",
+    "lfm3",
     "llama",
     "load_tokenizer",
     "mamba2",
@@ -147,6 +165,8 @@ __all__ = [
     "save_pretrained",
     "tables",
     "text",
+    "unsupported",
     "xlstm",
+    "rwkv",
     "recurrent_gemma",
 ]

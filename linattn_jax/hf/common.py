@@ -19,7 +19,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from linattn_jax.hf.tables import HEAD_RULE, Table
+from linattn_jax.hf.tables import HEAD_RULE, Rule, Table
 
 Config = dict[str, Any]
 Step = Callable[[Config], None]  # a config (in place): fills fields in, or raises
@@ -54,6 +54,7 @@ class ModelFormat:
         Linear, Nemotron-H, xLSTM), read and written as ``lm_head.weight``.
       finish: ``(abstract model, config) -> None``: sets what the layers take no option
         for (norms' epsilon) on the built model; or None.
+      head: the untied output head's row (``lm_head.weight``; RWKV's ``head.weight``).
     """
 
     name: str
@@ -66,6 +67,7 @@ class ModelFormat:
     ignored: Callable[[Mapping[str, Any]], tuple[str, ...]] = lambda config: ()
     ties_head: bool = True
     finish: Callable[[Any, Mapping[str, Any]], None] | None = None
+    head: Rule = HEAD_RULE
 
     def derive(self, **changes: Any) -> ModelFormat:
         """This format with ``changes`` (``dataclasses.replace``): a derived model type."""
@@ -107,11 +109,12 @@ class ModelFormat:
         """Every tensor of a checkpoint of ``config`` (normalised) under ``prefix`` (None:
         the format's first); an untied head's ``lm_head.weight`` last."""
         rows = self.table(config, self.prefixes[0] if prefix is None else prefix)
-        return rows if self.tied(config) else [*rows, (HEAD_RULE.hf, HEAD_RULE)]
+        return rows if self.tied(config) else [*rows, (self.head.hf, self.head)]
 
     def ignored_names(self, config: Mapping[str, Any]) -> tuple[str, ...]:
         """The name prefixes not read: ``ignored``'s, and a tied head's copy."""
-        return self.ignored(config) + (("lm_head.",) if self.tied(config) else ())
+        head = self.head.hf.rsplit(".", 1)[0] + "."  # lm_head., head.
+        return self.ignored(config) + ((head,) if self.tied(config) else ())
 
 
 def rms_norm_eps(field: str) -> Callable[[Any, Mapping[str, Any]], None]:

@@ -69,18 +69,24 @@ def check(config: common.Config) -> None:
         raise ValueError(f"config.json: qk_rope_head_dim must be even, got {config['head_dim']}")
 
 
-def options(config: Mapping[str, Any]) -> dict[str, Any]:
-    """MLA on every layer; SwiGLU on the first dense ones, DeepSeek's mixture after."""
+def mla_options(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``LatentAttention``'s options: DeepSeek-V3's MLA with RoPE (YaRN's ``mscale_all_dim``
+    squared into the scores' scale)."""
     rp = config["rope_parameters"]
     scale = (config["qk_nope_head_dim"] + config["qk_rope_head_dim"]) ** -0.5
     if rp["rope_type"] != "default" and rp.get("mscale_all_dim"):
         scale *= yarn_mscale(rp["factor"], rp["mscale_all_dim"]) ** 2
-    mla = dict(
+    return dict(
         num_heads=config["num_attention_heads"], kv_lora_rank=config["kv_lora_rank"],
         q_lora_rank=config["q_lora_rank"], qk_nope_head_dim=config["qk_nope_head_dim"],
         qk_rope_head_dim=config["qk_rope_head_dim"], v_head_dim=config["v_head_dim"],
         scale=scale, **rope.options(config),
     )  # fmt: skip
+
+
+def options(config: Mapping[str, Any]) -> dict[str, Any]:
+    """MLA on every layer; SwiGLU on the first dense ones, DeepSeek's mixture after."""
+    mla = mla_options(config)
     dense = config["first_k_dense_replace"]
     moe = dict(
         num_experts=config["n_routed_experts"], top_k=config["num_experts_per_tok"],

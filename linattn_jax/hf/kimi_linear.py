@@ -33,7 +33,7 @@ or its aliases (``ALIASES``), Moonshot's ``linear_attn_config`` and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from flax import nnx
@@ -101,45 +101,72 @@ MLA_RULES = rules(
     ("self_attn.kv_b_proj.weight", _a + "kv_b_proj.kernel", LINEAR),
     ("self_attn.o_proj.weight", _a + "out_proj.kernel", LINEAR),
 )
-DENSE_RULES = tables.under(tables.SWIGLU_RULES, "block_sparse_moe.", "mlp.")
-ROUTER_RULES = rules(
-    ("block_sparse_moe.gate.weight", "mlp.router", LINEAR),
-    ("block_sparse_moe.gate.e_score_correction_bias", "mlp.bias", COPY),
+MLP = "block_sparse_moe."
+DENSE_RULES = tables.under(tables.SWIGLU_RULES, MLP, "mlp.")
+SHARED_RULES = tables.under(tables.SWIGLU_RULES, MLP + "shared_experts.", "mlp.shared.")
+ROUTER_RULES = rules(  # under the MLP's prefix
+    ("gate.weight", "mlp.router", LINEAR),
+    ("gate.e_score_correction_bias", "mlp.bias", COPY),
 )
 EXPERT_RULES = rules(  # under block_sparse_moe.experts.{j}., slice j
     ("w1.weight", "mlp.gate", LINEAR),
     ("w2.weight", "mlp.down", LINEAR),
     ("w3.weight", "mlp.up", LINEAR),
 )
-SHARED_RULES = tables.under(tables.SWIGLU_RULES, "block_sparse_moe.shared_experts.", "mlp.shared.")
 
 
-def table(config: Mapping[str, Any], prefix: str) -> tables.Table:
-    """Every tensor of a checkpoint of ``config``, in the model's order."""
-    rows = [(prefix + r.hf, r) for r in MODEL_RULES]
-    q_rules = MLA_Q_RULES if config["q_lora_rank"] is None else MLA_Q_LORA_RULES
-    c = config["linear_num_heads"] * config["linear_head_dim"]  # channels of each of q, k, v
-    for i, (layer, mlp) in enumerate(
-        zip(config["layer_types"], config["mlp_layer_types"], strict=True)
-    ):
-        hf_layer, block = f"{prefix}layers.{i}.", f"blocks.{i}."
-        if layer == "linear_attention":
-            rows += tables.prefixed(KDA_RULES, hf_layer, block)
-            for j, part in enumerate("qkv"):
-                name = f"{hf_layer}self_attn.{part}_conv1d.weight"
-                index = (slice(None), slice(j * c, (j + 1) * c))
-                rows.append((name, CONV_RULE.at(name, [block + CONV_RULE.ours[0]], index)))
-        else:
-            rows += tables.prefixed(q_rules + MLA_RULES, hf_layer, block)
-        if mlp == "dense":
-            rows += tables.prefixed(DENSE_RULES, hf_layer, block)
-        else:
-            rows += tables.prefixed(ROUTER_RULES, hf_layer, block)
-            n = config["num_experts"]
-            rows += tables.experts(EXPERT_RULES, hf_layer, block, n, "block_sparse_moe.experts.")
-            rows += tables.prefixed(SHARED_RULES, hf_layer, block)
-        rows += tables.prefixed(NORM_RULES, hf_layer, block)
-    return rows
+def hybrid_table(
+    model_rules: tuple[Rule, ...],
+    kda_rules: tuple[Rule, ...],
+    conv: str,
+    mla_rules: Callable[[Mapping[str, Any]], tuple[Rule, ...]],
+    mlp: str,
+    router_rules: tuple[Rule, ...],
+    expert_rules: tuple[Rule, ...],
+    shared: str,
+) -> Callable[[Mapping[str, Any], str], tables.Table]:
+    """The table of a KDA/MLA hybrid named as Kimi Linear's or a derived type's: the
+    ``model_rules``, then each layer's norms, its mixer (``kda_rules`` and the q, k, v convs
+    named ``conv.format(part)``, channel ranges of our one conv; or ``mla_rules(config)``)
+    and its MLP under ``mlp`` (dense SwiGLU, or ``router_rules``, ``expert_rules`` under
+    ``{mlp}experts.{j}.``, the shared SwiGLU under ``shared``), then its norms."""
+    router = tables.under(router_rules, mlp, "")
+    dense = tables.under(tables.SWIGLU_RULES, mlp, "mlp.")
+    shared_rules = tables.under(tables.SWIGLU_RULES, shared, "mlp.shared.")
+
+    def table(config: Mapping[str, Any], prefix: str) -> tables.Table:
+        rows = [(prefix + r.hf, r) for r in model_rules]
+        c = config["linear_num_heads"] * config["linear_head_dim"]  # each of q, k, v
+        types = zip(config["layer_types"], config["mlp_layer_types"], strict=True)
+        for i, (layer, kind) in enumerate(types):
+            hf_layer, block = f"{prefix}layers.{i}.", f"blocks.{i}."
+            if layer == "linear_attention":
+                rows += tables.prefixed(kda_rules, hf_layer, block)
+                for j, part in enumerate("qkv"):
+                    name = hf_layer + conv.format(part)
+                    index = (slice(None), slice(j * c, (j + 1) * c))
+                    rows.append((name, CONV_RULE.at(name, [block + CONV_RULE.ours[0]], index)))
+            else:
+                rows += tables.prefixed(mla_rules(config), hf_layer, block)
+            if kind == "dense":
+                rows += tables.prefixed(dense, hf_layer, block)
+            else:
+                rows += tables.prefixed(router, hf_layer, block)
+                n = config["num_experts"]
+                rows += tables.experts(expert_rules, hf_layer, block, n, f"{mlp}experts.")
+                rows += tables.prefixed(shared_rules, hf_layer, block)
+            rows += tables.prefixed(NORM_RULES, hf_layer, block)
+        return rows
+
+    return table
+
+
+table = hybrid_table(
+    MODEL_RULES, KDA_RULES, "self_attn.{}_conv1d.weight",
+    lambda config: (MLA_Q_RULES if config["q_lora_rank"] is None else MLA_Q_LORA_RULES)
+    + MLA_RULES,
+    MLP, ROUTER_RULES, EXPERT_RULES, MLP + "shared_experts.",
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- the config

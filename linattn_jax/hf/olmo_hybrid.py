@@ -29,8 +29,8 @@ Hugging Face                                              ours
 ``post_feedforward_layernorm.weight``                     ``mlp_norm.scale`` (softmax)
 ``linear_attn.{q,k,v}_proj.weight``                       ``attention.{q,k,v}_proj.kernel``
 ``linear_attn.{q,k,v}_conv1d.weight`` ``[c, 1, K]``
-[``linear_attn.conv1d.weight``, the three stacked]        ``attention.conv.kernel``
-                                                          ``[K, 2 h dk + hv dv]``
+[``linear_attn.conv1d.weight``, the three stacked;        ``attention.conv.kernel``
+read too: ``transformers``' save in equal thirds]         ``[K, 2 h dk + hv dv]``
 ``linear_attn.a_proj.weight``, ``b_proj``, ``g_proj``     ``attention.gate.proj``,
                                                           ``beta_proj``, ``g_proj``
 ``linear_attn.A_log``, ``dt_bias``                        ``attention.gate.A_log``, ``dt_bias``
@@ -56,6 +56,7 @@ from linattn_jax.layers.delta import DeltaRuleAttention
 MODEL_TYPES = ("olmo_hybrid",)
 PREFIX = "model."
 MEMORY = "#memory"  # a prefix ending so names the in-memory names' table
+THIRDS = "#thirds"  # ... the table of the conv saved in equal thirds (transformers' save)
 LAYER_KINDS = {"linear_attention": "gated_deltanet", "full_attention": "softmax"}
 OUTPUT_NORM_EPS = 1e-5  # the Gated DeltaNet's o_norm (transformers fixes it)
 # transformers' OlmoHybridConfig defaults, for the fields a config.json leaves out.
@@ -102,8 +103,11 @@ NORMS = {
 
 def table(config: Mapping[str, Any], prefix: str) -> tables.Table:
     """Every tensor, in the model's order: the saved names, or the in-memory ones for a
-    ``prefix`` ending in ``MEMORY``."""
+    ``prefix`` ending in ``MEMORY``; the q, k and v convs cut at the true key and value
+    widths (written), or in ``transformers``' equal thirds for a ``prefix`` ending in
+    ``THIRDS`` (its save of unequal widths; read, as it reads either by joining them)."""
     memory, prefix = prefix.endswith(MEMORY), prefix.removesuffix(MEMORY)
+    thirds, prefix = prefix.endswith(THIRDS), prefix.removesuffix(THIRDS)
     key = config["linear_num_key_heads"] * config["linear_key_head_dim"]
     value = config["linear_num_value_heads"] * config["linear_value_head_dim"]
     conv = "attention.conv.kernel"
@@ -123,6 +127,9 @@ def table(config: Mapping[str, Any], prefix: str) -> tables.Table:
                 rows += tables.prefixed(fused, layer, block)
             else:
                 cuts = {"q": (0, key), "k": (key, 2 * key), "v": (2 * key, 2 * key + value)}
+                if thirds:  # torch.chunk's: the first two ceil(c / 3) wide
+                    third = -(-(2 * key + value) // 3)
+                    cuts = {"q": (0, third), "k": (third, 2 * third), "v": (2 * third, None)}
                 for part, (start, stop) in cuts.items():
                     rule = tables.rules((f"linear_attn.{part}_conv1d.weight", conv, CONV))
                     index = (slice(None), slice(start, stop))
@@ -225,6 +232,6 @@ FORMAT = common.ModelFormat(
     ),
     options=options,
     table=table,
-    prefixes=(PREFIX, PREFIX + MEMORY),
+    prefixes=(PREFIX, PREFIX + MEMORY, PREFIX + THIRDS),
     finish=finish,
 )

@@ -20,6 +20,7 @@ from flax import nnx
 
 from linattn_jax import sharding
 from linattn_jax.hf import (
+    bailing_hybrid,
     bamba,
     common,
     deepseek_v3,
@@ -28,6 +29,10 @@ from linattn_jax.hf import (
     gemma3,
     granitemoehybrid,
     kimi_linear,
+    lara_mini,
+    lfm2,
+    lfm2_moe,
+    lfm3,
     llama,
     mamba2,
     minimax,
@@ -43,8 +48,10 @@ from linattn_jax.hf import (
     qwen3_moe,
     qwen3_next,
     recurrent_gemma,
+    rwkv,
     safetensors_io,
     tables,
+    unsupported,
     xlstm,
 )
 from linattn_jax.models import LanguageModel
@@ -76,6 +83,12 @@ _FORMATS = (
     deepseek_v3.FORMAT,
     qwen2.FORMAT,
     qwen3.FORMAT,
+    lfm2.FORMAT,
+    lfm2_moe.FORMAT,
+    lfm3.FORMAT,
+    lara_mini.FORMAT,
+    bailing_hybrid.FORMAT,
+    rwkv.FORMAT,
     recurrent_gemma.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
@@ -88,8 +101,10 @@ def format_of(config: Mapping[str, Any]) -> common.ModelFormat:
     """The ``ModelFormat`` of a config (raw or normalised) by its ``model_type``.
 
     Raises:
-      ValueError: a ``model_type`` no module reads.
+      ValueError: a ``model_type`` no module reads (one ``transformers`` has whose blocks
+        are missing here, ``unsupported.MODEL_TYPES``, named with them).
     """
+    unsupported.check(config)
     model_type = config.get("model_type")
     if model_type not in FORMATS:
         raise ValueError(
@@ -177,7 +192,19 @@ def _table(path, config, checkpoint, flat, period=None) -> tables.Table:
     fmt = format_of(config)
     names = checkpoint.names()
     candidates = [tables.scanned_table(fmt.weight_table(config, p), period) for p in fmt.prefixes]
-    table = max(candidates, key=lambda t: len(set(names).intersection(n for n, _ in t)))
+    shape = lambda rule: tables.hf_shape(rule, [flat[p].shape for p in rule.ours])
+    # The table naming most of the file's tensors; of those alike (OLMo-Hybrid's two cuts of
+    # one conv), the one whose shapes the file has.
+    fits = lambda t: (
+        len(set(names).intersection(n for n, _ in t)),
+        sum(
+            n in checkpoint.files
+            and all(p in flat for p in r.ours)
+            and checkpoint.shape(n) == shape(r)
+            for n, r in t
+        ),
+    )
+    table = max(candidates, key=fits)
     wanted = {name for name, _ in table}
     ignored = fmt.ignored_names(config)
     unknown = [n for n in names if n not in wanted and not n.startswith(ignored)]
@@ -191,8 +218,7 @@ def _table(path, config, checkpoint, flat, period=None) -> tables.Table:
             raise ValueError(
                 f"{os.fspath(path)}: tensor {name!r} is missing (config.json's model has it)"
             )
-        expected = tables.hf_shape(rule, [flat[p].shape for p in rule.ours])
-        found = checkpoint.shape(name)
+        expected, found = shape(rule), checkpoint.shape(name)
         if found != expected:
             raise ValueError(
                 f"tensor {name!r} has shape {found}, config.json's model needs {expected}"

@@ -1,6 +1,7 @@
 """RoPE as released configs write it: ``rope_parameters`` (or the legacy ``rope_scaling``,
 which replaces it, and its ``type`` key), the top-level ``rope_theta``, and the scalings
-of ``layers.rope_scaling`` (``linear``, ``dynamic``, ``yarn``, ``llama3``) with the fields
+of ``layers.rope_scaling`` (``linear``, ``dynamic``, ``yarn``, ``llama3``,
+``proportional``) with the fields
 ``transformers`` fills in: ``original_max_position_embeddings`` (the top-level one, else
 ``max_position_embeddings``), YaRN's ``factor`` (their ratio) where null, and ``dynamic``'s
 length (``max_position_embeddings``). An unknown ``rope_type`` is refused by name.
@@ -88,10 +89,12 @@ def options(config: Mapping[str, Any], rope: Mapping[str, Any] | None = None) ->
     default its ``rope_parameters``): ``rope=True``, ``rope_theta``, ``rope_scaling`` and a
     ``partial_rotary_factor`` where the type reads one (the steps refused it elsewhere)."""
     rope = config["rope_parameters"] if rope is None else rope
-    partial = rope.get("partial_rotary_factor")
+    # "proportional" reads its factor itself, over the whole head (layers.rope_scaling).
+    own = rope["rope_type"] == "proportional"
+    partial = None if own else rope.get("partial_rotary_factor")
     return dict(
         rope=True,
         rope_theta=float(rope["rope_theta"]),
-        rope_scaling=scaling(rope, config, ("partial_rotary_factor",)),
+        rope_scaling=scaling(rope, config, () if own else ("partial_rotary_factor",)),
         **({} if partial is None else {"partial_rotary_factor": float(partial)}),
     )

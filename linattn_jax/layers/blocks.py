@@ -17,16 +17,31 @@ from linattn_jax.layers.conv import CausalConv1D
 from linattn_jax.layers.mlp import MLP_CLASSES, MLPS, check_multiplier
 from linattn_jax.layers.moe import MoE
 from linattn_jax.layers.norms import RMSNorm
+from linattn_jax.layers.rwkv import RWKVChannelMix
 from linattn_jax.ops import checks
 
 
 class BlockState(NamedTuple):
-    """A ``TransformerBlock``'s decoding state: its attention's, its convolution's and (a
-    parallel block's) its second mixer's."""
+    """A ``TransformerBlock``'s decoding state: its attention's, its convolution's, (a
+    parallel block's) its second mixer's and (RWKV's channel mix) its MLP's."""
 
     attention: Any
     conv: jax.Array | None
     parallel: Any = None
+    mlp: Any = None
+
+
+NORMS = ("rms", "layer")
+
+
+def make_norm(norm: str, width: int, zero_centred: bool, rngs, dtype, param_dtype) -> nnx.Module:
+    """A block's (and a model's) norm: ``"rms"`` (``RMSNorm``) or ``"layer"``
+    (``nnx.LayerNorm`` with a bias, RWKV's; its epsilon 1e-5, as torch's)."""
+    if norm == "layer":
+        return nnx.LayerNorm(width, epsilon=1e-5, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    return RMSNorm(
+        width, zero_centred=zero_centred, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+    )
 
 
 def _branch_multipliers(value) -> tuple[tuple[float, float], tuple[float, float]]:
@@ -117,6 +132,8 @@ def _build_mlp(
 ) -> nnx.Module | None:
     """The block's MLP of kind ``mlp`` (``MLPS``; None for ``"none"``), from the block's
     ``moe``, ``mlp_multipliers`` and ``mlp_bias`` options."""
+    if mlp == "rwkv":
+        return RWKVChannelMix(width, hidden, **options)
     if mlp == "moe":
         if not isinstance(moe, Mapping):
             raise ValueError(f"mlp='moe' needs moe= a dict of MoE's options, got {moe!r}")
@@ -155,6 +172,7 @@ class TransformerBlock(nnx.Module):
         ``mlp="moe"``; unread otherwise.
       zero_centred_norm: the block's two RMSNorms in the ``x * (1 + w)`` form
         (``layers.norms.RMSNorm``; Qwen3-Next, Qwen3.5).
+      norm: ``"rms"`` (RMSNorm, default) or ``"layer"`` (LayerNorm with a bias: RWKV's).
       short_conv: kernel size of a causal depthwise convolution before attention
         (``CausalConv1D``, which does not reach across ``segment_ids``; 0: none);
         causal blocks only.
@@ -199,6 +217,7 @@ class TransformerBlock(nnx.Module):
         mlp_hidden: int | None = None,
         moe: Mapping[str, Any] | None = None,
         zero_centred_norm: bool = False,
+        norm: str = "rms",
         short_conv: int = 0,
         normed_residual: bool = False,
         attention_residual: tuple[float, float] = (1.0, 1.0),
@@ -224,9 +243,10 @@ class TransformerBlock(nnx.Module):
         self.attention_residual = _residual_factors("attention_residual", attention_residual)
         self.mlp_residual = _residual_factors("mlp_residual", mlp_residual)
         branch_multipliers = _branch_multipliers(branch_multipliers)
-        norm = lambda: RMSNorm(
-            width, zero_centred=zero_centred_norm, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-        )
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+        kind_of_norm = norm
+        norm = lambda: make_norm(kind_of_norm, width, zero_centred_norm, rngs, dtype, param_dtype)
         self.attention_norm = nnx.data(norm() if mixer else None)
         self.mlp_norm = nnx.data(norm() if mlp != "none" else None)
         self.attention_post_norm = nnx.data(norm() if sandwich_norm and mixer else None)
@@ -255,16 +275,19 @@ class TransformerBlock(nnx.Module):
 
     def init_state(self, batch: int, max_length: int | None = None) -> BlockState:
         conv = None if self.conv is None else self.conv.init_state(batch)
+        mlp = self.mlp.init_state(batch) if isinstance(self.mlp, RWKVChannelMix) else None
         if self.attention is None:
-            return BlockState(None, conv)
+            return BlockState(None, conv, mlp=mlp)
         parallel = None if self.parallel is None else self.parallel.init_state(batch, max_length)
-        return BlockState(self.attention.init_state(batch, max_length), conv, parallel)
+        return BlockState(self.attention.init_state(batch, max_length), conv, parallel, mlp)
 
     def __call__(self, x, *, key_mask=None, segment_ids=None, state=None, return_state=False):
         check_state(state, BlockState)
+        recording = state is None and not return_state
+        mlp_state = None if state is None else state.mlp
         if self.attention is None:  # an MLP-only layer
-            x = self._mlp_half(x, key_mask, state is None and not return_state)
-            return (x, BlockState(None, None)) if return_state else x
+            x, mlp_state = self._mlp_half(x, key_mask, recording, segment_ids, mlp_state)
+            return (x, BlockState(None, None, mlp=mlp_state)) if return_state else x
         h = normed = x if self.post_norm else self.attention_norm(x)
         residual = normed if self.normed_residual else x
         (in_1, out_1), (in_2, out_2) = self.branch_multipliers
@@ -307,7 +330,9 @@ class TransformerBlock(nnx.Module):
             h = self.attention_post_norm(h)
         x = self._add(residual, h, self.attention_residual)
         if self.mlp is not None:
-            x = self._mlp_half(x, key_mask, state is None and not return_state)
+            x, mlp_state = self._mlp_half(x, key_mask, recording, segment_ids, mlp_state)
+        if return_state:
+            state = state._replace(mlp=mlp_state)
         return (x, state) if return_state else x
 
     def _add(self, residual, h, factors: tuple[float, float]):
@@ -315,17 +340,22 @@ class TransformerBlock(nnx.Module):
         alpha, beta = factors
         return _add(residual, h, (alpha, beta * self.residual_multiplier))
 
-    def _mlp_half(self, x, key_mask, recording: bool):
+    def _mlp_half(self, x, key_mask, recording: bool, segment_ids, state):
+        """``(x + mlp(norm(x)), the MLP's new state)`` (a state only for RWKV's)."""
+        normed = x if self.post_norm else self.mlp_norm(x)
+        h, state = _call_mlp(self.mlp, normed, key_mask, recording, segment_ids, state)
         if self.post_norm:
-            return self._add(x, self.mlp_norm(self._mlp(x, key_mask, recording)), self.mlp_residual)
-        h = self.mlp_norm(x)
-        residual = h if self.normed_residual else x
-        return self._add(residual, self._mlp(h, key_mask, recording), self.mlp_residual)
+            return self._add(x, self.mlp_norm(h), self.mlp_residual), state
+        h = h if self.mlp_post_norm is None else self.mlp_post_norm(h)
+        residual = normed if self.normed_residual else x
+        return self._add(residual, h, self.mlp_residual), state
 
-    def _mlp(self, h, key_mask, recording: bool):
-        if isinstance(self.mlp, MoE):
-            # Losses are recorded by full-sequence passes (training), not by decoding.
-            h = self.mlp(h, key_mask=key_mask, record=recording)
-        else:
-            h = self.mlp(h)
-        return h if self.mlp_post_norm is None else self.mlp_post_norm(h)
+
+def _call_mlp(mlp, h, key_mask, recording: bool, segment_ids, state):
+    """``(mlp(h), its new state)``: a mixture records its losses (full-sequence passes, not
+    decoding), RWKV's channel mix carries its previous input; the others have no state."""
+    if isinstance(mlp, MoE):
+        return mlp(h, key_mask=key_mask, record=recording), state
+    if isinstance(mlp, RWKVChannelMix):
+        return mlp(h, key_mask=key_mask, segment_ids=segment_ids, state=state)
+    return mlp(h), state

@@ -101,8 +101,11 @@ class DeltaRuleAttention(nnx.Module):
         ``"sigmoid"`` (Kimi Linear's gated norm).
       allow_negative_eigenvalues: ``beta = 2 sigmoid(W_beta x)`` in [0, 2] instead
         of [0, 1] (Grazzi et al. 2025; default False).
-      gate_rank: the rank of KDA's gate projection (default dk); other variants
-        refuse it.
+      gate_rank: the rank of KDA's gate projection (default dk; 0: one matrix
+        ``width -> h * dk``, Ling's ``f_proj``); other variants refuse it.
+      gate_lower_bound: a number < 0: KDA's bounded gate ``gate_lower_bound *
+        sigmoid(exp(A_log) (W_a x + dt_bias))`` (Ling's ``kda_safe_gate``); None
+        (default): ``-exp(A_log) softplus(W_a x + dt_bias)``. KDA's only.
       causal: True for decoders. The delta rule is a recurrence with no
         non-causal form: with False (an encoder, such as ``SequenceClassifier``'s)
         the layer still reads left to right, and refuses decoding.
@@ -124,9 +127,9 @@ class DeltaRuleAttention(nnx.Module):
 
     Raises:
       ValueError: an unknown variant or method; a width, head count, chunk size,
-        ``conv_size`` or ``gate_rank`` that is not a positive int (``conv_size``
-        may be 0); heads not dividing the width; ``gate_rank`` for a variant
-        other than KDA.
+        ``conv_size`` or ``gate_rank`` that is not a positive int (``conv_size`` and
+        ``gate_rank`` may be 0); heads not dividing the width; ``gate_rank`` or
+        ``gate_lower_bound`` (a number < 0) for a variant other than KDA.
     """
 
     def __init__(
@@ -145,6 +148,7 @@ class DeltaRuleAttention(nnx.Module):
         output_gate_activation: str = "silu",
         allow_negative_eigenvalues: bool = False,
         gate_rank: int | None = None,
+        gate_lower_bound: float | None = None,
         causal: bool = True,
         method: str = "chunked",
         chunk_size: int | None = None,
@@ -162,7 +166,7 @@ class DeltaRuleAttention(nnx.Module):
         _check_options(
             variant, method, chunk_size, conv_size, dropout_rate, output_gate,
             allow_negative_eigenvalues, causal, gate_rank, output_gate_activation,
-            output_gate_rank,
+            output_gate_rank, gate_lower_bound,
         )  # fmt: skip
         self.width, self.num_heads, self.key_dim, self.value_dim = width, h, dk, dv
         self.num_v_heads = hv
@@ -182,7 +186,8 @@ class DeltaRuleAttention(nnx.Module):
             if conv_size
             else None
         )
-        self.gate = nnx.data(_decay_gate(variant, width, hv, dk, gate_rank, options))
+        gate = _decay_gate(variant, width, hv, dk, gate_rank, gate_lower_bound, options)
+        self.gate = nnx.data(gate)
         self.g_proj = nnx.data(
             _output_gate_projection(width, hv * dv, output_gate, output_gate_rank, options)
         )
@@ -297,6 +302,7 @@ def check_dims(width, num_heads, head_dim, value_head_dim, expand_v, num_v_heads
 def _check_options(
     variant, method, chunk_size, conv_size, dropout_rate, output_gate,
     allow_negative_eigenvalues, causal, gate_rank, output_gate_activation, output_gate_rank,
+    gate_lower_bound,
 ) -> None:  # fmt: skip
     """``DeltaRuleAttention``'s options besides its sizes, or a ValueError naming one."""
     if variant not in VARIANTS:
@@ -316,7 +322,15 @@ def _check_options(
     if gate_rank is not None:
         if variant != "kda":
             raise ValueError(f"gate_rank is KDA's (variant='kda'), got variant={variant!r}")
-        checks.check_int("gate_rank", gate_rank, 1)
+        checks.check_int("gate_rank", gate_rank, 0)
+    if gate_lower_bound is not None:
+        if variant != "kda":
+            raise ValueError(f"gate_lower_bound is KDA's (variant='kda'), got variant={variant!r}")
+        number = isinstance(gate_lower_bound, (int, float)) and not isinstance(
+            gate_lower_bound, bool
+        )
+        if not (number and gate_lower_bound < 0):
+            raise ValueError(f"gate_lower_bound must be a number < 0, got {gate_lower_bound!r}")
     if output_gate_activation not in GATE_ACTIVATIONS:
         raise ValueError(
             f"output_gate_activation must be one of {GATE_ACTIVATIONS}, got "
@@ -328,13 +342,17 @@ def _check_options(
         checks.check_int("output_gate_rank", output_gate_rank, 1)
 
 
-def _decay_gate(variant: str, width: int, hv: int, dk: int, gate_rank, options) -> MambaGate | None:
+def _decay_gate(
+    variant: str, width: int, hv: int, dk: int, gate_rank, lower_bound, options
+) -> MambaGate | None:
     """The variant's log-decay: none (DeltaNet), one per head (Gated DeltaNet) or one per
-    key channel through a low rank (KDA; ``gate_rank``, default dk)."""
+    key channel through a low rank (KDA; ``gate_rank``, default dk, 0 one matrix),
+    bounded below by ``lower_bound`` where given."""
     if variant == "gated_deltanet":
         return MambaGate(width, hv, **options)
     if variant == "kda":
-        return MambaGate(width, hv, dk, dk if gate_rank is None else gate_rank, **options)
+        rank = dk if gate_rank is None else gate_rank or None
+        return MambaGate(width, hv, dk, rank, lower_bound=lower_bound, **options)
     return None
 
 

@@ -5,7 +5,9 @@
 * ``ChannelGate``: GLA's ``log_sigmoid(W2 W1 x + b) / 16`` per feature channel, through
   a low rank (Yang et al. 2024).
 * ``MambaGate``: Mamba2's ``-exp(A_log) softplus(W_a x + dt_bias)``, per head (Gated
-  DeltaNet) or per key channel through a low rank (KDA).
+  DeltaNet) or per key channel through a low rank or one matrix (KDA); or, with a
+  ``lower_bound``, the bounded ``lower_bound * sigmoid(exp(A_log) (W_a x + dt_bias))``
+  (Ling's KDA, ``transformers``' ``kda_safe_gate``).
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ class ChannelGate(nnx.Module):
 
 class MambaGate(nnx.Module):
     """``-exp(A_log) softplus(W_a x + dt_bias)``: ``[b, t, heads]`` or, with ``channels``,
-    ``[b, t, heads, channels]`` (``W_a`` then of rank ``rank``), float32.
+    ``[b, t, heads, channels]`` (``W_a`` then of rank ``rank``, or one matrix for None),
+    float32. With ``lower_bound`` (< 0), ``lower_bound * sigmoid(exp(A_log) (W_a x +
+    dt_bias))`` instead: a log-decay in ``(lower_bound, 0)``.
 
     ``A = exp(A_log)`` is drawn from ``A_INIT_RANGE`` per head, ``softplus(dt_bias)``
     log-uniformly from ``DT_INIT_RANGE`` per output (Mamba2, FLA).
@@ -86,6 +90,7 @@ class MambaGate(nnx.Module):
         channels: int | None = None,
         rank: int | None = None,
         *,
+        lower_bound: float | None = None,
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -95,6 +100,8 @@ class MambaGate(nnx.Module):
         )
         if channels is None:
             self.proj = linear(width, heads)
+        elif rank is None:
+            self.proj = linear(width, heads * channels)
         else:
             self.proj = nnx.Sequential(linear(width, rank), linear(rank, heads * channels))
         outputs = heads * (channels or 1)
@@ -106,12 +113,14 @@ class MambaGate(nnx.Module):
         inverse_softplus = dt + jnp.log(-jnp.expm1(-dt))
         self.A_log = nnx.Param(jnp.log(a).astype(param_dtype))
         self.dt_bias = nnx.Param(inverse_softplus.astype(param_dtype))
-        self.heads, self.channels = heads, channels
+        self.heads, self.channels, self.lower_bound = heads, channels, lower_bound
 
     def __call__(self, x: jax.Array) -> jax.Array:
         a = self.proj(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)[None, None]
-        decay_rate = jnp.exp(self.A_log[...].astype(jnp.float32))  # [h]
+        decay_rate = jnp.exp(self.A_log[...].astype(jnp.float32))[None, None]  # [1, 1, h]
         if self.channels is not None:
             a = split_heads(a, self.heads)  # [b, t, h, dk]
-            return -decay_rate[None, None, :, None] * jax.nn.softplus(a)
-        return -decay_rate[None, None] * jax.nn.softplus(a)
+            decay_rate = decay_rate[..., None]
+        if self.lower_bound is not None:
+            return self.lower_bound * jax.nn.sigmoid(decay_rate * a)
+        return -decay_rate * jax.nn.softplus(a)

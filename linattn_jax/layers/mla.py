@@ -102,6 +102,8 @@ class LatentAttention(nnx.Module):
       causal: causal (decoder) or non-causal (encoder) attention.
       max_length: the KV cache's length (decoding only).
       dropout_rate: dropout on the attention's output, as in ``SoftmaxAttention``.
+      head_gate: each head's output times ``sigmoid(W_g x)``, ``W_g [width, h]``
+        (``g_proj``; Ling 3's MLA), before ``out_proj``.
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's); scores and softmax in float32.
       param_dtype: the parameters' dtype, as in Flax.
@@ -109,7 +111,8 @@ class LatentAttention(nnx.Module):
         ``SoftmaxAttention``); any other keyword raises ``TypeError``.
 
     Parameters: ``q_proj`` or ``q_a_proj``, ``q_a_norm``, ``q_b_proj``; ``kv_a_proj``
-    ``[width, r + p]``, ``kv_norm``, ``kv_b_proj`` ``[r, h (n + dv)]``, ``out_proj``.
+    ``[width, r + p]``, ``kv_norm``, ``kv_b_proj`` ``[r, h (n + dv)]``, ``out_proj``;
+    ``g_proj`` ``[width, h]`` with ``head_gate``.
     The norms' epsilon is 1e-6 (``transformers``' DeepSeek-V3 and Kimi Linear latents).
 
     Raises:
@@ -135,6 +138,7 @@ class LatentAttention(nnx.Module):
         causal: bool = True,
         max_length: int = 4096,
         dropout_rate: float = 0.0,
+        head_gate: bool = False,
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -168,6 +172,9 @@ class LatentAttention(nnx.Module):
         self.kv_norm = norm(rank)
         self.kv_b_proj = linear(rank, h * (nope + dv), None, heads)
         self.out_proj = linear(h * dv, width, heads, embed)
+        if not isinstance(head_gate, bool):
+            raise ValueError(f"head_gate must be True or False, got {head_gate!r}")
+        self.g_proj = nnx.data(linear(width, h, embed, heads) if head_gate else None)
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs if dropout_rate > 0 else None)
 
     def init_state(self, batch: int, max_length: int | None = None) -> LatentKVCache:
@@ -233,6 +240,8 @@ class LatentAttention(nnx.Module):
         else:
             out = attend_full(self, q_nope, q_rope, latent, k_rope, key_mask, segment_ids)
         out = checks.where_token(key_mask, out)  # a padded query's output is 0
+        if self.g_proj is not None:
+            out = out * jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32))[..., None]
         out = self.dropout(out.astype(dtype), deterministic=deterministic, rngs=rngs)
         y = self.out_proj(out.reshape(b, t, self.num_heads * self.v_head_dim))
         return (y, new_state) if return_state else y

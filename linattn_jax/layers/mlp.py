@@ -15,6 +15,7 @@ from flax import nnx
 from linattn_jax import sharding
 
 MLPS = ("gelu", "swiglu", "geglu", "relu2", "moe", "none")
+MLPS += ("rwkv",)  # RWKV-4's channel mix (layers.rwkv.RWKVChannelMix), with a token shift
 
 
 def mlp_layout(mlp: str | Sequence[str], depth: int) -> tuple[str, ...]:

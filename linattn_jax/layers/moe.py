@@ -1,9 +1,9 @@
 """A mixture of SwiGLU experts (Shazeer et al. 2017; Switch, DeepSeek-V3, Qwen3-Next): a
 router picks ``top_k`` experts per token, the tokens are sorted by expert and each expert's
-matmuls run as one grouped matmul (``jax.lax.ragged_dot``) over its contiguous rows:
-dropless (every token reaches its ``top_k`` experts, no capacity), and no
-``[tokens, experts, width]`` tensor in this code (JAX's own CPU lowering of ``ragged_dot``
-masks a dense one; GPUs and TPUs run a grouped matmul).
+matmuls run as one grouped matmul over its contiguous rows (``layers.grouped``:
+``jax.lax.ragged_dot`` on GPUs and TPUs; on CPU, whose ``ragged_dot`` computes every expert
+on every row, each expert's rows in whole tiles): dropless (every token reaches its
+``top_k`` experts, no capacity), and no ``[tokens, experts, width]`` tensor.
 
 The pure functions (``route``, ``dispatch``, ``grouped_swiglu``, ``combine_experts``,
 ``load_balancing_loss``, ``router_z_loss``) take arrays and return arrays; ``MoE`` owns the
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax import sharding
+from linattn_jax.layers import grouped
 from linattn_jax.layers.mlp import SwiGLU
 from linattn_jax.ops import checks
 
@@ -65,6 +66,7 @@ def route(
     *,
     score: str = "softmax",
     normalize: bool = False,
+    normalize_eps: float = 1e-20,
     scaling: float = 1.0,
     bias: jax.Array | None = None,
     num_groups: int = 1,
@@ -84,6 +86,8 @@ def route(
       top_k: experts per token, in ``[1, e]``.
       score: ``"softmax"`` or ``"sigmoid"``.
       normalize: the weights over their sum (``norm_topk_prob``).
+      normalize_eps: added to that sum (LFM2-MoE's 1e-6; by default 1e-20, which only keeps
+        all-zero sigmoid scores, an underflow, from a 0 / 0).
       scaling: the weights times this (``routed_scaling_factor``).
       bias: ``[e]`` added to the scores for the choice only, or None.
       num_groups: groups of experts (1: no grouping); must divide ``e``.
@@ -112,8 +116,7 @@ def route(
     _, experts = jax.lax.top_k(choice, top_k)
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if normalize:
-        # The 1e-20 keeps all-zero sigmoid scores (underflow) from a 0 / 0.
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + normalize_eps)
     return Routing(weights * scaling, experts.astype(jnp.int32), probs)
 
 
@@ -152,7 +155,13 @@ def dispatch(experts: jax.Array, valid: jax.Array | None, num_experts: int) -> D
 
 
 def grouped_swiglu(
-    x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, group_sizes: jax.Array
+    x: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    method: str = "auto",
 ) -> jax.Array:
     """Each expert's SwiGLU, ``down_e(silu(x gate_e) * (x up_e))``, on its rows of ``x``.
 
@@ -163,10 +172,18 @@ def grouped_swiglu(
       up: ``[e, width, hidden]``.
       down: ``[e, hidden, width]``.
       group_sizes: int32 ``[e]``.
+      method: ``"auto"``, ``"ragged"`` or ``"tiled"`` (``layers.grouped``: ``"auto"`` tiles
+        on CPU, where ``ragged_dot`` computes every expert on every row).
 
     Returns:
       ``[m, width]``.
     """
+    if grouped.resolve(method) == "tiled":
+        layout = grouped.tiles(group_sizes, x.shape[0])
+        rows = grouped.to_tiles(x, layout)
+        h = jax.nn.silu(grouped.tiled_dot(rows, gate, layout.groups))
+        h = h * grouped.tiled_dot(rows, up, layout.groups)
+        return grouped.from_tiles(grouped.tiled_dot(h, down, layout.groups), layout)
     h = jax.nn.silu(jax.lax.ragged_dot(x, gate, group_sizes))
     h = h * jax.lax.ragged_dot(x, up, group_sizes)
     return jax.lax.ragged_dot(h, down, group_sizes)
@@ -181,12 +198,14 @@ def combine_experts(
     down: jax.Array,
     *,
     first_expert: int | jax.Array = 0,
+    method: str = "auto",
 ) -> jax.Array:
     """``sum_j weights[:, j] * expert_{experts[:, j]}(x)`` for each token of ``x [n, width]``:
     sorted by expert, ``grouped_swiglu``, and back.
 
     ``gate``/``up``/``down`` hold experts ``first_expert, ...`` only (expert parallelism: a
-    device's share); choices of other experts contribute zero here.
+    device's share); choices of other experts contribute zero here. ``method``: as in
+    ``grouped_swiglu``.
 
     Returns:
       ``[n, width]`` in ``x``'s dtype; zero for tokens with ``valid`` False.
@@ -195,7 +214,7 @@ def combine_experts(
     local = routing.experts - first_expert
     plan = dispatch(local, valid, gate.shape[0])
     rows = jnp.take(x, plan.order // k, axis=0)
-    out = grouped_swiglu(rows, gate, up, down, plan.group_sizes)
+    out = grouped_swiglu(rows, gate, up, down, plan.group_sizes, method=method)
     used = jnp.arange(n * k, dtype=jnp.int32) < jnp.sum(plan.group_sizes, dtype=jnp.int32)
     weights = jnp.take(routing.weights.reshape(n * k), plan.order)
     out = jnp.where(used[:, None], out * weights[:, None].astype(out.dtype), 0)
@@ -275,6 +294,7 @@ class MoE(nnx.Module):
       hidden: each routed expert's hidden width (``moe_intermediate_size``).
       score: ``"softmax"`` or ``"sigmoid"`` (``route``).
       normalize: the top-k weights over their sum (``norm_topk_prob``).
+      normalize_eps: added to that sum (``route``).
       scaling: the routed output's factor (``routed_scaling_factor``).
       score_bias: a ``RouterBias [e]`` (zeros) for the choice only.
       num_groups: groups of experts for grouped top-k (``n_group``; 1: none).
@@ -283,6 +303,8 @@ class MoE(nnx.Module):
         DeepSeek's ``n_shared_experts * moe_intermediate_size``).
       shared_gate: the shared output times ``sigmoid(x w)``, ``w [width, 1]`` (Qwen3-Next's
         ``shared_expert_gate``).
+      method: the grouped matmuls' form, ``"auto"``, ``"ragged"`` or ``"tiled"``
+        (``grouped_swiglu``; ``"auto"``: tiled on CPU, ``ragged_dot`` elsewhere).
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's); the router runs in float32 whatever
         it is.
@@ -308,12 +330,14 @@ class MoE(nnx.Module):
         *,
         score: str = "softmax",
         normalize: bool = False,
+        normalize_eps: float = 1e-20,
         scaling: float = 1.0,
         score_bias: bool = False,
         num_groups: int = 1,
         top_k_groups: int = 1,
         shared_hidden: int = 0,
         shared_gate: bool = False,
+        method: str = "auto",
         rngs: nnx.Rngs,
         dtype=None,
         param_dtype=jnp.float32,
@@ -327,6 +351,9 @@ class MoE(nnx.Module):
         checks.check_bool("score_bias", score_bias)
         checks.check_bool("shared_gate", shared_gate)
         checks.check_number("scaling", scaling)
+        if not (isinstance(normalize_eps, int | float) and 0 < normalize_eps < 1):
+            raise ValueError(f"normalize_eps must be a number in (0, 1), got {normalize_eps!r}")
+        self.normalize_eps = float(normalize_eps)
         checks.check_sizes(num_groups=num_groups, top_k_groups=top_k_groups)
         if num_experts % num_groups:
             raise ValueError(f"num_groups must divide num_experts={num_experts}, got {num_groups}")
@@ -338,12 +365,13 @@ class MoE(nnx.Module):
                 f"{num_experts // num_groups}"
             )
         checks.check_int("shared_hidden", shared_hidden, 0)
+        grouped.resolve(method)  # a bad name fails here, not at the first call
         if shared_gate and not shared_hidden:
             raise ValueError("shared_gate gates the shared expert: give shared_hidden > 0")
         self.num_experts, self.top_k = num_experts, top_k
         self.score, self.normalize, self.scaling = score, normalize, float(scaling)
         self.num_groups, self.top_k_groups = num_groups, top_k_groups
-        self.dtype = dtype
+        self.dtype, self.method = dtype, method
         e, em, ml = sharding.EXPERT, sharding.EMBED, sharding.MLP
         self.router = nnx.Param(
             sharding.kernel(em, None)(rngs.params(), (width, num_experts), param_dtype)
@@ -385,6 +413,7 @@ class MoE(nnx.Module):
         logits = x.astype(dtype) @ self.router[...].astype(dtype)
         routing = route(
             logits, self.top_k, score=self.score, normalize=self.normalize,
+            normalize_eps=self.normalize_eps,
             scaling=self.scaling, bias=None if self.bias is None else self.bias[...],
             num_groups=self.num_groups, top_k_groups=self.top_k_groups,
         )  # fmt: skip
@@ -415,7 +444,7 @@ class MoE(nnx.Module):
             z = router_z_loss(logits, valid)
             self.losses[...] = jnp.stack([balance, z]).astype(jnp.float32)
         weights = [w[...].astype(dtype) for w in (self.gate, self.up, self.down)]
-        out = _experts(flat, routing, valid, *weights)
+        out = _experts(flat, routing, valid, *weights, method=self.method)
         if self.shared is not None:
             shared = self.shared(flat)
             if self.shared_gate is not None:
@@ -426,14 +455,14 @@ class MoE(nnx.Module):
         return out.reshape(*lead, width)
 
 
-def _experts(x, routing: Routing, valid, gate, up, down) -> jax.Array:
+def _experts(x, routing: Routing, valid, gate, up, down, *, method: str) -> jax.Array:
     """``combine_experts``, its experts split over the current mesh's ``expert`` axis when
     it has more than one device (``jax.shard_map``, manual over that axis only)."""
     mesh = jax.sharding.get_abstract_mesh()
     axis = sharding.EXPERT_AXIS
     devices = 0 if mesh.empty or axis not in mesh.shape else mesh.shape[axis]
     if devices <= 1 or gate.shape[0] % devices:
-        return combine_experts(x, routing, valid, gate, up, down)
+        return combine_experts(x, routing, valid, gate, up, down, method=method)
     P = jax.sharding.PartitionSpec
     split = x.shape[0] % devices == 0  # tokens split over the axis: gather, then scatter back
     rows = P(axis) if split else P()
@@ -445,7 +474,7 @@ def _experts(x, routing: Routing, valid, gate, up, down) -> jax.Array:
             x, weights, experts, valid = map(gather, (x, weights, experts, valid))
         first = jax.lax.axis_index(axis) * gate.shape[0]
         own = Routing(weights, experts, None)
-        out = combine_experts(x, own, valid, gate, up, down, first_expert=first)
+        out = combine_experts(x, own, valid, gate, up, down, first_expert=first, method=method)
         if split:
             return jax.lax.psum_scatter(out, axis, tiled=True)
         return jax.lax.psum(out, axis)

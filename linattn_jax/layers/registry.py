@@ -13,6 +13,7 @@ from typing import Any
 from flax import nnx
 
 from linattn_jax.layers.delta import DeltaRuleAttention
+from linattn_jax.layers.gated_conv import GatedShortConv
 from linattn_jax.layers.lightning import LightningAttention
 from linattn_jax.layers.linear import LinearAttention
 from linattn_jax.layers.linearized import LinearizedAttention
@@ -20,6 +21,7 @@ from linattn_jax.layers.mamba2 import Mamba2Mixer
 from linattn_jax.layers.mla import LatentAttention
 from linattn_jax.layers.mlstm import MLSTMLayer
 from linattn_jax.layers.rglru import RGLRUBlock
+from linattn_jax.layers.rwkv import RWKVTimeMix
 from linattn_jax.layers.softmax import SoftmaxAttention
 
 
@@ -187,6 +189,14 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
         ),
         # No mixer: an MLP-only block (Nemotron-H's "-" layers).
         "mlp": AttentionKind(None, "MLP only"),
+        # LFM2's gated short convolution: no attention, a causal conv between two gates.
+        "gated_conv": AttentionKind(
+            GatedShortConv, "gated short convolution (LFM2)", sequence_parallel=False
+        ),
+        # RWKV-4's time mix; its block's MLP is the channel mix (mlp="rwkv").
+        "rwkv": AttentionKind(
+            RWKVTimeMix, "RWKV-4", options=("method", "chunk_size"), sequence_parallel=False
+        ),
         # Griffin's recurrent block (RecurrentGemma): gated branch, conv, RG-LRU.
         "rglru": AttentionKind(
             RGLRUBlock,
@@ -221,6 +231,8 @@ def make_attention(kind: str, width: int, num_heads: int, **options: Any) -> nnx
     ``"linearized"``: ``LinearizedAttention`` (a softmax layer's parameters with a learned
     linear core: a linearised transformer's student layers).
     ``"mlstm"``: ``MLSTMLayer`` (xLSTM).
+    ``"gated_conv"``: ``GatedShortConv`` (LFM2's gated short convolution).
+    ``"rwkv"``: ``RWKVTimeMix`` (RWKV-4's time mix; its block's MLP ``mlp="rwkv"``).
 
     Raises:
       ValueError: an unknown kind, the kind without a mixer (``"mlp"``), or an option that

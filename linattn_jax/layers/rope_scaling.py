@@ -1,5 +1,7 @@
 """RoPE's frequency scalings as released checkpoints set them (``rope_type``): ``"default"``,
-``"linear"``, ``"dynamic"`` (NTK), ``"yarn"`` (Peng et al. 2023) and ``"llama3"``: the inverse
+``"linear"``, ``"dynamic"`` (NTK), ``"yarn"`` (Peng et al. 2023), ``"llama3"`` and
+``"proportional"`` (the first ``partial_rotary_factor`` of the head's frequencies, the rest
+0: a partial RoPE whose pairs and frequencies are the whole head's; LFM3): the inverse
 frequencies ``rope.apply_rope`` rotates by and its cosines' and sines' factor (YaRN's; else 1),
 as ``transformers``' ``ROPE_INIT_FUNCTIONS``. ``"dynamic"``'s length is the call's largest
 position plus one (at least ``original_max_position_embeddings``)."""
@@ -15,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "proportional")
 _NEEDS = dict(linear=("factor",), dynamic=("factor", "original_max_position_embeddings"))
 _NEEDS["yarn"] = _NEEDS["dynamic"]
 _NEEDS["llama3"] = _NEEDS["dynamic"] + ("low_freq_factor", "high_freq_factor")
+_OPTIONAL = dict(proportional=("factor", "partial_rotary_factor"))
 _YARN = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 
 
@@ -38,6 +41,7 @@ class RopeScaling:
     mscale_all_dim: float = 0.0
     attention_factor: float = 1.0
     truncate: bool = True
+    partial_rotary_factor: float = 1.0
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -58,7 +62,7 @@ def parse_rope_scaling(options: Mapping[str, Any] | None, rotary_dim: int) -> Ro
     if kind not in ROPE_TYPES:
         raise ValueError(f"rope_scaling: rope_type must be one of {ROPE_TYPES}, got {kind!r}")
     needs = _NEEDS.get(kind, ())
-    allowed = needs + (_YARN if kind == "yarn" else ())
+    allowed = needs + (_YARN if kind == "yarn" else ()) + _OPTIONAL.get(kind, ())
     unknown, missing = sorted(set(options) - set(allowed)), sorted(set(needs) - set(options))
     if unknown or missing:
         raise ValueError(f"rope_scaling ({kind}): unknown {unknown}, missing {missing}")
@@ -106,6 +110,9 @@ def inverse_frequencies(
     inv = 1.0 / theta**exponents
     if s.rope_type == "linear":
         inv = inv / s.factor
+    elif s.rope_type == "proportional":  # the other pairs are not rotated (frequency 0)
+        kept = np.arange(rotary_dim // 2) < int(s.partial_rotary_factor * rotary_dim // 2)
+        inv = np.where(kept, inv, 0.0) / s.factor
     elif s.rope_type == "yarn":
         ramp = yarn_ramp(s, rotary_dim, theta)
         inv = inv / s.factor * ramp + inv * (1 - ramp)

@@ -92,6 +92,8 @@ class SoftmaxAttention(nnx.Module):
       output_gate: gated attention (Qiu et al. 2025; Qwen3-Next): ``q_proj`` also makes a
         gate per head and channel (laid out ``[q_h | gate_h]`` per head) and the output is
         ``attention * sigmoid(gate)`` before ``out_proj``.
+      head_gate: each head's output times ``sigmoid(g_proj(x))``, one gate per head from
+        its own projection ``g_proj`` ``[width, num_heads]`` (LFM3's ``use_attention_gate``).
       sliding_window: each query sees itself and the ``sliding_window - 1`` tokens (slots)
         before it (and, non-causal, after it); None: all.
       scale: the scores' factor, ``softmax(scale q . k)``; None: ``head_dim ** -0.5``
@@ -133,6 +135,7 @@ class SoftmaxAttention(nnx.Module):
         zero_centred_qk_norm: bool = False,
         qk_norm_over_heads: bool = False,
         output_gate: bool = False,
+        head_gate: bool = False,
         sliding_window: int | None = None,
         scale: float | None = None,
         logit_soft_cap: float | None = None,
@@ -150,7 +153,7 @@ class SoftmaxAttention(nnx.Module):
         check_dropout_rate(dropout_rate)
         check_flags(rope=rope, qk_norm=qk_norm, output_gate=output_gate, causal=causal)
         check_flags(zero_centred_qk_norm=zero_centred_qk_norm, qkv_bias=qkv_bias, out_bias=out_bias)
-        check_flags(qk_norm_over_heads=qk_norm_over_heads)
+        check_flags(qk_norm_over_heads=qk_norm_over_heads, head_gate=head_gate)
         if qk_norm_over_heads and not qk_norm:
             raise ValueError("qk_norm_over_heads=True needs qk_norm=True")
         self.qk_norm_over_heads = qk_norm_over_heads
@@ -176,6 +179,7 @@ class SoftmaxAttention(nnx.Module):
         self.k_proj = linear(width, kv * hd, qkv_bias, embed, kv_heads)
         self.v_proj = linear(width, kv * hd, qkv_bias, embed, kv_heads)
         self.out_proj = linear(h * hd, width, out_bias, heads, embed)
+        self.g_proj = nnx.data(linear(width, h, False, embed, heads) if head_gate else None)
         norm = lambda heads: RMSNorm(
             hd * (heads if qk_norm_over_heads else 1), zero_centred=zero_centred_qk_norm,
             dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs,
@@ -248,8 +252,7 @@ class SoftmaxAttention(nnx.Module):
         cross = inputs_k is not None or inputs_v is not None
         out, new_state = _attend(self, q, k, v, key_mask, segment_ids, state, return_state, cross)
         out = checks.where_token(query_mask, out)  # a padded query's output is 0
-        if gate is not None:
-            out = out * jax.nn.sigmoid(gate.astype(jnp.float32))
+        out = _gated(self, out, gate, x)
         out = self.dropout(out.astype(dtype), deterministic=deterministic, rngs=rngs)
         y = self.out_proj(out.reshape(b, t, self.num_heads * self.head_dim))
         return (y, new_state) if return_state else y
@@ -264,6 +267,16 @@ def _attend(layer, q, k, v, key_mask, segment_ids, state, return_state: bool, cr
         raise ValueError("SoftmaxAttention takes no segment_ids with a KV cache")
     out, new_state, overflow = attend_cached(layer, q, k, v, key_mask, state)
     return jnp.where(overflow[:, None, None, None], jnp.nan, out), new_state
+
+
+def _gated(layer, out: jax.Array, gate: jax.Array | None, x: jax.Array) -> jax.Array:
+    """``out [b, t, h, hd]`` times ``sigmoid(gate [b, t, h, hd])`` (``output_gate``) and
+    ``sigmoid(g_proj(x))`` per head (``head_gate``), where the layer has them."""
+    if gate is not None:
+        out = out * jax.nn.sigmoid(gate.astype(jnp.float32))
+    if layer.g_proj is not None:
+        out = out * jax.nn.sigmoid(layer.g_proj(x).astype(jnp.float32))[..., None]
+    return out
 
 
 def _qk_norms(layer, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax import sharding
+from linattn_jax.layers.blocks import make_norm
 from linattn_jax.layers.mlp import check_multiplier
-from linattn_jax.layers.norms import RMSNorm
 from linattn_jax.models import sampling, stack
 from linattn_jax.models.common import check_state, check_tokens
 from linattn_jax.models.options import freeze
@@ -37,6 +37,10 @@ class LanguageModel(nnx.Module):
       short_conv: kernel of a causal depthwise convolution before each attention (0: none).
       zero_centred_norm: every RMSNorm of the blocks and the final one in the ``x * (1 + w)``
         form (``layers.norms.RMSNorm``; Qwen3-Next, Qwen3.5).
+      norm: the blocks' and the final norm: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm
+        with a bias: RWKV's).
+      embedding_norm: a norm (of ``norm``'s kind) on the embeddings before the first block
+        (RWKV's ``pre_ln``).
       scan_layers: run the depth as a scan over the layout's period (``models.stack``): one
         compiled period whatever the depth; the parameters are stacked.
       remat: ``"none"``, ``"full"`` (recompute each block in the backward pass) or
@@ -74,6 +78,8 @@ class LanguageModel(nnx.Module):
         mlp_ratio: int = 4,
         short_conv: int = 0,
         zero_centred_norm: bool = False,
+        norm: str = "rms",
+        embedding_norm: bool = False,
         scan_layers: bool = False,
         remat: str = "none",
         embedding_multiplier: float = 1.0,
@@ -89,9 +95,10 @@ class LanguageModel(nnx.Module):
                 vocab_size=vocab_size, width=width, depth=depth, num_heads=num_heads,
                 attention=attention, kind_options=kind_options, tie_embeddings=tie_embeddings,
                 mlp_ratio=mlp_ratio, short_conv=short_conv, zero_centred_norm=zero_centred_norm,
-                scan_layers=scan_layers, remat=remat, embedding_multiplier=embedding_multiplier,
-                logits_scaling=logits_scaling, logit_soft_cap=logit_soft_cap, dtype=dtype,
-                param_dtype=param_dtype, **block_kwargs,
+                norm=norm, embedding_norm=embedding_norm, scan_layers=scan_layers, remat=remat,
+                embedding_multiplier=embedding_multiplier, logits_scaling=logits_scaling,
+                logit_soft_cap=logit_soft_cap, dtype=dtype, param_dtype=param_dtype,
+                **block_kwargs,
             )
         )  # fmt: skip
         self.hf_config = None
@@ -116,6 +123,7 @@ class LanguageModel(nnx.Module):
             mlp_ratio=mlp_ratio,
             short_conv=short_conv,
             zero_centred_norm=zero_centred_norm,
+            norm=norm,
             rngs=rngs,
             dtype=dtype,
             param_dtype=param_dtype,
@@ -127,9 +135,10 @@ class LanguageModel(nnx.Module):
             if not logit_soft_cap > 0:
                 raise ValueError(f"logit_soft_cap must be > 0 (or None), got {logit_soft_cap!r}")
         self.logit_soft_cap = None if logit_soft_cap is None else float(logit_soft_cap)
-        self.norm = RMSNorm(
-            width, zero_centred=zero_centred_norm, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-        )
+        checks.check_bool("embedding_norm", embedding_norm)
+        new_norm = lambda: make_norm(norm, width, zero_centred_norm, rngs, dtype, param_dtype)
+        self.embed_norm = nnx.data(new_norm() if embedding_norm else None)
+        self.norm = new_norm()
         self.head = nnx.data(
             None
             if tie_embeddings
@@ -172,6 +181,8 @@ class LanguageModel(nnx.Module):
         x = self.embed(tokens)
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
         x = sharding.constrain(x, sharding.BATCH, sharding.LENGTH, None)
         x = stack.run_blocks(
             self.blocks,

@@ -636,3 +636,13 @@ def head_major(x: Array | None) -> Array | None:
         return None
     n, b, h = x.shape[:3]
     return jnp.moveaxis(x, 0, 2).reshape((b, h * n) + x.shape[3:])
+
+
+def log_join(log_a: Array, a: tuple, log_b: Array, b: tuple) -> tuple[Array, tuple]:
+    """``exp(log_a) a + exp(log_b) b`` for tuples of arrays ``a``, ``b``, stabilised:
+    ``(m = max(log_a, log_b), the sums divided by exp(m))``, the weights broadcast from the
+    left (the sequence-parallel forms' join of two stabilised states)."""
+    m = jnp.maximum(log_a, log_b)
+    grow = lambda w, x: w.reshape(w.shape + (1,) * (x.ndim - w.ndim))
+    wa, wb = jnp.exp(log_a - m), jnp.exp(log_b - m)
+    return m, tuple(grow(wa, x) * x + grow(wb, y) * y for x, y in zip(a, b, strict=True))

@@ -26,15 +26,6 @@ from linattn_jax.ops.mlstm.state import State, as_internal
 from linattn_jax.typing import Array, Float
 
 
-def _join(log_a, a, log_b, b):
-    """``exp(log_a) a + exp(log_b) b`` as ``(log of the larger, the stabilised sum)``, the
-    weights broadcast from the left."""
-    m = jnp.maximum(log_a, log_b)
-    grow = lambda w, x: w.reshape(w.shape + (1,) * (x.ndim - w.ndim))
-    wa, wb = jnp.exp(log_a - m), jnp.exp(log_b - m)
-    return m, tuple(grow(wa, x) * x + grow(wb, y) * y for x, y in zip(a, b, strict=True))
-
-
 def sequence_parallel(
     q: Float[Array, "b t h d"],
     k: Float[Array, "b t h d"],
@@ -109,7 +100,9 @@ def sequence_parallel(
         prefix = [state]
         for s in range(shards):
             c_in, n_in, m_in = prefix[-1]
-            m_out, (c_out, n_out) = _join(totals[s] + m_in, (c_in, n_in), ms[s], (cs[s], ns[s]))
+            m_out, (c_out, n_out) = chunking.log_join(
+                totals[s] + m_in, (c_in, n_in), ms[s], (cs[s], ns[s])
+            )
             prefix.append((c_out, n_out, m_out))
         index = jax.lax.axis_index(axis_name)
         c_in, n_in, m_in = (jnp.stack(x)[index] for x in zip(*prefix[:-1], strict=True))
@@ -117,7 +110,7 @@ def sequence_parallel(
             jnp.einsum("bthd,bhdv->bthv", q, c_in),
             jnp.einsum("bthd,bhd->bth", q, n_in),
         )
-        m_tok, (num, den) = _join(into + m_in[:, None], from_in, m, (num, den))
+        m_tok, (num, den) = chunking.log_join(into + m_in[:, None], from_in, m, (num, den))
         return inputs.finish(num, den, m_tok, eps, v.dtype), prefix[-1]
 
     seq = P(batch_axis, axis_name)
