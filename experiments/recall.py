@@ -59,6 +59,8 @@ KINDS = {
     # RWKV-4 (its own token shifts, no short_conv): the time mix and the channel mix as the
     # MLP; the WKV's per-token scan (its chunked form is slower on every device measured).
     "rwkv": {"attention": "rwkv", "mlp": "rwkv", "short_conv": 0, "method": "scan"},
+    # Griffin's recurrent block (its own convolution): a state of one float per channel.
+    "rglru": {"attention": "rglru", "short_conv": 0},
 }
 LABELS = {
     "softmax": "softmax attention",
@@ -74,6 +76,7 @@ LABELS = {
     "hybrid": "Gated DeltaNet : softmax, 1:1",
     "mamba2": "Mamba-2 (SSD, state 32)",
     "rwkv": "RWKV-4",
+    "rglru": "RG-LRU (Griffin)",
 }
 
 
@@ -151,6 +154,8 @@ def _state_floats(config_json: str) -> int:
             held = (cache.k, cache.v)
         elif isinstance(cache, layers.Mamba2Cache):
             held = cache.ssm  # the convolution's few floats are not counted
+        elif isinstance(cache, layers.RGLRUCache):
+            held = cache.lru  # h; the convolution's few floats are not counted
         elif isinstance(cache, ops.mlstm.State):
             held = cache  # C, n and m
         elif isinstance(cache, layers.RWKVState):

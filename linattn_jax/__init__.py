@@ -36,6 +36,14 @@ from linattn_jax.ops.mlstm import (
     mlstm_step,
     sequence_parallel_mlstm,
 )
+from linattn_jax.ops.rglru import (
+    RGLRU_METHODS,
+    RGLRUState,
+    init_rglru_state,
+    rglru,
+    rglru_step,
+    sequence_parallel_rglru,
+)
 from linattn_jax.ops.ssd import (
     SSD_METHODS,
     SSDState,
@@ -89,4 +97,10 @@ __all__ = [
     "sequence_parallel_wkv",
     "wkv",
     "wkv_step",
+    "RGLRU_METHODS",
+    "RGLRUState",
+    "init_rglru_state",
+    "rglru",
+    "rglru_step",
+    "sequence_parallel_rglru",
 ]

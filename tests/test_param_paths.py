@@ -143,6 +143,18 @@ CASES = {
         mlp_bias=True,
         rngs=r,
     ),
+    "rglru": lambda r: layers.RGLRUBlock(16, 2, lru_width=8, conv_size=3, rngs=r),
+    "block_rglru_geglu_bias": lambda r: layers.TransformerBlock(
+        16,
+        2,
+        attention="rglru",
+        lru_width=8,
+        conv_size=3,
+        mlp="geglu",
+        mlp_bias=True,
+        mlp_hidden=6,
+        rngs=r,
+    ),  # fmt: skip
 }
 
 
@@ -519,6 +531,44 @@ EXPECTED: dict[str, list[str]] = {
             )
         ),
     ],
+    "block_rglru_geglu_bias": [
+        "attention/conv_1d/bias Param 8",
+        "attention/conv_1d/kernel Param 3x8",
+        "attention/input_gate_bias Param 2x4",
+        "attention/input_gate_weight Param 2x4x4",
+        "attention/linear_out/bias Param 16",
+        "attention/linear_out/kernel Param 8x16",
+        "attention/linear_x/bias Param 8",
+        "attention/linear_x/kernel Param 16x8",
+        "attention/linear_y/bias Param 8",
+        "attention/linear_y/kernel Param 16x8",
+        "attention/recurrent_gate_bias Param 2x4",
+        "attention/recurrent_gate_weight Param 2x4x4",
+        "attention/recurrent_param Param 8",
+        "attention_norm/scale Param 16",
+        "mlp/down_proj/bias Param 16",
+        "mlp/down_proj/kernel Param 6x16",
+        "mlp/gate_proj/bias Param 6",
+        "mlp/gate_proj/kernel Param 16x6",
+        "mlp/up_proj/bias Param 6",
+        "mlp/up_proj/kernel Param 16x6",
+        "mlp_norm/scale Param 16",
+    ],
+    "rglru": [
+        "conv_1d/bias Param 8",
+        "conv_1d/kernel Param 3x8",
+        "input_gate_bias Param 2x4",
+        "input_gate_weight Param 2x4x4",
+        "linear_out/bias Param 16",
+        "linear_out/kernel Param 8x16",
+        "linear_x/bias Param 8",
+        "linear_x/kernel Param 16x8",
+        "linear_y/bias Param 8",
+        "linear_y/kernel Param 16x8",
+        "recurrent_gate_bias Param 2x4",
+        "recurrent_gate_weight Param 2x4x4",
+        "recurrent_param Param 8",
+    ],
 }
 
 
@@ -533,6 +583,7 @@ def test_every_layer_type_is_pinned():
     kinds |= {layers.MLSTMLayer, layers.LightningAttention, layers.SoftmaxAttention}
     kinds |= {layers.LatentAttention, layers.TransformerBlock, models.LanguageModel}
     kinds |= {layers.GatedShortConv}
+    kinds |= {layers.RGLRUBlock}
     assert kinds <= built
 
 

@@ -130,7 +130,7 @@ class SequenceParallelTest(chex.TestCase):
 
     # GLA (additive, per-channel gates) and KDA (delta, per-channel gates); Gated DeltaNet's
     # per-head gate is the delta rule's test below, its layer that of KDA but for the gate.
-    @parameterized.parameters("gla", "kda", "mlstm", "mamba2")
+    @parameterized.parameters("gla", "kda", "mlstm", "mamba2", "rglru")
     def test_gated_and_delta_layers_with_a_sequence_axis(self, kind):
         mesh = _mesh(4, batch=2)
         small = {"mamba2": dict(state_dim=4)}.get(kind, {})
@@ -339,3 +339,29 @@ def test_wkv_sequence_parallel_equals_one_device():
     for a, e in zip(s, ref_s, strict=True):
         helpers.assert_close_normwise(a, e)
     helpers.assert_close_normwise(g, ref_g)
+
+
+@pytest.mark.skipif(not EIGHT, reason="needs 8 devices (run by the launcher test)")
+def test_rglru_sequence_parallel_equals_one_device():
+    """The RG-LRU (``ops.rglru``): 4 shards x 2 batch shards, a reset inside a shard, from
+    no state (token 0 a sequence start) and from a given one; outputs, final state and
+    gradients against one device."""
+    b, t, h, d = 2, 12, 2, 3
+    ks = jax.random.split(jax.random.PRNGKey(25), 5)
+    args = tuple(jax.random.normal(key, (b, t, h, d)) for key in ks[:3])
+    kw = dict(a_param=jax.random.normal(ks[3], (h, d)) - 2.0, chunk_size=2, return_state=True)
+    kw["reset"] = jnp.zeros((b, t), bool).at[0, 5].set(True)
+    parallel = functools.partial(
+        la.sequence_parallel_rglru, axis_name="seq", batch_axis="batch", mesh=_mesh(4, 2)
+    )
+    for s0 in (None, la.RGLRUState(jax.random.normal(ks[4], (b, h, d)))):
+
+        def loss(fn, args, s0=s0):
+            out, state = fn(*args, initial_state=s0, **kw)
+            return jnp.sum(out * args[0]) + jnp.sum(state.h), (out, state)
+
+        grad = lambda fn, loss=loss: jax.jit(jax.grad(functools.partial(loss, fn), has_aux=True))
+        (d, (out, s)), (ref_d, (ref_out, ref_s)) = grad(parallel)(args), grad(la.rglru)(args)
+        helpers.assert_close_normwise(out, ref_out)
+        chex.assert_trees_all_close(s.h, ref_s.h, **helpers.tol(jnp.float32))
+        helpers.assert_close_normwise(d, ref_d)

@@ -40,6 +40,7 @@ The layout: one module per model type over a shared loader.
       olmo_hybrid (Gated DeltaNet + post-normed softmax)
       xlstm (mLSTM)
       rwkv (RWKV-4: time mix + channel mix, LayerNorms)
+      recurrent_gemma (Griffin's RG-LRU blocks + local multi-query attention)
       llama (softmax attention + SwiGLU: the softmax model types' base)
       ├── mistral (every layer a sliding window)
       │   ├── phi3 (fused qkv and gate_up projections, partial RoPE)
@@ -170,4 +171,5 @@ __all__ = [
     "xlstm",
     "rwkv",
     "zamba2",
+    "recurrent_gemma",
 ]

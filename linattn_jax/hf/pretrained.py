@@ -47,6 +47,7 @@ from linattn_jax.hf import (
     qwen3_5_moe,
     qwen3_moe,
     qwen3_next,
+    recurrent_gemma,
     rwkv,
     safetensors_io,
     tables,
@@ -90,6 +91,7 @@ _FORMATS = (
     bailing_hybrid.FORMAT,
     rwkv.FORMAT,
     zamba2.FORMAT,
+    recurrent_gemma.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: fmt for fmt in _FORMATS for model_type in fmt.model_types

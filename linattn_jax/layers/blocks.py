@@ -127,9 +127,11 @@ def _add(residual, h, factors: tuple[float, float]):
     return residual + h
 
 
-def _build_mlp(mlp: str, width: int, hidden: int, moe, multipliers, options) -> nnx.Module | None:
+def _build_mlp(
+    mlp: str, width: int, hidden: int, moe, multipliers, bias: bool, options
+) -> nnx.Module | None:
     """The block's MLP of kind ``mlp`` (``MLPS``; None for ``"none"``), from the block's
-    ``moe`` and ``mlp_multipliers`` options."""
+    ``moe``, ``mlp_multipliers`` and ``mlp_bias`` options."""
     if mlp == "rwkv":
         return RWKVChannelMix(width, hidden, **options)
     if mlp == "moe":
@@ -140,6 +142,10 @@ def _build_mlp(mlp: str, width: int, hidden: int, moe, multipliers, options) -> 
         if mlp != "swiglu":
             raise ValueError(f"mlp_multipliers need mlp='swiglu', got mlp={mlp!r}")
         options = dict(options, multipliers=multipliers)
+    if bias:
+        if mlp not in ("swiglu", "geglu"):
+            raise ValueError(f"mlp_bias needs mlp='swiglu' or 'geglu', got mlp={mlp!r}")
+        options = dict(options, use_bias=True)
     return MLP_CLASSES[mlp](width, hidden, **options) if mlp != "none" else None
 
 
@@ -193,6 +199,7 @@ class TransformerBlock(nnx.Module):
         ``ssm_out_multiplier``); all 1: none.
       mlp_multipliers: ``(gate, down)`` of a SwiGLU MLP (``SwiGLU``'s ``multipliers``;
         Falcon-H1's ``mlp_multipliers``); (1, 1): none.
+      mlp_bias: biases on a SwiGLU or GeGLU MLP's three projections (RecurrentGemma's).
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
       param_dtype: the parameters' dtype, as in Flax.
@@ -221,6 +228,7 @@ class TransformerBlock(nnx.Module):
         parallel: Mapping[str, Any] | None = None,
         branch_multipliers: Sequence[Sequence[float]] = ((1.0, 1.0), (1.0, 1.0)),
         mlp_multipliers: Sequence[float] = (1.0, 1.0),
+        mlp_bias: bool = False,
         rngs: nnx.Rngs,
         dtype=None,
         param_dtype=jnp.float32,
@@ -262,7 +270,7 @@ class TransformerBlock(nnx.Module):
         )
         self.branch_multipliers = branch_multipliers
         options = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.mlp = nnx.data(_build_mlp(mlp, width, hidden, moe, mlp_multipliers, options))
+        self.mlp = nnx.data(_build_mlp(mlp, width, hidden, moe, mlp_multipliers, mlp_bias, options))
         self.width, self.residual_multiplier = width, float(residual_multiplier)
 
     def init_state(self, batch: int, max_length: int | None = None) -> BlockState:

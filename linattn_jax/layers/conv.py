@@ -19,15 +19,21 @@ class CausalConv1D(nnx.Module):
     Args:
       channels: the number of channels (each convolved on its own).
       size: the kernel size, >= 1.
+      use_bias: a bias per channel added to each real token's output (RecurrentGemma's).
       rngs: as in Flax (the kernel's noise is drawn from ``rngs.params()``).
       param_dtype: the kernel's dtype, as in Flax.
     """
 
-    def __init__(self, channels: int, size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    def __init__(
+        self, channels: int, size: int, *, use_bias: bool = False, rngs: nnx.Rngs,
+        param_dtype=jnp.float32,
+    ):  # fmt: skip
         checks.check_int("channels", channels, 1)
         checks.check_int("conv_size", size, 1)
+        checks.check_bool("use_bias", use_bias)
         kernel = 0.02 * jax.random.normal(rngs.params(), (size, channels), param_dtype)
         self.kernel = nnx.Param(kernel.at[-1].add(1.0))
+        self.bias = nnx.data(nnx.Param(jnp.zeros((channels,), param_dtype)) if use_bias else None)
         self.size, self.channels = size, channels
 
     def init_state(self, batch: int) -> jax.Array:
@@ -42,6 +48,9 @@ class CausalConv1D(nnx.Module):
         key_mask: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """``x [b, t, c]`` -> ``(y [b, t, c] in x's dtype, the last size - 1 inputs)``.
+
+        With ``use_bias``, the bias is added to every real token's output (a masked
+        token's stays 0).
 
         Args:
           x: ``[b, t, c]``; rows that ``key_mask`` masks must hold zeros already (the
@@ -67,6 +76,15 @@ class CausalConv1D(nnx.Module):
             runs = jnp.concatenate(
                 [jnp.zeros((b, n), jnp.int32), checks.segment_runs(segment_ids)], 1
             )
+        y, past = self._convolve(x, seq, runs, key_mask)
+        if self.bias is not None:
+            y = checks.where_token(key_mask, y + self.bias[...].astype(x.dtype)[None, None])
+        return y, past
+
+    def _convolve(self, x, seq, runs, key_mask):
+        """The taps over ``seq`` (the state then ``x``): ``__call__``'s result, no bias."""
+        b, t, c = x.shape
+        n = self.size - 1
         kernel = self.kernel[...].astype(x.dtype)
         if key_mask is None:
             return _taps(kernel, seq, runs, t), seq[:, t:].astype(jnp.float32)

@@ -69,12 +69,13 @@ class SwiGLU(nnx.Module):
     Llama's and Qwen's MLP: ``gate_proj``, ``up_proj``, ``down_proj``).
 
     ``multipliers=(m_gate, m_down)`` makes it ``m_down down(SiLU(m_gate gate(x)) * up(x))``
-    (Falcon-H1's ``mlp_multipliers``); (1, 1): none.
+    (Falcon-H1's ``mlp_multipliers``); (1, 1): none. ``use_bias``: the three projections
+    with biases (RecurrentGemma's MLP).
     """
 
     def __init__(
         self, width: int, hidden: int, *, multipliers: Sequence[float] = (1.0, 1.0),
-        rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32,
+        use_bias: bool = False, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32,
     ):  # fmt: skip
         try:
             m_gate, m_down = multipliers
@@ -83,9 +84,11 @@ class SwiGLU(nnx.Module):
         check_multiplier("multipliers[0]", m_gate)
         check_multiplier("multipliers[1]", m_down)
         self.multipliers = (float(m_gate), float(m_down))
+        zeros = nnx.initializers.zeros_init()
         linear = lambda n_in, n_out, *axes: nnx.Linear(
-            n_in, n_out, use_bias=False, kernel_init=sharding.kernel(*axes), dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs,
+            n_in, n_out, use_bias=use_bias, kernel_init=sharding.kernel(*axes),
+            bias_init=sharding.with_axes(zeros, axes[1]), dtype=dtype, param_dtype=param_dtype,
+            rngs=rngs,
         )  # fmt: skip
         embed, mlp = sharding.EMBED, sharding.MLP
         self.gate_proj = linear(width, hidden, embed, mlp)

@@ -20,6 +20,7 @@ from linattn_jax.layers.linearized import LinearizedAttention
 from linattn_jax.layers.mamba2 import Mamba2Mixer
 from linattn_jax.layers.mla import LatentAttention
 from linattn_jax.layers.mlstm import MLSTMLayer
+from linattn_jax.layers.rglru import RGLRUBlock
 from linattn_jax.layers.rwkv import RWKVTimeMix
 from linattn_jax.layers.softmax import SoftmaxAttention
 
@@ -195,6 +196,12 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
         # RWKV-4's time mix; its block's MLP is the channel mix (mlp="rwkv").
         "rwkv": AttentionKind(
             RWKVTimeMix, "RWKV-4", options=("method", "chunk_size"), sequence_parallel=False
+        ),
+        # Griffin's recurrent block (RecurrentGemma): gated branch, conv, RG-LRU.
+        "rglru": AttentionKind(
+            RGLRUBlock,
+            "RG-LRU (Griffin)",
+            options=("method", "chunk_size"),
         ),
     }
 )

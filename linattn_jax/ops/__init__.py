@@ -10,10 +10,12 @@ form with the same file names (``api``, ``chunked``, ``recurrent``, ``step``,
 ``wkv`` is RWKV-4's per-channel WKV (``k, v, time_decay, time_first``; ``causal``, ``step``).
 """
 
-from linattn_jax.ops import additive, checks, chunking, delta, feature_maps, mlstm, ssd, wkv
+from linattn_jax.ops import additive, checks, chunking, delta, feature_maps, mlstm, rglru, ssd, wkv
 
 FAMILIES = {"additive": additive, "delta": delta, "mlstm": mlstm}
 FAMILIES["wkv"] = wkv
+FAMILIES["rglru"] = rglru
 
 __all__ = ["FAMILIES", "additive", "checks", "chunking", "delta", "feature_maps", "mlstm", "ssd"]
 __all__ += ["wkv"]
+__all__ += ["rglru"]
