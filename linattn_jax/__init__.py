@@ -36,6 +36,13 @@ from linattn_jax.ops.mlstm import (
     mlstm_step,
     sequence_parallel_mlstm,
 )
+from linattn_jax.ops.selective import (
+    SELECTIVE_METHODS,
+    SelectiveState,
+    init_selective_state,
+    selective_scan,
+    selective_scan_step,
+)
 from linattn_jax.ops.ssd import (
     SSD_METHODS,
     SSDState,
@@ -75,4 +82,9 @@ __all__ = [
     "sequence_parallel_ssd",
     "ssd",
     "ssd_step",
+    "SELECTIVE_METHODS",
+    "SelectiveState",
+    "init_selective_state",
+    "selective_scan",
+    "selective_scan_step",
 ]

@@ -6,11 +6,23 @@ form with the same file names (``api``, ``chunked``, ``recurrent``, ``step``,
 ``sequence_parallel``, ``state``) and exposing one interface: ``additive``, ``delta`` and
 ``mlstm`` (xLSTM's stabilised exponential gates). ``FAMILIES`` names them. ``ssd``
 (Mamba-2) is the additive rule with its own inputs (``x, dt, A, B, C``) and the same forms
-(``causal``, ``step``, ``sequence_parallel``).
+(``causal``, ``step``, ``sequence_parallel``). ``selective`` (Mamba-1's selective scan)
+is a family of its own inputs (``x, dt, A, B, C``: a decay per channel and state entry)
+on the chunk engine.
 """
 
-from linattn_jax.ops import additive, checks, chunking, delta, feature_maps, mlstm, ssd
+from linattn_jax.ops import additive, checks, chunking, delta, feature_maps, mlstm, selective, ssd
 
 FAMILIES = {"additive": additive, "delta": delta, "mlstm": mlstm}
 
-__all__ = ["FAMILIES", "additive", "checks", "chunking", "delta", "feature_maps", "mlstm", "ssd"]
+__all__ = [
+    "FAMILIES",
+    "additive",
+    "checks",
+    "chunking",
+    "delta",
+    "feature_maps",
+    "mlstm",
+    "selective",
+    "ssd",
+]
