@@ -61,6 +61,7 @@ CASES = {
         rngs=r,
     ),  # fmt: skip
     "mlstm": lambda r: layers.MLSTMLayer(16, 2, use_bias=True, rngs=r),
+    "mamba": lambda r: layers.MambaMixer(16, state_dim=4, dt_rank=3, use_bias=True, rngs=r),
     "lightning": lambda r: layers.LightningAttention(16, 2, layer_index=1, num_layers=3, rngs=r),
     "softmax": lambda r: layers.SoftmaxAttention(16, 2, rngs=r),
     "softmax_gqa_rope_norms_gate": lambda r: layers.SoftmaxAttention(
@@ -357,6 +358,19 @@ EXPECTED: dict[str, list[str]] = {
         "in_proj/kernel Param 16x26",
         "out_proj/bias Param 16",
         "out_proj/kernel Param 8x16",
+    ],
+    "mamba": [
+        "A_log Param 32x4",
+        "D Param 32",
+        "conv/kernel Param 4x32",
+        "conv_bias Param 32",
+        "dt_proj/bias Param 32",
+        "dt_proj/kernel Param 3x32",
+        "in_proj/bias Param 64",
+        "in_proj/kernel Param 16x64",
+        "out_proj/bias Param 16",
+        "out_proj/kernel Param 32x16",
+        "x_proj/kernel Param 32x11",
     ],
     "mlstm": [
         "fgate_preact/bias Param 2",

@@ -198,6 +198,7 @@ EMPTY_KINDS = {
     "mamba2": dict(state_dim=4),
     "mlstm": {},
     "lightning": {},
+    "mamba": {},
 }
 
 

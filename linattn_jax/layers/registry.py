@@ -16,6 +16,7 @@ from linattn_jax.layers.delta import DeltaRuleAttention
 from linattn_jax.layers.lightning import LightningAttention
 from linattn_jax.layers.linear import LinearAttention
 from linattn_jax.layers.linearized import LinearizedAttention
+from linattn_jax.layers.mamba import MambaMixer
 from linattn_jax.layers.mamba2 import Mamba2Mixer
 from linattn_jax.layers.mla import LatentAttention
 from linattn_jax.layers.mlstm import MLSTMLayer
@@ -184,6 +185,12 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
             section="softmax",
             section_options=tuple(o for o in _SOFTMAX_OPTIONS if o != "sliding_window"),
         ),
+        "mamba": AttentionKind(
+            MambaMixer,
+            "Mamba (selective scan)",
+            options=("method", "chunk_size"),
+            sequence_parallel=False,
+        ),
         # No mixer: an MLP-only block (Nemotron-H's "-" layers).
         "mlp": AttentionKind(None, "MLP only"),
     }
@@ -214,6 +221,7 @@ def make_attention(kind: str, width: int, num_heads: int, **options: Any) -> nnx
     ``"linearized"``: ``LinearizedAttention`` (a softmax layer's parameters with a learned
     linear core: a linearised transformer's student layers).
     ``"mlstm"``: ``MLSTMLayer`` (xLSTM).
+    ``"mamba"``: ``MambaMixer`` (Mamba-1's selective scan; ``num_heads`` unused).
 
     Raises:
       ValueError: an unknown kind, the kind without a mixer (``"mlp"``), or an option that
