@@ -32,6 +32,8 @@ The layout: one module per model type over a shared loader.
       │   ├── granitemoehybrid (experts + shared MLP, muP multipliers)
       │   └── falcon_h1 (attention and Mamba-2 side by side)
       └── nemotron_h (mixer, attention and squared-ReLU MLP layers)
+      mamba (Mamba-1 mixers: the selective scan)
+      └── falcon_mamba (weightless norms on dt, B and C)
       kimi_linear (KDA + MLA + DeepSeek's mixture)
       minimax (lightning + softmax attention, normed residuals, a mixture)
       olmo_hybrid (Gated DeltaNet + post-normed softmax)
@@ -69,11 +71,13 @@ from linattn_jax.hf import (  # noqa: E402
     deepseek_v3,
     experts,
     falcon_h1,
+    falcon_mamba,
     gemma2,
     gemma3,
     granitemoehybrid,
     kimi_linear,
     llama,
+    mamba,
     mamba2,
     minimax,
     mistral,
@@ -129,6 +133,8 @@ __all__ = [
     "load_tokenizer",
     "mamba2",
     "minimax",
+    "mamba",
+    "falcon_mamba",
     "mistral",
     "mixtral",
     "nemotron_h",

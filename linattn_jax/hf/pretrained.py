@@ -24,11 +24,13 @@ from linattn_jax.hf import (
     common,
     deepseek_v3,
     falcon_h1,
+    falcon_mamba,
     gemma2,
     gemma3,
     granitemoehybrid,
     kimi_linear,
     llama,
+    mamba,
     mamba2,
     minimax,
     mistral,
@@ -75,6 +77,8 @@ _FORMATS = (
     deepseek_v3.FORMAT,
     qwen2.FORMAT,
     qwen3.FORMAT,
+    mamba.FORMAT,
+    falcon_mamba.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: fmt for fmt in _FORMATS for model_type in fmt.model_types
