@@ -118,7 +118,7 @@ def test_forms_equal_the_float64_loop_outputs_states_and_gradients(method, case)
 
 
 def test_chunked_equals_scan_equals_steps():
-    """Chunks of 32 (sub-chunks of 16 inside), extreme steps and rates: the chunked form,
+    """Chunks of 32 (and the default 16), extreme steps and rates: the chunked form,
     the scan and the steps agree, outputs and state, also in two pieces."""
     inputs, h0 = _inputs(5, t=40, extreme=True)
     s0 = selective.State(h0)
@@ -133,7 +133,8 @@ def test_chunked_equals_scan_equals_steps():
         y_t, s = step(**{k: v[:, t] for k, v in per_token.items()}, A=inputs["A"], D=inputs["D"],
                       state=s)  # fmt: skip
         ys.append(y_t)
-    for other, other_state in [(scan_y, scan_state), (jnp.stack(ys, 1), s)]:
+    default = la.selective_scan(**inputs, initial_state=s0, return_state=True)
+    for other, other_state in [(scan_y, scan_state), (jnp.stack(ys, 1), s), default]:
         helpers.assert_close_normwise(other, y)
         helpers.assert_close_normwise(other_state.h, state.h)
     cut = lambda sl: {k: v[:, sl] if k in per_token else v for k, v in inputs.items()}

@@ -7,10 +7,10 @@ projections shared by the channels::
     h_t = exp(dt_t A) * h_{t-1} + (dt_t x_t) B_t        (n per channel)
     y_t = h_t . C_t + D x_t
 
-``causal`` runs one of the forms: ``"chunked"`` (``chunked.py``: each channel a head of
-the per-channel-gated additive rule with value width one, on the chunk engine; the fast
-default), ``"scan"`` (``recurrent.py``, the reference recurrence) or ``"quadratic"`` (one
-chunk of the whole length); ``step`` (``step.py``) decodes one token.
+``causal`` runs one of the forms: ``"chunked"`` (``chunked.py``: a parallel scan inside
+each chunk, on the chunk engine; the fast default), ``"scan"`` (``recurrent.py``, the
+reference recurrence) or ``"quadratic"`` (one chunk of the whole length); ``step``
+(``step.py``) decodes one token.
 
 Padding: a token masked by ``key_mask`` leaves the state untouched and outputs 0, whatever
 its inputs hold (NaN and inf included). A non-finite ``x`` or ``dt`` of a real token spoils
@@ -24,9 +24,7 @@ References:
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
-from linattn_jax.ops import checks, chunking
+from linattn_jax.ops import checks
 from linattn_jax.ops.selective import inputs, recurrent
 from linattn_jax.ops.selective.chunked import run_chunks
 from linattn_jax.ops.selective.state import State, as_internal
@@ -64,7 +62,8 @@ def causal(
         ``"quadratic"`` (one chunk of the whole length, for short inputs). All give the
         same result.
       chunk_size: tokens per chunk (``"chunked"``) or per recomputed block of the
-        backward pass (``"scan"``); any length works. None: 64.
+        backward pass (``"scan"``); any length works. None: 16 (per-channel decays:
+        ``checks.default_chunk_size``).
       initial_state: the state before token 0; zeros when None.
       return_state: also return the state after the last token.
       key_mask: optional bool ``[b, t]``, True for real tokens. A masked token leaves the
@@ -94,12 +93,12 @@ def causal(
         resets = checks.segment_resets(segment_ids, b, t, dtype)[:, 0]  # [b, t, 1]
     state = (as_internal(initial_state, b, d, n, dtype), A32)
     xs = (u, dt32, B[:, :, None], C[:, :, None], resets)
-    chunk_size = max(t, 1) if method == "quadratic" else checks.default_chunk_size(chunk_size)
+    # A's decays are per channel and state entry: the per-channel default (16).
+    chunk_size = max(t, 1) if method == "quadratic" else checks.default_chunk_size(chunk_size, A)
     if method == "scan":
         y, (h, _) = recurrent.run_scan(xs, state, chunk_size)
     else:
-        operand = chunking.operand_dtype(jnp.result_type(x, B, C))
-        y, (h, _) = run_chunks(xs, state, chunk_size, dtype=operand)
+        y, (h, _) = run_chunks(xs, state, chunk_size)
     y, h = inputs.finish(y, x, D, first, h, key_mask)
     y = y.astype(x.dtype)
     return (y, State(h)) if return_state else y
