@@ -68,9 +68,40 @@ def chunk_body(state, x):
     return (hs[:, :, -1], A), y
 
 
+def chunk_body_bwd(d_state, residuals):
+    """The transpose of ``chunk_body`` (``chunking.scan``'s ``body_bwd``).
+
+    Args:
+      d_state: the cotangents ``(d h [b, d, n], d A [d, n])`` of the state after the chunk.
+      residuals: ``(state entering the chunk, the chunk, y, d y [b, d, c])``.
+
+    Returns:
+      ``(the cotangents of the state entering the chunk, of the chunk's inputs)``.
+    """
+    d_h, d_A = d_state
+    (h, A), (u, dt, B, C, reset), _, d_y = residuals
+    B32, C32 = B[:, 0].astype(h.dtype), C[:, 0].astype(h.dtype)  # [b, c, n]
+    a, w = _decays_and_writes(h, A, u, dt, B32[:, None], reset)
+    _, hs = jax.lax.associative_scan(_combine, (a, w), axis=2)
+    # g_i = dL/dh_i = C_i dy_i + a_{i+1} g_{i+1}, from the state's cotangent after the chunk.
+    v = (d_y[..., None] * C32[:, None]).at[:, :, -1].add(d_h)
+    a_next = jnp.concatenate([a[:, :, 1:], jnp.ones_like(a[:, :, :1])], axis=2)
+    _, g = jax.lax.associative_scan(_combine, (a_next, v), axis=2, reverse=True)
+    h_before = jnp.concatenate([h[:, :, None], hs[:, :, :-1]], axis=2)
+    d_log_a = g * h_before * a  # through a = exp(dt A); 0 at a reset (a = 0)
+    A_finite = jnp.where(jnp.isneginf(A), 0.0, A)  # log_decay's gradient there is 0
+    d_dt = jnp.einsum("bdcn,dn->bdc", d_log_a, A_finite)
+    d_A = d_A + jnp.where(jnp.isneginf(A), 0.0, jnp.einsum("bdcn,bdc->dn", d_log_a, dt))
+    d_u = jnp.einsum("bdcn,bcn->bdc", g, B32)
+    d_B = jnp.einsum("bdcn,bdc->bcn", g, u)[:, None].astype(B.dtype)
+    d_C = jnp.einsum("bdcn,bdc->bcn", hs, d_y)[:, None].astype(C.dtype)
+    d_reset = None if reset is None else jnp.zeros_like(reset)
+    return (a[:, :, 0] * g[:, :, 0], d_A), (d_u, d_dt, d_B, d_C, d_reset)
+
+
 def run_chunks(xs, state, chunk_size: int):
     """``chunk_body`` over the chunks of the time-major ``xs`` (``(u [b,t,d], dt [b,t,d],
     B [b,t,1,n], C [b,t,1,n], resets [b,t,1] | None)``) from ``state = (h, A)``:
     ``(y [b, t, d], (final h, A))``."""
     t = xs[0].shape[1]
-    return chunking.scan(chunk_body, state, xs, chunk_size, t, time_axis=1)
+    return chunking.scan(chunk_body, state, xs, chunk_size, t, chunk_body_bwd, time_axis=1)
