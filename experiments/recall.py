@@ -56,6 +56,9 @@ KINDS = {
     # and a state of n = 32 per channel, so h n p = 64 * width floats (the delta rule's
     # width² at width 64).
     "mamba2": {"attention": "mamba2", "short_conv": 0, "mamba2.state_dim": 32},
+    # Mamba-1 (its own convolution): 2 * width channels of n = 16 states each, 32 * width
+    # floats.
+    "mamba": {"attention": "mamba", "short_conv": 0},
 }
 LABELS = {
     "softmax": "softmax attention",
@@ -70,6 +73,7 @@ LABELS = {
     "mlstm": "mLSTM (xLSTM)",
     "hybrid": "Gated DeltaNet : softmax, 1:1",
     "mamba2": "Mamba-2 (SSD, state 32)",
+    "mamba": "Mamba-1 (selective scan, state 16)",
 }
 
 
@@ -145,7 +149,7 @@ def _state_floats(config_json: str) -> int:
         cache = jax.eval_shape(lambda attention=attention: attention.init_state(1, length))
         if isinstance(cache, layers.KVCache):
             held = (cache.k, cache.v)
-        elif isinstance(cache, layers.Mamba2Cache):
+        elif isinstance(cache, layers.Mamba2Cache | layers.MambaCache):
             held = cache.ssm  # the convolution's few floats are not counted
         elif isinstance(cache, ops.mlstm.State):
             held = cache  # C, n and m
