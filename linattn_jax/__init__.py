@@ -42,6 +42,7 @@ from linattn_jax.ops.selective import (
     init_selective_state,
     selective_scan,
     selective_scan_step,
+    sequence_parallel_selective_scan,
 )
 from linattn_jax.ops.ssd import (
     SSD_METHODS,
@@ -87,4 +88,5 @@ __all__ = [
     "init_selective_state",
     "selective_scan",
     "selective_scan_step",
+    "sequence_parallel_selective_scan",
 ]

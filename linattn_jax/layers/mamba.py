@@ -29,7 +29,7 @@ from flax import nnx
 from linattn_jax import sharding
 from linattn_jax.layers.common import check_can_decode, check_decoding, check_state, check_tokens
 from linattn_jax.layers.conv import CausalConv1D
-from linattn_jax.layers.recurrent import run_causal
+from linattn_jax.layers.recurrent import run_causal, sequence_sharding
 from linattn_jax.ops import checks, selective
 
 DT_INIT_RANGE = (1e-3, 1e-1)  # softplus(dt bias) log-uniform in this range (Mamba)
@@ -75,6 +75,10 @@ class MambaMixer(nnx.Module):
         refuses decoding.
       method: the scan's full-sequence form (``ops.selective.METHODS``).
       chunk_size: tokens per chunk; None (default): the family's default.
+      sequence_axis: a mesh axis that splits full-sequence forwards along their length
+        (``ops.selective.sequence_parallel``; no ``key_mask`` or ``segment_ids`` then).
+      batch_axis: the mesh axis that splits the batch alongside ``sequence_axis``.
+      mesh: the mesh of those axes; the current one when None.
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's); states stay float32.
       param_dtype: the parameters' dtype.
@@ -98,6 +102,9 @@ class MambaMixer(nnx.Module):
         causal: bool = True,
         method: str = "chunked",
         chunk_size: int | None = None,
+        sequence_axis: str | None = None,
+        batch_axis: str | tuple[str, ...] | None = None,
+        mesh: jax.sharding.Mesh | None = None,
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -115,6 +122,7 @@ class MambaMixer(nnx.Module):
         if mixer_rms_eps is not None:
             checks.check_number("mixer_rms_eps", mixer_rms_eps, minimum=0.0)
         inner = expand * width
+        self.sharding = nnx.data(sequence_sharding(sequence_axis, batch_axis, mesh, causal))
         self.width, self.inner, self.state_dim, self.dt_rank = width, inner, state_dim, dt_rank
         self.mixer_rms_eps = None if mixer_rms_eps is None else float(mixer_rms_eps)
         self.causal, self.method, self.chunk_size = causal, method, chunk_size
@@ -201,7 +209,7 @@ class MambaMixer(nnx.Module):
         y, ssm = run_causal(
             selective, xs, dt, A, B, C, state=None if state is None else state.ssm,
             key_mask=key_mask, segment_ids=segment_ids, method=self.method,
-            chunk_size=self.chunk_size, sharding=None, options=dict(D=D),
+            chunk_size=self.chunk_size, sharding=self.sharding, options=dict(D=D),
         )  # fmt: skip
         y = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
         out = self.out_proj(y.astype(projected.dtype))

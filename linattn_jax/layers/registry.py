@@ -189,7 +189,6 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
             MambaMixer,
             "Mamba (selective scan)",
             options=("method", "chunk_size"),
-            sequence_parallel=False,
         ),
         # No mixer: an MLP-only block (Nemotron-H's "-" layers).
         "mlp": AttentionKind(None, "MLP only"),
