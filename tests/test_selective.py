@@ -183,3 +183,14 @@ def test_errors():
                                A=inputs["A"], state=None)  # fmt: skip
     state = la.init_selective_state(B, D, N)
     assert state.h.shape == (B, D, N) and np.all(np.asarray(state.h) == 0)
+
+
+def test_bfloat16_inputs_with_float32_steps():
+    """bfloat16 x, B, C beside float32 dt (``MambaMixer(dtype=bfloat16)``'s): bfloat16 out,
+    float32 state, the float32 result to bfloat16's rounding."""
+    inputs, h0 = _inputs(10)
+    half = {k: v.astype(jnp.bfloat16) if k in ("x", "B", "C") else v for k, v in inputs.items()}
+    y, state = la.selective_scan(**half, chunk_size=4, return_state=True)
+    ref = la.selective_scan(**{k: v.astype(jnp.float32) for k, v in half.items()}, chunk_size=4)
+    assert y.dtype == jnp.bfloat16 and state.h.dtype == jnp.float32
+    helpers.assert_close_normwise(y.astype(jnp.float32), ref, 1e-2)

@@ -50,7 +50,7 @@ def operands(x, dt, A, B, C, key_mask):
     makes NaN (that channel's outputs from the token on, and its state). A non-finite
     ``C`` reaches only its own token's outputs.
     """
-    dtype = feature_maps.accumulation_dtype(jnp.result_type(x, dt))
+    dtype = feature_maps.accumulation_dtype(x.dtype)
     x, dt, B, C = (checks.where_token(key_mask, y) for y in (x, dt, B, C))
     x, dt = x.astype(dtype), dt.astype(dtype)
     good_b = jnp.all(jnp.isfinite(B), axis=-1, keepdims=True)

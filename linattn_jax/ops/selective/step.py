@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from linattn_jax.ops import feature_maps
 from linattn_jax.ops.selective import inputs, recurrent
 from linattn_jax.ops.selective.state import State, as_internal
@@ -46,7 +44,7 @@ def step(
             "state must be the SelectiveState after the previous token (init_state(...) "
             "before the first), got None"
         )
-    dtype = feature_maps.accumulation_dtype(jnp.result_type(x, dt))
+    dtype = feature_maps.accumulation_dtype(x.dtype)
     h = as_internal(state, b, d, n, dtype)
     x32, dt = x.astype(dtype), dt.astype(dtype)
     h, y = recurrent.token_step(h, A.astype(dtype), dt * x32, dt, B, C)
