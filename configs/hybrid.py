@@ -8,6 +8,8 @@
         --workdir runs/hybrid_text_small
     python -m experiments.train --config configs/hybrid.py:mamba2_small \
         --workdir runs/hybrid_mamba2_small
+    python -m experiments.train --config configs/hybrid.py:mamba_small \
+        --workdir runs/hybrid_mamba_small
 
 The layers follow Qwen3-Next / Qwen3.5, scaled down: Gated DeltaNet with grouped value heads
 (2 key heads, 4 value heads, dk = dv, a short convolution of 4), gated attention with GQA 4:1
@@ -17,14 +19,16 @@ and ``:text_small`` run on a CPU in minutes; the others are the tasks' full sett
 
 ``:mamba2`` and ``:mamba2_small`` (MQAR) put Mamba-2 mixers (``"3 mamba2 : 1 softmax"``:
 ``model.num_heads`` SSD heads of ``2 * width / num_heads`` channels, Mamba-2's state of 128,
-its convolution of 4) in the Gated DeltaNet layers' place, with plain RMSNorms.
+its convolution of 4) in the Gated DeltaNet layers' place, with plain RMSNorms; ``:mamba``
+and ``:mamba_small`` Mamba-1 mixers (``"3 mamba : 1 softmax"``: ``2 * width`` channels of
+16 states, its convolution of 4) likewise.
 """
 
 from ml_collections import ConfigDict
 
 from configs import mqar, text_lm
 
-VARIANTS = ("", "small", "text", "text_small", "mamba2", "mamba2_small")
+VARIANTS = ("", "small", "text", "text_small", "mamba2", "mamba2_small", "mamba", "mamba_small")
 
 
 def get_config(arg: str | None = None) -> ConfigDict:
@@ -61,5 +65,8 @@ def get_config(arg: str | None = None) -> ConfigDict:
     if arg.startswith("mamba2"):
         m.attention = "3 mamba2 : 1 softmax"
         m.num_heads = 2  # the Mamba-2 layers' SSD heads
+        m.zero_centred_norm = False
+    if arg in ("mamba", "mamba_small"):
+        m.attention = "3 mamba : 1 softmax"
         m.zero_centred_norm = False
     return c

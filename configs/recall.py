@@ -45,7 +45,8 @@ def get_config(arg: str | None = None) -> ConfigDict:
 
     c.recall = ConfigDict()
     c.recall.kinds = (
-        "softmax,elu,based,hedgehog,retnet,gla,deltanet,gated_deltanet,kda,mlstm,hybrid,mamba2,rwkv"
+        "softmax,elu,based,hedgehog,retnet,gla,deltanet,gated_deltanet,kda,mlstm,hybrid,mamba2,"
+        "rwkv,mamba"
     )
     c.recall.widths = "64,96,128"
     c.recall.lrs = "3e-3,1e-2"

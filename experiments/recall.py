@@ -61,6 +61,9 @@ KINDS = {
     "rwkv": {"attention": "rwkv", "mlp": "rwkv", "short_conv": 0, "method": "scan"},
     # Griffin's recurrent block (its own convolution): a state of one float per channel.
     "rglru": {"attention": "rglru", "short_conv": 0},
+    # Mamba-1 (its own convolution): 2 * width channels of n = 16 states each, 32 * width
+    # floats.
+    "mamba": {"attention": "mamba", "short_conv": 0},
 }
 LABELS = {
     "softmax": "softmax attention",
@@ -77,6 +80,7 @@ LABELS = {
     "mamba2": "Mamba-2 (SSD, state 32)",
     "rwkv": "RWKV-4",
     "rglru": "RG-LRU (Griffin)",
+    "mamba": "Mamba-1 (selective scan, state 16)",
 }
 
 
@@ -152,7 +156,7 @@ def _state_floats(config_json: str) -> int:
         cache = jax.eval_shape(lambda attention=attention: attention.init_state(1, length))
         if isinstance(cache, layers.KVCache):
             held = (cache.k, cache.v)
-        elif isinstance(cache, layers.Mamba2Cache):
+        elif isinstance(cache, layers.Mamba2Cache | layers.MambaCache):
             held = cache.ssm  # the convolution's few floats are not counted
         elif isinstance(cache, layers.RGLRUCache):
             held = cache.lru  # h; the convolution's few floats are not counted

@@ -44,6 +44,14 @@ from linattn_jax.ops.rglru import (
     rglru_step,
     sequence_parallel_rglru,
 )
+from linattn_jax.ops.selective import (
+    SELECTIVE_METHODS,
+    SelectiveState,
+    init_selective_state,
+    selective_scan,
+    selective_scan_step,
+    sequence_parallel_selective_scan,
+)
 from linattn_jax.ops.ssd import (
     SSD_METHODS,
     SSDState,
@@ -103,4 +111,10 @@ __all__ = [
     "rglru",
     "rglru_step",
     "sequence_parallel_rglru",
+    "SELECTIVE_METHODS",
+    "SelectiveState",
+    "init_selective_state",
+    "selective_scan",
+    "selective_scan_step",
+    "sequence_parallel_selective_scan",
 ]

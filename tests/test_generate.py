@@ -23,6 +23,7 @@ KINDS = {
     "gated_deltanet": dict(attention="gated_deltanet"),
     "kda": dict(attention="kda"),
     "mlstm": dict(attention="mlstm", mlp="swiglu"),
+    "mamba": dict(attention=["mamba", "softmax"], kind_options={"softmax": dict(max_length=64)}),
 }
 
 
@@ -76,7 +77,7 @@ class GenerateTest(parameterized.TestCase):
     def test_greedy_equals_stepwise_and_full_forwards(self, kind):
         # One layer for most kinds (the compile is most of the cost); two where a state per
         # layer (elu), a cache per layer (softmax) and a convolution's per layer meet.
-        depth = 2 if kind in ("elu", "softmax", "hedgehog_conv") else 1
+        depth = 2 if kind in ("elu", "softmax", "hedgehog_conv", "mamba") else 1
         model, prompt = _model(kind, depth=depth), _prompt()
         out = model.generate(prompt, 5, temperature=0.0)
         chex.assert_shape(out, (B, 11))

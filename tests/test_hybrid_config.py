@@ -48,6 +48,24 @@ def test_qwen35_shaped_hybrid_builds_trains_a_step_and_generates():
     assert out.shape == (2, 10) and int(jnp.max(out)) < config.mqar.vocab_size
 
 
+@pytest.mark.slow
+def test_the_mamba_hybrid_config_builds_and_trains_a_step():
+    """``configs/hybrid.py:mamba_small``: three Mamba-1 mixers to one softmax layer."""
+    config = _config("configs/hybrid.py:mamba_small", "batch_size=2", "seq_len=32")
+    validate(config)
+    model = trainer.build_model(config)
+    assert model.layout == ("mamba",) * 3 + ("softmax",)
+    mixer = model.blocks[0].attention
+    assert (mixer.inner, mixer.state_dim, mixer.conv.size) == (128, 16, 4)
+    optimizer = nnx.Optimizer(model, trainer.build_optimizer(config), wrt=nnx.Param)
+    batch = build_task(config).batch(0, "train")
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes int and float scalars
+        metrics = trainer.train_step(
+            model, optimizer, batch.inputs, batch.labels, batch.key_mask, "lm"
+        )
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
+
+
 def test_hybrid_config_variants_validate_and_the_fields_reach_the_layers():
     for variant in ("", "small", "text", "text_small"):
         validate(_config(f"configs/hybrid.py:{variant}"))

@@ -64,6 +64,7 @@ CASES = {
     "rwkv_block": lambda r: layers.TransformerBlock(
         16, 2, attention="rwkv", mlp="rwkv", mlp_hidden=24, norm="layer", wkv_width=12, rngs=r
     ),
+    "mamba": lambda r: layers.MambaMixer(16, state_dim=4, dt_rank=3, use_bias=True, rngs=r),
     "lightning": lambda r: layers.LightningAttention(16, 2, layer_index=1, num_layers=3, rngs=r),
     "softmax": lambda r: layers.SoftmaxAttention(16, 2, rngs=r),
     "softmax_gqa_rope_norms_gate": lambda r: layers.SoftmaxAttention(
@@ -412,6 +413,19 @@ EXPECTED: dict[str, list[str]] = {
         "in_proj/kernel Param 16x26",
         "out_proj/bias Param 16",
         "out_proj/kernel Param 8x16",
+    ],
+    "mamba": [
+        "A_log Param 32x4",
+        "D Param 32",
+        "conv/kernel Param 4x32",
+        "conv_bias Param 32",
+        "dt_proj/bias Param 32",
+        "dt_proj/kernel Param 3x32",
+        "in_proj/bias Param 64",
+        "in_proj/kernel Param 16x64",
+        "out_proj/bias Param 16",
+        "out_proj/kernel Param 32x16",
+        "x_proj/kernel Param 32x11",
     ],
     "mlstm": [
         "fgate_preact/bias Param 2",

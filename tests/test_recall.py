@@ -83,6 +83,7 @@ def test_bad_grids_fail_before_compute(overrides, message):
         ("deltanet", 64, 64 * 64),
         ("gla", 32, 32 * 32),
         ("mamba2", 32, 64 * 32),  # one SSD head of p = 2 * 32 channels, n = 32: h n p
+        ("mamba", 32, 64 * 16),  # 2 * 32 channels of n = 16 states
         ("softmax", 32, 2 * 128 * 32),  # the KV cache at the longest test length
         ("rwkv", 32, 4 * 32),  # the WKV's num, den, m and the previous input, per channel
     ],

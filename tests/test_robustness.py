@@ -199,6 +199,7 @@ EMPTY_KINDS = {
     "mlstm": {},
     "lightning": {},
     "rglru": {},
+    "mamba": {},
 }
 
 

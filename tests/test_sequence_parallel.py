@@ -130,10 +130,10 @@ class SequenceParallelTest(chex.TestCase):
 
     # GLA (additive, per-channel gates) and KDA (delta, per-channel gates); Gated DeltaNet's
     # per-head gate is the delta rule's test below, its layer that of KDA but for the gate.
-    @parameterized.parameters("gla", "kda", "mlstm", "mamba2", "rglru")
+    @parameterized.parameters("gla", "kda", "mlstm", "mamba2", "rglru", "mamba")
     def test_gated_and_delta_layers_with_a_sequence_axis(self, kind):
         mesh = _mesh(4, batch=2)
-        small = {"mamba2": dict(state_dim=4)}.get(kind, {})
+        small = {"mamba2": dict(state_dim=4), "mamba": dict(state_dim=4)}.get(kind, {})
         options = dict(chunk_size=4, rngs=nnx.Rngs(0), **small)
         plain = layers.make_attention(kind, 16, 2, **options)
         options.update(rngs=nnx.Rngs(0), sequence_axis="seq", batch_axis="batch", mesh=mesh)
@@ -365,3 +365,36 @@ def test_rglru_sequence_parallel_equals_one_device():
         helpers.assert_close_normwise(out, ref_out)
         chex.assert_trees_all_close(s.h, ref_s.h, **helpers.tol(jnp.float32))
         helpers.assert_close_normwise(d, ref_d)
+
+
+@pytest.mark.skipif(not EIGHT, reason="needs 8 devices (run by the launcher test)")
+def test_selective_scan_sequence_parallel_equals_one_device():
+    """Mamba-1's selective scan (``ops.selective``): 4 shards x 2 batch shards, a given
+    state, ``D``; outputs, final state and gradients against one device."""
+    b, t, d, n = 2, 12, 3, 4
+    ks = jax.random.split(jax.random.PRNGKey(25), 7)
+    inputs = dict(
+        x=jax.random.normal(ks[0], (b, t, d)),
+        dt=jax.nn.softplus(jax.random.normal(ks[1], (b, t, d))),
+        A=-jnp.exp(jax.random.normal(ks[2], (d, n))),
+        B=jax.random.normal(ks[3], (b, t, n)),
+        C=jax.random.normal(ks[4], (b, t, n)),
+        D=jnp.ones((d,)),
+    )
+    s0 = la.SelectiveState(jax.random.normal(ks[5], (b, d, n)))
+    w = jax.random.normal(ks[6], (b, t, d))
+
+    def loss(fn, inputs):
+        y, state = fn(**inputs, initial_state=s0, return_state=True)
+        return jnp.sum(y * w) + jnp.sum(state.h), (y, state)
+
+    parallel = functools.partial(
+        la.sequence_parallel_selective_scan, axis_name="seq", batch_axis="batch",
+        mesh=_mesh(4, 2), chunk_size=2,
+    )  # fmt: skip
+    single = functools.partial(la.selective_scan, chunk_size=2)
+    grad = lambda fn: jax.jit(jax.grad(functools.partial(loss, fn), has_aux=True))(inputs)
+    (d_in, (y, s)), (ref_d, (ref_y, ref_s)) = grad(parallel), grad(single)
+    helpers.assert_close_normwise(y, ref_y)
+    helpers.assert_close_normwise(s.h, ref_s.h)
+    helpers.assert_close_normwise(d_in, ref_d)

@@ -34,6 +34,9 @@ The layout: one module per model type over a shared loader.
       │   └── falcon_h1 (attention and Mamba-2 side by side)
       ├── nemotron_h (mixer, attention and squared-ReLU MLP layers)
       └── zamba2 (mixers plus shared transformer blocks with per-use adapters)
+      └── nemotron_h (mixer, attention and squared-ReLU MLP layers)
+      mamba (Mamba-1 mixers: the selective scan)
+      └── falcon_mamba (weightless norms on dt, B and C)
       kimi_linear (KDA + MLA + DeepSeek's mixture)
       └── bailing_hybrid (full-rank, bounded KDA gates; MLA with RoPE and a head gate)
       minimax (lightning + softmax attention, normed residuals, a mixture)
@@ -78,6 +81,7 @@ from linattn_jax.hf import (  # noqa: E402
     deepseek_v3,
     experts,
     falcon_h1,
+    falcon_mamba,
     gemma2,
     gemma3,
     granitemoehybrid,
@@ -87,6 +91,7 @@ from linattn_jax.hf import (  # noqa: E402
     lfm2_moe,
     lfm3,
     llama,
+    mamba,
     mamba2,
     minimax,
     mistral,
@@ -150,6 +155,8 @@ __all__ = [
     "load_tokenizer",
     "mamba2",
     "minimax",
+    "mamba",
+    "falcon_mamba",
     "mistral",
     "mixtral",
     "nemotron_h",

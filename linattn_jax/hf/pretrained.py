@@ -25,6 +25,7 @@ from linattn_jax.hf import (
     common,
     deepseek_v3,
     falcon_h1,
+    falcon_mamba,
     gemma2,
     gemma3,
     granitemoehybrid,
@@ -34,6 +35,7 @@ from linattn_jax.hf import (
     lfm2_moe,
     lfm3,
     llama,
+    mamba,
     mamba2,
     minimax,
     mistral,
@@ -92,6 +94,8 @@ _FORMATS = (
     rwkv.FORMAT,
     zamba2.FORMAT,
     recurrent_gemma.FORMAT,
+    mamba.FORMAT,
+    falcon_mamba.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: fmt for fmt in _FORMATS for model_type in fmt.model_types

@@ -32,6 +32,7 @@ from linattn_jax.layers.gates import ChannelGate, HeadGate, MambaGate
 from linattn_jax.layers.lightning import LightningAttention, lightning_decays
 from linattn_jax.layers.linear import GATES, LinearAttention, LinearAttentionCache
 from linattn_jax.layers.linearized import LinearizedAttention, LinearizedCache
+from linattn_jax.layers.mamba import MambaCache, MambaMixer
 from linattn_jax.layers.mamba2 import GroupedGatedRMSNorm, Mamba2Cache, Mamba2Mixer
 from linattn_jax.layers.mla import LatentAttention, LatentKVCache
 from linattn_jax.layers.mlp import MLP, MLPS, GeGLU, ReLU2MLP, SwiGLU, mlp_layout
@@ -77,6 +78,8 @@ __all__ = [
     "Mamba2Cache",
     "Mamba2Mixer",
     "MambaGate",
+    "MambaCache",
+    "MambaMixer",
     "MoE",
     "SharedBlocks",
     "MultiHeadLayerNorm",

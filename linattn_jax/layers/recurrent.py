@@ -65,12 +65,15 @@ def run_causal(
     - delta (``ops.delta``; ``DeltaRuleAttention``): ``q, k, v, beta``;
     - SSD (``ops.ssd``, Mamba-2's, on the additive family's engine; ``Mamba2Mixer``):
       ``x, dt, A, B, C``, ``A`` a per-head constant;
-    - mLSTM (``ops.mlstm``; ``MLSTMLayer``): ``q, k, v, i, f``.
+    - mLSTM (``ops.mlstm``; ``MLSTMLayer``): ``q, k, v, i, f``;
+    - selective scan (``ops.selective``, Mamba-1's; ``MambaMixer``): ``x, dt, A, B, C``,
+      ``A [d, n]`` a constant.
 
     Args:
       family: a family of ``linattn_jax.ops`` (above).
       *inputs: the family's positional inputs, each ``[b, t, ...]`` (the first sets ``t``),
-        or a per-head constant ``[h]`` (SSD's ``A``), which the step takes whole.
+        or a constant of rank 1 or 2 (SSD's ``A [h]``, the selective scan's ``A [d, n]``),
+        which the step takes whole.
       state: the family's ``State`` before the first token, or None.
       key_mask: optional bool ``[b, t]``, as in ``family.causal``.
       segment_ids: optional int ``[b, t]``, as in ``family.causal``.
@@ -93,7 +96,7 @@ def run_causal(
         options["gate"] = gate
     t = inputs[0].shape[1]
     if state is not None and t == 1 and key_mask is None and segment_ids is None:
-        first = lambda x: x if x.ndim == 1 else x[:, 0]  # a per-head constant stays whole
+        first = lambda x: x if x.ndim < 3 else x[:, 0]  # a constant ([h], [d, n]) stays whole
         if gate is not None:
             options["gate"] = first(gate)
         out, state = family.step(

@@ -17,6 +17,7 @@ from linattn_jax.layers.gated_conv import GatedShortConv
 from linattn_jax.layers.lightning import LightningAttention
 from linattn_jax.layers.linear import LinearAttention
 from linattn_jax.layers.linearized import LinearizedAttention
+from linattn_jax.layers.mamba import MambaMixer
 from linattn_jax.layers.mamba2 import Mamba2Mixer
 from linattn_jax.layers.mla import LatentAttention
 from linattn_jax.layers.mlstm import MLSTMLayer
@@ -187,6 +188,11 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
             section="softmax",
             section_options=tuple(o for o in _SOFTMAX_OPTIONS if o != "sliding_window"),
         ),
+        "mamba": AttentionKind(
+            MambaMixer,
+            "Mamba (selective scan)",
+            options=("method", "chunk_size"),
+        ),
         # No mixer: an MLP-only block (Nemotron-H's "-" layers).
         "mlp": AttentionKind(None, "MLP only"),
         # LFM2's gated short convolution: no attention, a causal conv between two gates.
@@ -233,6 +239,7 @@ def make_attention(kind: str, width: int, num_heads: int, **options: Any) -> nnx
     ``"mlstm"``: ``MLSTMLayer`` (xLSTM).
     ``"gated_conv"``: ``GatedShortConv`` (LFM2's gated short convolution).
     ``"rwkv"``: ``RWKVTimeMix`` (RWKV-4's time mix; its block's MLP ``mlp="rwkv"``).
+    ``"mamba"``: ``MambaMixer`` (Mamba-1's selective scan; ``num_heads`` unused).
 
     Raises:
       ValueError: an unknown kind, the kind without a mixer (``"mlp"``), or an option that
