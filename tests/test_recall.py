@@ -64,7 +64,7 @@ def test_mixes_cycle_train_splits_at_equal_tokens_and_name_the_eval_sets():
         (["mqar.test_mix=256:8"], r"mqar.test_mix has seq_len 256 > seq_len=128"),
         (["mqar.train_mix=16:8"], r"mqar.train_mix's 16:8 is too short for MQAR with num_pairs=8"),
         (["mqar.vocab_size=16"], r"mqar.vocab_size=16 has too few keys for num_pairs=8"),
-        (["recall.kinds=elu,mamba"], r"recall.kinds has unknown kinds \['mamba'\]"),
+        (["recall.kinds=elu,mamba3"], r"recall.kinds has unknown kinds \['mamba3'\]"),
         (["recall.widths=wide"], r"recall.widths must be a comma-separated list, got 'wide'"),
     ],
 )
