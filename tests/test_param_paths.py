@@ -65,6 +65,15 @@ CASES = {
         16, 2, attention="rwkv", mlp="rwkv", mlp_hidden=24, norm="layer", wkv_width=12, rngs=r
     ),
     "mamba": lambda r: layers.MambaMixer(16, state_dim=4, dt_rank=3, use_bias=True, rngs=r),
+    "mamba_normed": lambda r: layers.MambaMixer(
+        16,
+        state_dim=4,
+        dt_rank=3,
+        use_conv_bias=False,
+        mixer_rms_eps=1e-6,
+        mixer_rms_weights=True,
+        rngs=r,
+    ),  # fmt: skip
     "lightning": lambda r: layers.LightningAttention(16, 2, layer_index=1, num_layers=3, rngs=r),
     "softmax": lambda r: layers.SoftmaxAttention(16, 2, rngs=r),
     "softmax_gqa_rope_norms_gate": lambda r: layers.SoftmaxAttention(
@@ -424,6 +433,19 @@ EXPECTED: dict[str, list[str]] = {
         "in_proj/bias Param 64",
         "in_proj/kernel Param 16x64",
         "out_proj/bias Param 16",
+        "out_proj/kernel Param 32x16",
+        "x_proj/kernel Param 32x11",
+    ],
+    "mamba_normed": [
+        "A_log Param 32x4",
+        "D Param 32",
+        "b_layernorm/scale Param 4",
+        "c_layernorm/scale Param 4",
+        "conv/kernel Param 4x32",
+        "dt_layernorm/scale Param 3",
+        "dt_proj/bias Param 32",
+        "dt_proj/kernel Param 3x32",
+        "in_proj/kernel Param 16x64",
         "out_proj/kernel Param 32x16",
         "x_proj/kernel Param 32x11",
     ],

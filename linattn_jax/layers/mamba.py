@@ -3,7 +3,7 @@
     x, z     = split(in_proj(u))                   # inner each
     x        = SiLU(conv(x) + conv_bias)           # causal, depthwise, kernel conv_size
     dt, B, C = split(x_proj(x))                    # dt_rank, n, n
-    dt, B, C = rms(dt), rms(B), rms(C)             # Falcon-Mamba only (no weights)
+    dt, B, C = rms(dt), rms(B), rms(C)             # Falcon-Mamba (no weights), Jamba (weights)
     dt       = softplus(dt_proj(dt))               # inner, with dt_proj's bias
     y        = selective_scan(x, dt, -exp(A_log), B, C, D=D)   # linattn_jax.ops.selective
     out      = out_proj(y * SiLU(z))
@@ -29,6 +29,7 @@ from flax import nnx
 from linattn_jax import sharding
 from linattn_jax.layers.common import check_can_decode, check_decoding, check_state, check_tokens
 from linattn_jax.layers.conv import CausalConv1D
+from linattn_jax.layers.norms import RMSNorm
 from linattn_jax.layers.recurrent import run_causal, sequence_sharding
 from linattn_jax.ops import checks, selective
 
@@ -69,8 +70,10 @@ class MambaMixer(nnx.Module):
       conv_size: the causal depthwise convolution's kernel (Mamba's ``conv_kernel``).
       use_conv_bias: the convolution's bias.
       use_bias: biases on ``in_proj`` and ``out_proj``.
-      mixer_rms_eps: None, or the epsilon of the weightless RMS norms on dt, B and C
-        (Falcon-Mamba's ``mixer_rms_eps``).
+      mixer_rms_eps: None, or the epsilon of the RMS norms on dt, B and C (Falcon-Mamba's
+        ``mixer_rms_eps``).
+      mixer_rms_weights: those norms with weights (``dt_layernorm``, ``b_layernorm``,
+        ``c_layernorm``: ``layers.RMSNorm``s, Jamba's); False: weightless (Falcon-Mamba's).
       causal: True for decoders; with False the layer still reads left to right, and
         refuses decoding.
       method: the scan's full-sequence form (``ops.selective.METHODS``).
@@ -99,6 +102,7 @@ class MambaMixer(nnx.Module):
         use_conv_bias: bool = True,
         use_bias: bool = False,
         mixer_rms_eps: float | None = None,
+        mixer_rms_weights: bool = False,
         causal: bool = True,
         method: str = "chunked",
         chunk_size: int | None = None,
@@ -121,6 +125,9 @@ class MambaMixer(nnx.Module):
             checks.check_bool(name, flag)
         if mixer_rms_eps is not None:
             checks.check_number("mixer_rms_eps", mixer_rms_eps, minimum=0.0)
+        checks.check_bool("mixer_rms_weights", mixer_rms_weights)
+        if mixer_rms_weights and mixer_rms_eps is None:
+            raise ValueError("mixer_rms_weights needs mixer_rms_eps (the norms' epsilon), got None")
         inner = expand * width
         self.sharding = nnx.data(sequence_sharding(sequence_axis, batch_axis, mesh, causal))
         self.width, self.inner, self.state_dim, self.dt_rank = width, inner, state_dim, dt_rank
@@ -154,6 +161,15 @@ class MambaMixer(nnx.Module):
             kernel_init=sharding.kernel(sharding.HEADS, sharding.EMBED),
             bias_init=sharding.with_axes(zeros, sharding.EMBED), **options,
         )  # fmt: skip
+        # Last: the other parameters are drawn as without them.
+        norm = lambda size: (
+            RMSNorm(size, epsilon=mixer_rms_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            if mixer_rms_weights
+            else None
+        )
+        self.dt_layernorm = nnx.data(norm(dt_rank))
+        self.b_layernorm = nnx.data(norm(state_dim))
+        self.c_layernorm = nnx.data(norm(state_dim))
 
     def init_state(self, batch: int, max_length: int | None = None) -> MambaCache:
         """The empty decoding state (``max_length`` is ignored: the state has a fixed size)."""
@@ -201,7 +217,9 @@ class MambaMixer(nnx.Module):
             xs = xs + self.conv_bias[...].astype(xs.dtype)[None, None]
         xs = checks.where_token(key_mask, jax.nn.silu(xs))
         dt, B, C = jnp.split(self.x_proj(xs), [self.dt_rank, self.dt_rank + self.state_dim], -1)
-        if self.mixer_rms_eps is not None:
+        if self.dt_layernorm is not None:
+            dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
+        elif self.mixer_rms_eps is not None:
             dt, B, C = (_weightless_rms(y, self.mixer_rms_eps) for y in (dt, B, C))
         dt = jax.nn.softplus(self.dt_proj(dt).astype(jnp.float32))
         A = -jnp.exp(self.A_log[...].astype(jnp.float32))
