@@ -76,18 +76,24 @@ def test_layer_equals_recipe_with_repeated_qk(name):
     assert cache.conv.shape == (B, 3, 2 * 2 * dk + hv * dv)
 
 
+# Jitted (eager, the layer and its gradient ran op by op: most of the test's time).
+_forward = nnx.jit(lambda layer, x: layer(x))
+_run = nnx.jit(lambda layer, x, state: layer(x, state=state, return_state=True))
+_grads = nnx.jit(nnx.grad(lambda layer, x: jnp.sum(jnp.sin(layer(x)))))
+
+
 @pytest.mark.parametrize("name", ["grouped", "dk_dv"])
 def test_prefill_then_steps_equal_full_forward_and_gradients_reach_everything(name):
     layer = _layer(**SHAPES[name])
     x = jax.random.normal(jax.random.PRNGKey(2), (B, T, W))
-    full = layer(x)
-    y, cache = layer(x[:, :5], state=layer.init_state(B), return_state=True)
+    full = _forward(layer, x)
+    y, cache = _run(layer, x[:, :5], layer.init_state(B))
     outs = [y]
     for i in range(5, T):
-        y, cache = layer(x[:, i : i + 1], state=cache, return_state=True)
+        y, cache = _run(layer, x[:, i : i + 1], cache)
         outs.append(y)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-5, rtol=1e-5)
-    grads = nnx.grad(lambda m: jnp.sum(jnp.sin(m(x))))(layer)
+    grads = _grads(layer, x)
     assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
 
 

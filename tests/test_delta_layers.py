@@ -228,10 +228,12 @@ def test_bfloat16_compute_with_float32_params(kind):
 def test_language_model_generates_with_each_kind(kind):
     model = models.LanguageModel(23, W, 1, H, attention=kind, chunk_size=4, rngs=nnx.Rngs(0))
     prompt = jax.random.randint(jax.random.PRNGKey(1), (B, 6), 0, 23)
-    logits, state = model(prompt, state=model.init_state(B), return_state=True)
+    # Jitted (eager, the model ran op by op): one compile for the prompt, one for the step.
+    run = nnx.jit(lambda model, tokens, state: model(tokens, state=state, return_state=True))
+    logits, state = run(model, prompt, model.init_state(B))
     token = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None]
-    step_logits, _ = model(token, state=state, return_state=True)
-    full = model(jnp.concatenate([prompt, token], 1))
+    step_logits, _ = run(model, token, state)
+    full = nnx.jit(lambda model, tokens: model(tokens))(model, jnp.concatenate([prompt, token], 1))
     chex.assert_trees_all_close(step_logits[:, 0], full[:, -1], atol=1e-4, rtol=1e-4)
 
 

@@ -51,7 +51,7 @@ def _torch_logits(torch_model, tokens):
 def test_logits_greedy_tokens_and_decoding_equal_transformers(loaded):
     torch_model, model, _, _ = loaded
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 13), 2, VOCAB)
-    full = model(tokens)
+    full = helpers.unmasked(model, tokens)
     helpers.assert_close_normwise(full, _torch_logits(torch_model, tokens))
     helpers.assert_greedy_tokens_match(model, torch_model, tokens[:1, :5])
     # Prefill then one step per token equals the full forward.
@@ -64,7 +64,7 @@ def test_save_load_round_trip_and_transformers_reads_it(loaded):
     torch_model, model, config, path = loaded
     theirs = helpers.assert_save_round_trip(model, config, torch_model, path / "ours")
     tokens = jax.random.randint(jax.random.PRNGKey(2), (1, 7), 2, VOCAB)
-    helpers.assert_close_normwise(model(tokens), _torch_logits(theirs, tokens))
+    helpers.assert_close_normwise(helpers.unmasked(model, tokens), _torch_logits(theirs, tokens))
     # Without a config, the model's form picks its model type and sizes.
     hf.save_pretrained(model, path / "bare")
     bare = hf.read_config(path / "bare")

@@ -46,12 +46,14 @@ class LayerTest(chex.TestCase):
     @parameterized.parameters(*LINEAR_OPTIONS, "softmax_attention")
     def test_prefill_then_steps_equals_full_forward(self, name):
         layer, x = _layer(name), _x()
-        full = layer(x)
+        # Jitted (eager, each layer ran op by op); one compile serves every step.
+        full = nnx.jit(lambda layer, x: layer(x))(layer, x)
         chex.assert_shape(full, (B, T, W))
-        y, state = layer(x[:, :6], state=layer.init_state(B), return_state=True)
+        run = nnx.jit(lambda layer, x, state: layer(x, state=state, return_state=True))
+        y, state = run(layer, x[:, :6], layer.init_state(B))
         outs = [y]
         for i in range(6, T):
-            y, state = layer(x[:, i : i + 1], state=state, return_state=True)
+            y, state = run(layer, x[:, i : i + 1], state)
             outs.append(y)
         chex.assert_trees_all_close(jnp.concatenate(outs, 1), full, atol=1e-5, rtol=1e-5)
         chex.assert_trees_all_equal(state.position, jnp.full((B,), T, jnp.int32))

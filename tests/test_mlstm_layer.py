@@ -84,14 +84,10 @@ def test_block_in_a_hybrid_layout_decodes_as_it_runs():
         kind_options={"mlstm": dict(chunk_size=4), "softmax": dict(max_length=16)},
     )  # fmt: skip
     tokens = jax.random.randint(jax.random.PRNGKey(3), (B, 9), 0, 29)
-    full = model(tokens)
-    logits, state = model(tokens[:, :6], state=model.init_state(B, 16), return_state=True)
-    outs = [logits]
-    for t in range(6, 9):
-        logits, state = model(tokens[:, t : t + 1], state=state, return_state=True)
-        outs.append(logits)
-    helpers.assert_close_normwise(jnp.concatenate(outs, 1), full)
+    full = helpers.unmasked(model, tokens)  # jitted, as the rest (eager: op by op, slowly)
+    steps = helpers.prefill_then_steps(model, tokens, 6, model.init_state(B, 16))
+    helpers.assert_close_normwise(steps, full)
     mask = jnp.arange(9)[None, :] >= jnp.asarray([[0], [3]])
-    padded = model(tokens, key_mask=mask)
-    alone = model(tokens[1:, 3:])
+    padded = helpers.forward(model, tokens, mask)
+    alone = helpers.unmasked(model, tokens[1:, 3:])
     helpers.assert_close_normwise(padded[1, 3:], alone[0])

@@ -25,19 +25,23 @@ class PaddingTest(parameterized.TestCase):
     """Padding never changes real tokens' outputs or gradients, whatever it holds."""
 
     def _check(self, fn, mask, q, k, v):
-        clean = fn(q, k, v)
+        # Jitted: one compile serves the clean and the poisoned inputs (eager, the forms
+        # and their gradients ran op by op, twice).
+        forward = jax.jit(fn)
+        clean = forward(q, k, v)
         bad = [
             _poison(x, mask, val)
             for x, val in zip((q, k, v), (jnp.nan, jnp.inf, jnp.nan), strict=True)
         ]
-        dirty = fn(*bad)
+        dirty = forward(*bad)
         real = mask[:, :, None, None]
         chex.assert_trees_all_close(jnp.where(real, dirty, 0), jnp.where(real, clean, 0))
         assert bool(jnp.all(jnp.where(real, 0.0, dirty) == 0)), "padded outputs must be 0"
         w = jax.random.normal(jax.random.PRNGKey(9), clean.shape)
         loss = lambda q, k, v: jnp.sum(jnp.where(real, fn(q, k, v), 0) * w)
-        g_clean = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-        g_dirty = jax.grad(loss, argnums=(0, 1, 2))(*bad)
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        g_clean = grad(q, k, v)
+        g_dirty = grad(*bad)
         for gc, gd in zip(g_clean, g_dirty, strict=True):
             assert bool(jnp.all(jnp.isfinite(gd)))
             helpers.assert_close_normwise(gd, gc)
@@ -88,20 +92,20 @@ class PaddingTest(parameterized.TestCase):
         mask = helpers.key_mask(11, B, T)
         real = mask[:, :, None]
         loss = lambda layer, x: jnp.sum(jnp.where(real, layer(x, key_mask=mask), 0) ** 2)
-        clean_out, dirty_out = (
-            layer(x, key_mask=mask),
-            layer(_poison(x, mask, jnp.nan), key_mask=mask),
-        )
+        forward = nnx.jit(lambda layer, x: layer(x, key_mask=mask))  # one compile for both
+        clean_out, dirty_out = forward(layer, x), forward(layer, _poison(x, mask, jnp.nan))
         chex.assert_trees_all_close(jnp.where(real, dirty_out, 0), jnp.where(real, clean_out, 0))
-        g_clean = nnx.grad(loss)(layer, x)
-        g_dirty = nnx.grad(loss)(layer, _poison(x, mask, jnp.nan))
+        grad = nnx.jit(nnx.grad(loss))
+        g_clean = grad(layer, x)
+        g_dirty = grad(layer, _poison(x, mask, jnp.nan))
         helpers.assert_close_normwise(g_dirty, g_clean)
         model = models.SequenceClassifier(
             vocab_size=10, num_classes=3, width=16, depth=1, num_heads=2, rngs=nnx.Rngs(0)
         )
         tokens = jax.random.randint(jax.random.PRNGKey(12), (B, T), 0, 10)
         other = jnp.where(mask, tokens, 9)  # different padding tokens, same real ones
-        chex.assert_trees_all_close(model(tokens, key_mask=mask), model(other, key_mask=mask))
+        classify = nnx.jit(lambda model, tokens: model(tokens, key_mask=mask))
+        chex.assert_trees_all_close(classify(model, tokens), classify(model, other))
 
 
 class GateAndDecayRangeTest(parameterized.TestCase):

@@ -139,7 +139,9 @@ class SequenceParallelTest(chex.TestCase):
         options.update(rngs=nnx.Rngs(0), sequence_axis="seq", batch_axis="batch", mesh=mesh)
         sharded = layers.make_attention(kind, 16, 2, **options)
         x = jax.random.normal(jax.random.PRNGKey(4), (4, 24, 16))
-        chex.assert_trees_all_close(sharded(x), plain(x), atol=1e-5, rtol=1e-5)
+        # Jitted (the layer above runs eagerly): eager, op by op, most of the test's time.
+        forward = nnx.jit(lambda layer, x: layer(x))
+        chex.assert_trees_all_close(forward(sharded, x), forward(plain, x), atol=1e-5, rtol=1e-5)
 
     @parameterized.parameters(False, True)
     def test_communication_volume_matches_the_compiled_program(self, decayed):
