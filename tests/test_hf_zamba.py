@@ -21,7 +21,7 @@ def _zamba():
     config = transformers.ZambaConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
         layers_block_type=["linear_attention", "hybrid", "hybrid"], num_attention_heads=4,
-        num_key_value_heads=2, n_mamba_heads=1, mamba_d_state=6, mamba_dt_rank=3,
+        num_key_value_heads=2, n_mamba_heads=2, mamba_d_state=6, mamba_dt_rank=3,
         mamba_proj_bias=True, use_mamba_kernels=False, pad_token_id=0, bos_token_id=0,
         eos_token_id=1,
     )  # fmt: skip
@@ -61,7 +61,7 @@ def test_init_from_builds_the_checkpoints_model(pair, tmp_path):
 def test_bad_fields_are_named(pair):
     _, _, _, config = pair
     for field, value, message in [
-        ("n_mamba_heads", 2, r"n_mamba_heads must be 1 .*got 2"),
+        ("n_mamba_heads", 3, r"n_mamba_heads=3 must divide 32"),
         ("attention_hidden_size", 8, r"attention_hidden_size must be 2 hidden_size=32, got 8"),
         ("hidden_mamba_act", "relu", r"hidden_mamba_act must be .*got .relu."),
         ("layers_block_type", ["linear_attention"] * 3, r"must have a 'hybrid' layer"),

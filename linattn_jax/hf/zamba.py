@@ -21,6 +21,7 @@ RMSNorm's epsilon is ``rms_norm_eps``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,6 +63,16 @@ def one_head(base: Conversion) -> Conversion:
     )  # fmt: skip
 
 
+@functools.cache
+def by_heads(heads: int) -> Conversion:
+    """Our ``[inner, ...]`` stored as ``[heads, inner / heads, ...]`` (``A_log``, ``D``)."""
+    return Conversion(
+        f"by_{heads}_heads", lambda s: (heads, s[0][0] // heads, *s[0][1:]),
+        lambda x, s: [x.reshape(-1, *x.shape[2:])],
+        lambda xs: xs[0].reshape(heads, -1, *xs[0].shape[1:]),
+    )  # fmt: skip
+
+
 MODEL_RULES = tables.rules(
     ("embed_tokens.weight", "embed.embedding", COPY),
     ("final_layernorm.weight", "norm.scale", COPY),
@@ -69,11 +80,6 @@ MODEL_RULES = tables.rules(
 MIXER_RULES = tables.rules(
     ("in_proj.weight", "in_proj.kernel", IN_PROJ),
     ("conv1d.weight", "conv.kernel", CONV),
-    ("x_proj_weight", "x_proj.kernel", one_head(LINEAR)),
-    ("dt_proj_weight", "dt_proj.kernel", one_head(LINEAR)),
-    ("dt_proj_bias", "dt_proj.bias", one_head(COPY)),
-    ("A_log", "A_log", one_head(COPY)),
-    ("D", "D", one_head(COPY)),
     ("out_proj.weight", "out_proj.kernel", LINEAR),
 )
 MIXER_BIAS_RULES = tables.rules(
@@ -103,7 +109,17 @@ def mlp_rules(config: Mapping[str, Any]) -> tuple[Rule, ...]:
 
 def mixer_rules(config: Mapping[str, Any], hf: str) -> tuple[Rule, ...]:
     """A Mamba layer's norm and mixer under ``hf`` (``""`` or ``"mamba_decoder."``)."""
-    rows = MIXER_RULES + (mamba2.CONV_BIAS_RULES if config["mamba_conv_bias"] else ())
+    heads = config["n_mamba_heads"]
+    # one head: our MambaMixer's plain projections; several: its per-head ones.
+    per_head = one_head(LINEAR) if heads == 1 else tables.EXPERTS_LINEAR
+    rows = MIXER_RULES + tables.rules(
+        ("x_proj_weight", "x_proj.kernel", per_head),
+        ("dt_proj_weight", "dt_proj.kernel", per_head),
+        ("dt_proj_bias", "dt_proj.bias", by_heads(1) if heads == 1 else COPY),
+        ("A_log", "A_log", by_heads(heads)),
+        ("D", "D", by_heads(heads)),
+    )
+    rows += mamba2.CONV_BIAS_RULES if config["mamba_conv_bias"] else ()
     rows += MIXER_BIAS_RULES if config["mamba_proj_bias"] else ()
     norm = tables.rules((f"{hf}input_layernorm.weight", "attention_norm.scale", COPY))
     return norm + tables.under(rows, f"{hf}mamba.", "attention.")
@@ -149,7 +165,8 @@ DEFAULTS = dict(
 INT_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "attention_head_dim",
-    "attention_hidden_size", "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_dt_rank",
+    "attention_hidden_size", "n_mamba_heads", "mamba_d_state", "mamba_d_conv", "mamba_expand",
+    "mamba_dt_rank",
 )  # fmt: skip
 
 
@@ -191,11 +208,9 @@ def check(config: common.Config) -> None:
             f"config.json: attention_hidden_size must be 2 hidden_size="
             f"{2 * config['hidden_size']}, got {config['attention_hidden_size']}"
         )
-    if config["n_mamba_heads"] != 1:  # each head its own B and C: not MambaMixer's scan
-        raise ValueError(
-            f"config.json: n_mamba_heads must be 1 (several Mamba heads are not supported), "
-            f"got {config['n_mamba_heads']!r}"
-        )
+    inner, heads = config["mamba_expand"] * config["hidden_size"], config["n_mamba_heads"]
+    if inner % heads:
+        raise ValueError(f"config.json: n_mamba_heads={heads} must divide {inner}")
     common.check_bools(config, ("mamba_conv_bias", "mamba_proj_bias", "tie_word_embeddings"))
     common.check_choice(config, "hidden_act", ("gelu", "gelu_pytorch_tanh", "silu"))
     common.check_choice(config, "hidden_mamba_act", ("silu",))
@@ -209,6 +224,7 @@ def options(config: Mapping[str, Any]) -> dict[str, Any]:
         expand=config["mamba_expand"], state_dim=config["mamba_d_state"],
         dt_rank=config["mamba_dt_rank"], conv_size=config["mamba_d_conv"],
         use_conv_bias=config["mamba_conv_bias"], use_bias=config["mamba_proj_bias"],
+        heads=config["n_mamba_heads"],
     )  # fmt: skip
     shared = dict(
         layers=tuple(config["hybrid_layer_ids"]), num_blocks=1,
