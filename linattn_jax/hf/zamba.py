@@ -27,11 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from linattn_jax.hf import common, mamba2, tables
+from linattn_jax.hf import common, mamba2, tables, zamba2
 from linattn_jax.hf.tables import CONV, COPY, LINEAR, Conversion, Rule
 
 MODEL_TYPES = ("zamba",)
-LEGACY_TYPES = {"mamba": "linear_attention"}  # as transformers remaps the old name
 
 
 def _interleave(x: np.ndarray) -> np.ndarray:
@@ -73,10 +72,6 @@ def by_heads(heads: int) -> Conversion:
     )  # fmt: skip
 
 
-MODEL_RULES = tables.rules(
-    ("embed_tokens.weight", "embed.embedding", COPY),
-    ("final_layernorm.weight", "norm.scale", COPY),
-)
 MIXER_RULES = tables.rules(
     ("in_proj.weight", "in_proj.kernel", IN_PROJ),
     ("conv1d.weight", "conv.kernel", CONV),
@@ -86,15 +81,8 @@ MIXER_BIAS_RULES = tables.rules(
     ("in_proj.bias", "in_proj.bias", IN_PROJ_BIAS),
     ("out_proj.bias", "out_proj.bias", COPY),
 )
-BLOCK_RULES = tables.rules(
-    ("input_layernorm.weight", "input_norm.scale", COPY),
-    ("self_attn.q_proj.weight", "q_proj.kernel", LINEAR),
-    ("self_attn.k_proj.weight", "k_proj.kernel", LINEAR),
-    ("self_attn.v_proj.weight", "v_proj.kernel", LINEAR),
-    ("self_attn.o_proj.weight", "out_proj.kernel", LINEAR),
-    ("pre_ff_layernorm.weight", "mlp_norm.scale", COPY),
-    ("feed_forward.down_proj.weight", "down_proj.kernel", LINEAR),
-)
+# Zamba2's shared block rows less its fused gate_up_proj (``mlp_rules``)
+BLOCK_RULES = tuple(r for r in zamba2.BLOCK_RULES if "gate_up" not in r.hf)
 
 
 def mlp_rules(config: Mapping[str, Any]) -> tuple[Rule, ...]:
@@ -129,7 +117,7 @@ def table(config: Mapping[str, Any], prefix: str) -> tables.Table:
     """The model's rows, each layer's mixer, the shared block under the first hybrid
     layer's ``shared_transf.`` and each use's ``linear``."""
     hybrid = config["hybrid_layer_ids"]
-    rows = [(prefix + r.hf, r) for r in MODEL_RULES]
+    rows = [(prefix + r.hf, r) for r in zamba2.MODEL_RULES]
     for i, kind in enumerate(config["layers_block_type"]):
         layer = f"{prefix}layers.{i}."
         rows += tables.prefixed(
@@ -179,23 +167,15 @@ def derived(config: common.Config) -> None:
     config["attention_head_dim"] = config.get("attention_head_dim") or 2 * hidden // heads
     if config["mamba_dt_rank"] == "auto":
         config["mamba_dt_rank"] = -(-hidden // 16)
-    types = config.get("layers_block_type")
-    if types is None:
+    if config.get("layers_block_type") is None:
         period, offset = config["attn_layer_period"], config["attn_layer_offset"]
         common.check_ints(config, ("attn_layer_period",))
         common.check_ints(config, ("attn_layer_offset",), minimum=0)
-        types = ["linear_attention", "linear_attention", "hybrid"] + [
+        config["layers_block_type"] = ["linear_attention", "linear_attention", "hybrid"] + [
             "hybrid" if i % period == offset else "linear_attention"
             for i in range(config["num_hidden_layers"] - 3)
         ]
-    if not isinstance(types, list) or not types:
-        raise ValueError(
-            f"config.json: layers_block_type must be a list of layer types, got {types!r}"
-        )
-    config["layers_block_type"] = [LEGACY_TYPES.get(t, t) for t in types]
-    config["hybrid_layer_ids"] = [
-        i for i, t in enumerate(config["layers_block_type"]) if t == "hybrid"
-    ]
+    zamba2.derived(config)  # the layer types checked, renamed, and hybrid_layer_ids
 
 
 def check(config: common.Config) -> None:
