@@ -6,8 +6,9 @@ normwise, prefill then decode steps == the full forward, 16 greedy tokens, a lef
 row == the row alone, the save round trip, ``--config.init_from``, bad fields."""
 
 import pytest
+from flax import nnx
 
-from linattn_jax import hf
+from linattn_jax import hf, layers
 from tests import helpers
 
 torch = pytest.importorskip("torch")
@@ -68,6 +69,8 @@ def test_bad_fields_are_named(pair):
     ]:
         with pytest.raises(ValueError, match=message):
             hf.zamba.FORMAT.normalize_config({**config, field: value})
+    with pytest.raises(ValueError, match="heads=3 must divide the inner width 32"):
+        layers.MambaMixer(16, heads=3, rngs=nnx.Rngs(0))
 
 
 def test_default_layer_pattern_is_transformers():
@@ -77,3 +80,18 @@ def test_default_layer_pattern_is_transformers():
     raw = {**config.to_dict(), "layers_block_type": None}
     ours = hf.zamba.FORMAT.normalize_config(raw)
     assert ours["layers_block_type"] == list(config.layers_block_type)
+
+
+def test_real_size_config_maps_every_tensor():
+    """Zamba-7B's dimensions (``transformers``' defaults: width 3712, 16 heads, two Mamba
+    heads, state 16) over 8 layers (two hybrid): every tensor's name and shape against
+    ``transformers``' model on the meta device, less the tied copy of the shared block and
+    the tied head."""
+    config = transformers.ZambaConfig(num_hidden_layers=8)
+    with torch.device("meta"):
+        reference = transformers.ZambaForCausalLM(config).state_dict()
+    tied = ("lm_head.", *(f"model.layers.{i}.shared_transf." for i in (7,)))
+    assert config.layers_block_type.count("hybrid") == 2 and config.layers_block_type[7] == "hybrid"
+    reference = {n: tuple(x.shape) for n, x in reference.items() if not n.startswith(tied)}
+    ours = hf.expected_tensors(hf.zamba.FORMAT.normalize_config(config.to_dict()))
+    assert {n: s for n, (s, _) in ours.items()} == reference
