@@ -5,8 +5,9 @@
 Every layer is ``x + mixer(RMSNorm(x))``, a Mamba-1 mixer (``layers.MambaMixer``,
 ``attention="mamba"``) whose ``in_proj`` rows interleave x and z (``x0, z0, x1, ...``:
 our ``[x | z]``, reordered) and whose ``x_proj``, ``dt_proj``, ``A_log`` and ``D`` carry a
-leading axis of ``n_mamba_heads`` (one only: several heads, each its own B and C, are
-refused by name). The ``"hybrid"`` layers of ``layers_block_type`` (by default every
+leading axis of ``n_mamba_heads``: several heads are ``MambaMixer(heads=...)``, the inner
+channels in groups, each with its own ``x_proj`` and ``dt_proj`` (its own dt, B and C).
+The ``"hybrid"`` layers of ``layers_block_type`` (by default every
 ``attn_layer_period``-th from ``attn_layer_offset``, after two Mamba layers and a hybrid
 one) are uses of the one block: RMSNorm over ``[hidden, embeddings]``, attention (heads of
 ``attention_head_dim``, GQA, no RoPE, scores times ``(head_dim / 2) ** -0.5``), RMSNorm and
@@ -54,6 +55,7 @@ IN_PROJ_BIAS = Conversion(
 )  # fmt: skip
 
 
+@functools.cache
 def one_head(base: Conversion) -> Conversion:
     """``base``'s tensor with a leading axis of one head (``n_mamba_heads=1``)."""
     return Conversion(
