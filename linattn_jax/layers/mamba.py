@@ -8,7 +8,9 @@
     y        = selective_scan(x, dt, -exp(A_log), B, C, D=D)   # linattn_jax.ops.selective
     out      = out_proj(y * SiLU(z))
 
-with ``inner = expand * width``, ``A_log [inner, n]``. Decoding carries the scan's state
+with ``inner = expand * width``, ``A_log [inner, n]``; with ``heads > 1`` (Zamba's
+``n_mamba_heads``) the channels are ``heads`` groups, each with its own ``x_proj`` and
+``dt_proj`` (its own dt, B and C) and its own scan. Decoding carries the scan's state
 ``[b, inner, n]`` and the convolution's last ``conv_size - 1`` inputs, both float32: a
 one-token call is O(1)::
 
