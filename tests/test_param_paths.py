@@ -74,6 +74,7 @@ CASES = {
         mixer_rms_weights=True,
         rngs=r,
     ),  # fmt: skip
+    "mamba_heads": lambda r: layers.MambaMixer(16, state_dim=4, dt_rank=3, heads=2, rngs=r),
     "lightning": lambda r: layers.LightningAttention(16, 2, layer_index=1, num_layers=3, rngs=r),
     "softmax": lambda r: layers.SoftmaxAttention(16, 2, rngs=r),
     "softmax_gqa_rope_norms_gate": lambda r: layers.SoftmaxAttention(
@@ -435,6 +436,17 @@ EXPECTED: dict[str, list[str]] = {
         "out_proj/bias Param 16",
         "out_proj/kernel Param 32x16",
         "x_proj/kernel Param 32x11",
+    ],
+    "mamba_heads": [
+        "A_log Param 32x4",
+        "D Param 32",
+        "conv/kernel Param 4x32",
+        "conv_bias Param 32",
+        "dt_proj/bias Param 2x16",
+        "dt_proj/kernel Param 2x3x16",
+        "in_proj/kernel Param 16x64",
+        "out_proj/kernel Param 32x16",
+        "x_proj/kernel Param 2x16x11",
     ],
     "mamba_normed": [
         "A_log Param 32x4",

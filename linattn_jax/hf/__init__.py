@@ -36,7 +36,8 @@ The layout: one module per model type over a shared loader.
       └── zamba2 (mixers plus shared transformer blocks with per-use adapters)
       └── nemotron_h (mixer, attention and squared-ReLU MLP layers)
       mamba (Mamba-1 mixers: the selective scan)
-      └── falcon_mamba (weightless norms on dt, B and C)
+      ├── falcon_mamba (weightless norms on dt, B and C)
+      └── zamba (Mamba-1 mixers plus one shared attention block)
       kimi_linear (KDA + MLA + DeepSeek's mixture)
       └── bailing_hybrid (full-rank, bounded KDA gates; MLA with RoPE and a head gate)
       minimax (lightning + softmax attention, normed residuals, a mixture)
@@ -112,6 +113,7 @@ from linattn_jax.hf import (  # noqa: E402
     text,
     unsupported,
     xlstm,
+    zamba,
     zamba2,
 )
 from linattn_jax.hf.pretrained import (  # noqa: E402
@@ -179,4 +181,5 @@ __all__ = [
     "rwkv",
     "zamba2",
     "recurrent_gemma",
+    "zamba",
 ]

@@ -55,6 +55,7 @@ from linattn_jax.hf import (
     tables,
     unsupported,
     xlstm,
+    zamba,
     zamba2,
 )
 from linattn_jax.models import LanguageModel
@@ -96,6 +97,7 @@ _FORMATS = (
     recurrent_gemma.FORMAT,
     mamba.FORMAT,
     falcon_mamba.FORMAT,
+    zamba.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: fmt for fmt in _FORMATS for model_type in fmt.model_types

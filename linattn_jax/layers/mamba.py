@@ -8,7 +8,9 @@
     y        = selective_scan(x, dt, -exp(A_log), B, C, D=D)   # linattn_jax.ops.selective
     out      = out_proj(y * SiLU(z))
 
-with ``inner = expand * width``, ``A_log [inner, n]``. Decoding carries the scan's state
+with ``inner = expand * width``, ``A_log [inner, n]``; with ``heads > 1`` (Zamba's
+``n_mamba_heads``) the channels are ``heads`` groups, each with its own ``x_proj`` and
+``dt_proj`` (its own dt, B and C) and its own scan. Decoding carries the scan's state
 ``[b, inner, n]`` and the convolution's last ``conv_size - 1`` inputs, both float32: a
 one-token call is O(1)::
 
@@ -70,6 +72,11 @@ class MambaMixer(nnx.Module):
       conv_size: the causal depthwise convolution's kernel (Mamba's ``conv_kernel``).
       use_conv_bias: the convolution's bias.
       use_bias: biases on ``in_proj`` and ``out_proj``.
+      heads: the inner channels in ``heads`` equal groups, each with its own ``x_proj``
+        and ``dt_proj`` (so its own dt, B and C: Zamba's ``n_mamba_heads``); with more
+        than one, ``x_proj.kernel`` is ``[heads, inner / heads, dt_rank + 2 n]``,
+        ``dt_proj.kernel`` ``[heads, dt_rank, inner / heads]`` and its bias ``[heads,
+        inner / heads]``.
       mixer_rms_eps: None, or the epsilon of the RMS norms on dt, B and C (Falcon-Mamba's
         ``mixer_rms_eps``).
       mixer_rms_weights: those norms with weights (``dt_layernorm``, ``b_layernorm``,
@@ -101,6 +108,7 @@ class MambaMixer(nnx.Module):
         conv_size: int = 4,
         use_conv_bias: bool = True,
         use_bias: bool = False,
+        heads: int = 1,
         mixer_rms_eps: float | None = None,
         mixer_rms_weights: bool = False,
         causal: bool = True,
@@ -116,7 +124,9 @@ class MambaMixer(nnx.Module):
         del num_heads
         dt_rank = math.ceil(width / 16) if dt_rank is None else dt_rank
         checks.check_sizes(width=width, expand=expand, state_dim=state_dim, dt_rank=dt_rank)
-        checks.check_sizes(conv_size=conv_size)
+        checks.check_sizes(conv_size=conv_size, heads=heads)
+        if (expand * width) % heads:
+            raise ValueError(f"heads={heads} must divide the inner width {expand * width}")
         if method not in selective.METHODS:
             raise ValueError(f"method must be one of {selective.METHODS}, got {method!r}")
         checks.check_chunk_size(chunk_size)
@@ -131,6 +141,7 @@ class MambaMixer(nnx.Module):
         inner = expand * width
         self.sharding = nnx.data(sequence_sharding(sequence_axis, batch_axis, mesh, causal))
         self.width, self.inner, self.state_dim, self.dt_rank = width, inner, state_dim, dt_rank
+        self.heads = heads
         self.mixer_rms_eps = None if mixer_rms_eps is None else float(mixer_rms_eps)
         self.causal, self.method, self.chunk_size = causal, method, chunk_size
         options = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -145,14 +156,7 @@ class MambaMixer(nnx.Module):
         self.conv_bias = nnx.data(
             _param(jnp.zeros((inner,), param_dtype), sharding.HEADS) if use_conv_bias else None
         )
-        self.x_proj = nnx.Linear(
-            inner, dt_rank + 2 * state_dim, use_bias=False,
-            kernel_init=sharding.kernel(sharding.HEADS, None), **options,
-        )  # fmt: skip
-        self.dt_proj = nnx.Linear(
-            dt_rank, inner, kernel_init=sharding.kernel(None, sharding.HEADS),
-            bias_init=sharding.with_axes(_dt_bias, sharding.HEADS), **options,
-        )  # fmt: skip
+        self.x_proj, self.dt_proj = _projections(self.heads, inner, dt_rank, state_dim, options)
         a_log = jnp.log(jnp.broadcast_to(jnp.arange(1, state_dim + 1.0), (inner, state_dim)))
         self.A_log = _param(a_log.astype(param_dtype), sharding.HEADS, None)  # A = -1 ... -n
         self.D = _param(jnp.ones((inner,), param_dtype), sharding.HEADS)
@@ -216,22 +220,71 @@ class MambaMixer(nnx.Module):
         if self.conv_bias is not None:
             xs = xs + self.conv_bias[...].astype(xs.dtype)[None, None]
         xs = checks.where_token(key_mask, jax.nn.silu(xs))
-        dt, B, C = jnp.split(self.x_proj(xs), [self.dt_rank, self.dt_rank + self.state_dim], -1)
+        per_head = xs if self.heads == 1 else xs.reshape(b, t, self.heads, -1)
+        dt, B, C = jnp.split(
+            self.x_proj(per_head), [self.dt_rank, self.dt_rank + self.state_dim], -1
+        )
         if self.dt_layernorm is not None:
             dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
         elif self.mixer_rms_eps is not None:
             dt, B, C = (_weightless_rms(y, self.mixer_rms_eps) for y in (dt, B, C))
-        dt = jax.nn.softplus(self.dt_proj(dt).astype(jnp.float32))
+        dt = jax.nn.softplus(self.dt_proj(dt).reshape(b, t, self.inner).astype(jnp.float32))
         A = -jnp.exp(self.A_log[...].astype(jnp.float32))
         D = self.D[...].astype(jnp.float32)
-        y, ssm = run_causal(
-            selective, xs, dt, A, B, C, state=None if state is None else state.ssm,
-            key_mask=key_mask, segment_ids=segment_ids, method=self.method,
-            chunk_size=self.chunk_size, sharding=self.sharding, options=dict(D=D),
+        scan = lambda xs, dt, A, B, C, D, state: run_causal(
+            selective, xs, dt, A, B, C, state=state, key_mask=key_mask,
+            segment_ids=segment_ids, method=self.method, chunk_size=self.chunk_size,
+            sharding=self.sharding, options=dict(D=D),
         )  # fmt: skip
+        ssm = None if state is None else state.ssm
+        if self.heads == 1:
+            y, ssm = scan(xs, dt, A, B, C, D, ssm)
+        else:
+            y, ssm = _scan_heads(scan, self.heads, xs, dt, A, B, C, D, ssm)
         y = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
         out = self.out_proj(y.astype(projected.dtype))
         return (out, MambaCache(ssm, conv_state)) if return_state else out
+
+
+def _projections(heads: int, inner: int, dt_rank: int, state_dim: int, options):
+    """``(x_proj, dt_proj)``: ``nnx.Linear``s for one head, else ``nnx.Einsum``s per head
+    of ``inner / heads`` channels."""
+    if heads == 1:
+        x_proj = nnx.Linear(
+            inner, dt_rank + 2 * state_dim, use_bias=False,
+            kernel_init=sharding.kernel(sharding.HEADS, None), **options,
+        )  # fmt: skip
+        dt_proj = nnx.Linear(
+            dt_rank, inner, kernel_init=sharding.kernel(None, sharding.HEADS),
+            bias_init=sharding.with_axes(_dt_bias, sharding.HEADS), **options,
+        )  # fmt: skip
+        return x_proj, dt_proj
+    width = inner // heads
+    x_proj = nnx.Einsum(
+        "...hd,hde->...he", (heads, width, dt_rank + 2 * state_dim),
+        kernel_init=sharding.kernel(None, sharding.HEADS, None), **options,
+    )  # fmt: skip
+    dt_proj = nnx.Einsum(
+        "...hr,hrd->...hd", (heads, dt_rank, width), (heads, width),
+        kernel_init=sharding.kernel(None, None, sharding.HEADS),
+        bias_init=sharding.with_axes(_dt_bias, None, sharding.HEADS), **options,
+    )  # fmt: skip
+    return x_proj, dt_proj
+
+
+def _scan_heads(scan, heads: int, xs, dt, A, B, C, D, state):
+    """``scan`` (``run_causal``'s call) per head: channels ``[b, t, inner]`` in ``heads``
+    equal groups, each with its own ``B, C [b, t, heads, n]`` and its part of ``A``, ``D``
+    and the state ``h [b, inner, n]``: ``(y [b, t, inner], the whole new state)``."""
+    width = xs.shape[-1] // heads
+    ys, hs = [], []
+    for j in range(heads):
+        part = slice(j * width, (j + 1) * width)
+        h = None if state is None else selective.State(state.h[:, part])
+        y, h = scan(xs[..., part], dt[..., part], A[part], B[:, :, j], C[:, :, j], D[part], h)
+        ys.append(y)
+        hs.append(h.h)
+    return jnp.concatenate(ys, -1), selective.State(jnp.concatenate(hs, 1))
 
 
 def _weightless_rms(x: jax.Array, eps: float) -> jax.Array:

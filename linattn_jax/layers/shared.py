@@ -53,18 +53,20 @@ class Adapter(nnx.Module):
 
 class SharedUse(nnx.Module):
     """One use's own parameters: its adapters (``q_adapter``, ``k_adapter``, ``v_adapter``
-    ``[2 width -> heads]``, or None; ``mlp_adapter`` ``[width -> 2 mlp_hidden]``) and
+    ``[2 width -> heads]``, or None; ``mlp_adapter`` ``[width -> 2 mlp_hidden]``, or None
+    without a rank: Zamba's) and
     ``out_proj`` ``[width, width]``, its output into the hidden stream."""
 
     def __init__(
-        self, width: int, q_width: int, kv_width: int, mlp_hidden: int, rank: int,
+        self, width: int, q_width: int, kv_width: int, mlp_hidden: int, rank: int | None,
         attention_adapters: bool, **options: Any,
     ):  # fmt: skip
         adapter = lambda n_out: Adapter(2 * width, rank, n_out, **options)
         self.q_adapter = nnx.data(adapter(q_width) if attention_adapters else None)
         self.k_adapter = nnx.data(adapter(kv_width) if attention_adapters else None)
         self.v_adapter = nnx.data(adapter(kv_width) if attention_adapters else None)
-        self.mlp_adapter = Adapter(width, rank, 2 * mlp_hidden, **options)
+        mlp = None if rank is None else Adapter(width, rank, 2 * mlp_hidden, **options)
+        self.mlp_adapter = nnx.data(mlp)
         self.out_proj = _linear(width, width, False, (sharding.EMBED, None), options)
 
 
@@ -128,7 +130,10 @@ class SharedBlock(nnx.Module):
         b, t = x.shape[:2]
         out = checks.where_token(key_mask, out).astype(dtype)
         h = self.mlp_norm(self.out_proj(out.reshape(b, t, self.num_heads * self.head_dim)))
-        gate, up = jnp.split(self.gate_up_proj(h) + use.mlp_adapter(h), 2, axis=-1)
+        gate_up = self.gate_up_proj(h)
+        if use.mlp_adapter is not None:
+            gate_up = gate_up + use.mlp_adapter(h)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
         return self.down_proj(ACTIVATIONS[self.activation](gate) * up), new_state
 
 
@@ -166,8 +171,8 @@ class SharedBlocks(nnx.Module):
         -0.5``).
       mlp_hidden: the MLP's hidden width; ``activation`` its gate's (``ACTIVATIONS``);
         ``mlp_bias``: biases on its projections (``add_bias_linear``).
-      adapter_rank: the adapters' rank; ``attention_adapters``: adapters on q, k and v
-        too (``use_shared_attention_adapter``).
+      adapter_rank: the adapters' rank, or None: no adapters (Zamba's one shared block);
+        ``attention_adapters``: adapters on q, k and v too (``use_shared_attention_adapter``).
       max_length: the KV caches' length (decoding).
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
@@ -182,7 +187,7 @@ class SharedBlocks(nnx.Module):
         self, width: int, depth: int, *, layers: Sequence[int], num_blocks: int = 1,
         num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
         rope_theta: float | None = None, scale: float | None = None, mlp_hidden: int,
-        activation: str = "gelu", mlp_bias: bool = False, adapter_rank: int,
+        activation: str = "gelu", mlp_bias: bool = False, adapter_rank: int | None,
         attention_adapters: bool = False, max_length: int = 4096, rngs: nnx.Rngs,
         dtype: Any = None, param_dtype: Any = jnp.float32,
     ):  # fmt: skip
@@ -194,7 +199,9 @@ class SharedBlocks(nnx.Module):
             or layers[-1] >= depth
         ):
             raise ValueError(f"layers must increase within [0, depth={depth}), got {layers}")
-        checks.check_sizes(num_blocks=num_blocks, mlp_hidden=mlp_hidden, adapter_rank=adapter_rank)
+        checks.check_sizes(num_blocks=num_blocks, mlp_hidden=mlp_hidden)
+        if adapter_rank is not None or attention_adapters:
+            checks.check_sizes(adapter_rank=adapter_rank)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         checks.check_bool("mlp_bias", mlp_bias)
