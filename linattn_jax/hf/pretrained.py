@@ -29,6 +29,7 @@ from linattn_jax.hf import (
     gemma2,
     gemma3,
     granitemoehybrid,
+    jamba,
     kimi_linear,
     lara_mini,
     lfm2,
@@ -96,6 +97,7 @@ _FORMATS = (
     recurrent_gemma.FORMAT,
     mamba.FORMAT,
     falcon_mamba.FORMAT,
+    jamba.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: fmt for fmt in _FORMATS for model_type in fmt.model_types
