@@ -62,9 +62,7 @@ def test_init_from_builds_the_checkpoints_model(pair, tmp_path):
 def test_derived_and_bad_fields(pair):
     _, _, _, config = pair
     fmt = hf.format_of(config)
-    derived = fmt.normalize_config(
-        {**config, "mamba_dt_rank": "auto", "num_key_value_heads": None}
-    )
+    derived = fmt.normalize_config({**config, "mamba_dt_rank": "auto", "num_key_value_heads": None})
     assert (derived["mamba_dt_rank"], derived["num_key_value_heads"]) == (1, 4)
     for field, value, message in [
         ("attn_layer_offset", 4, r"attn_layer_offset must be below attn_layer_period=4, got 4"),
