@@ -4,8 +4,8 @@ here whose four layers hold a mixer with a SwiGLU, attention with a mixture, and
 with a mixture, GQA, random norms (the mixers' dt, B and C norms too), ``A_log``, ``D``,
 ``dt_proj``, convolution and projection biases and a router far from uniform: logits to
 1e-5 normwise, prefill then decode steps == the full forward, 16 greedy tokens, a
-left-padded row == the row alone, the save round trip, ``--config.init_from``, the
-derived and bad fields named."""
+left-padded row == the row alone, the save round trip, the experts fused as
+``transformers`` holds them, ``--config.init_from``, the derived and bad fields named."""
 
 import pytest
 
@@ -47,11 +47,16 @@ def test_layers_logits_decoding_and_left_padding_match(pair):
     _, _, model, _ = pair
     kinds = [type(block.attention).__name__ for block in model.blocks]
     assert kinds == ["MambaMixer", "SoftmaxAttention", "MambaMixer", "MambaMixer"]
+    assert [type(block.mlp).__name__ for block in model.blocks] == ["SwiGLU", "MoE"] * 2
     helpers.assert_matches_decodes_and_pads(pair, VOCAB, RTOL)
 
 
 def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
     helpers.assert_round_trips(pair, tmp_path)
+
+
+def test_reads_the_fused_experts(pair, tmp_path):
+    helpers.assert_reads_the_fused_layout(pair, tmp_path)
 
 
 def test_init_from_builds_the_checkpoints_model(pair, tmp_path):
