@@ -1,8 +1,9 @@
 """Jamba checkpoints (``linattn_jax.hf.jamba``) against ``transformers``' own PyTorch
 ``JambaForCausalLM`` (CPU, float32, its pure-torch selective scan): a tiny random model made
 here whose four layers hold a mixer with a SwiGLU, attention with a mixture, and a mixer
-with a mixture, GQA, random norms (the mixers' dt, B and C norms too), ``A_log``, ``D``,
-``dt_proj``, convolution and projection biases and a router far from uniform: logits to
+with a mixture, GQA with heads wider than ``hidden_size / num_attention_heads``, random
+norms (the mixers' dt, B and C norms too), ``A_log``, ``D``, ``dt_proj``, convolution and
+projection biases and a router far from uniform: logits to
 1e-5 normwise, prefill then decode steps == the full forward, 16 greedy tokens, a
 left-padded row == the row alone, the save round trip, the experts fused as
 ``transformers`` holds them, ``--config.init_from``, the derived and bad fields named."""
@@ -25,7 +26,7 @@ def _jamba():
         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
         attn_layer_period=4, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
         mamba_d_state=4, mamba_d_conv=3, mamba_expand=2, mamba_dt_rank=3, mamba_proj_bias=True,
-        rms_norm_eps=1e-5, use_mamba_kernels=False, pad_token_id=None,
+        head_dim=8, rms_norm_eps=1e-5, use_mamba_kernels=False,
     )  # fmt: skip
     model = helpers.randomized_mamba(transformers.JambaForCausalLM(config))
     with torch.no_grad():
@@ -67,8 +68,9 @@ def test_init_from_builds_the_checkpoints_model(pair, tmp_path):
 def test_derived_and_bad_fields(pair):
     _, _, _, config = pair
     fmt = hf.format_of(config)
-    derived = fmt.normalize_config({**config, "mamba_dt_rank": "auto", "num_key_value_heads": None})
-    assert (derived["mamba_dt_rank"], derived["num_key_value_heads"]) == (1, 4)
+    nulls = dict(mamba_dt_rank="auto", num_key_value_heads=None, head_dim=None)
+    derived = fmt.normalize_config({**config, **nulls})
+    assert [derived[k] for k in nulls] == [1, 4, 4]
     for field, value, message in [
         ("attn_layer_offset", 4, r"attn_layer_offset must be below attn_layer_period=4, got 4"),
         ("expert_layer_offset", -1, r"expert_layer_offset must be an int >= 0, got -1"),

@@ -15,8 +15,8 @@ of ours:
   under ``feed_forward.experts.{j}.`` or fused (``hf.experts``);
 * the mixer's ``dt``, ``B`` and ``C`` pass RMS norms with weights (``dt_layernorm``,
   ``b_layernorm``, ``c_layernorm``: our ``mixer_rms_weights``);
-* attention is Llama's without RoPE (GQA, no biases, ``hidden_size / num_attention_heads``
-  wide heads);
+* attention is Llama's without RoPE (GQA, no biases, heads ``head_dim`` wide: by default
+  ``hidden_size // num_attention_heads``, as ``transformers`` reads it);
 * every RMSNorm's epsilon is ``rms_norm_eps``; ``mamba_dt_rank`` ``"auto"`` is
   ``ceil(hidden_size / 16)``; ``use_mamba_kernels``, ``use_mambapy`` and
   ``use_associative_scan`` choose how ``transformers`` runs the same scan.
@@ -97,18 +97,22 @@ INT_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "num_experts_per_tok", "num_experts",
     "expert_layer_period", "attn_layer_period", "mamba_d_state", "mamba_d_conv",
-    "mamba_expand", "mamba_dt_rank",
+    "mamba_expand", "mamba_dt_rank", "head_dim",
 )  # fmt: skip
 
 
 def derived(config: common.Config) -> None:
     """What ``transformers`` derives: ``num_experts`` from ``num_local_experts`` (its
-    alias), ``num_key_value_heads`` (``num_attention_heads`` when null) and
-    ``mamba_dt_rank`` ``"auto"`` (``ceil(hidden_size / 16)``)."""
+    alias), ``num_key_value_heads`` (``num_attention_heads`` when null), ``head_dim``
+    (``hidden_size // num_attention_heads`` when absent) and ``mamba_dt_rank`` ``"auto"``
+    (``ceil(hidden_size / 16)``)."""
     if "num_local_experts" in config:
         config["num_experts"] = config.pop("num_local_experts")
     if config["num_key_value_heads"] is None:
         config["num_key_value_heads"] = config["num_attention_heads"]
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    if config.get("head_dim") is None and common.is_int(hidden) and common.is_int(heads) and heads:
+        config["head_dim"] = hidden // heads
     if config["mamba_dt_rank"] == "auto" and common.is_int(config["hidden_size"]):
         config["mamba_dt_rank"] = math.ceil(config["hidden_size"] / 16)
 
@@ -145,6 +149,7 @@ def options(config: Mapping[str, Any]) -> dict[str, Any]:
         mixer_rms_eps=float(config["rms_norm_eps"]),
         mixer_rms_weights=True,
     )
+    softmax = bamba.llama_attention(config, rope=False) | dict(head_dim=config["head_dim"])
     moe = dict(
         num_experts=config["num_experts"],
         top_k=config["num_experts_per_tok"],
@@ -154,7 +159,7 @@ def options(config: Mapping[str, Any]) -> dict[str, Any]:
     return dict(
         num_heads=config["num_attention_heads"],
         attention=["softmax" if is_attention(config, i) else "mamba" for i in range(n)],
-        kind_options={"mamba": mixer, "softmax": bamba.llama_attention(config, rope=False)},
+        kind_options={"mamba": mixer, "softmax": softmax},
         mlp=experts.layout([is_moe(config, i) for i in range(n)]),
         mlp_hidden=config["intermediate_size"],
         **(dict(moe=moe) if config["num_experts"] > 1 else {}),
@@ -172,7 +177,6 @@ FORMAT = common.ModelFormat(
         check_layout,
         check_experts,
         common.divides("num_key_value_heads", "num_attention_heads"),
-        common.divides("num_attention_heads", "hidden_size"),
         common.choice("hidden_act", ("silu",)),
         common.bools(("mamba_conv_bias", "mamba_proj_bias", "tie_word_embeddings")),
         lambda config: common.check_number(config, "rms_norm_eps", 0, 1),
