@@ -34,10 +34,10 @@ The layout: one module per model type over a shared loader.
       │   └── falcon_h1 (attention and Mamba-2 side by side)
       ├── nemotron_h (mixer, attention and squared-ReLU MLP layers)
       └── zamba2 (mixers plus shared transformer blocks with per-use adapters)
-      └── nemotron_h (mixer, attention and squared-ReLU MLP layers)
       mamba (Mamba-1 mixers: the selective scan)
       ├── falcon_mamba (weightless norms on dt, B and C)
-      └── zamba (Mamba-1 mixers plus one shared attention block)
+      ├── zamba (Mamba-1 mixers plus one shared attention block)
+      └── jamba (+ attention without RoPE, mixtures every other layer)
       kimi_linear (KDA + MLA + DeepSeek's mixture)
       └── bailing_hybrid (full-rank, bounded KDA gates; MLA with RoPE and a head gate)
       minimax (lightning + softmax attention, normed residuals, a mixture)
@@ -86,6 +86,7 @@ from linattn_jax.hf import (  # noqa: E402
     gemma2,
     gemma3,
     granitemoehybrid,
+    jamba,
     kimi_linear,
     lara_mini,
     lfm2,
@@ -182,4 +183,5 @@ __all__ = [
     "zamba2",
     "recurrent_gemma",
     "zamba",
+    "jamba",
 ]

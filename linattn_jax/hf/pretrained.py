@@ -29,6 +29,7 @@ from linattn_jax.hf import (
     gemma2,
     gemma3,
     granitemoehybrid,
+    jamba,
     kimi_linear,
     lara_mini,
     lfm2,
@@ -98,6 +99,7 @@ _FORMATS = (
     mamba.FORMAT,
     falcon_mamba.FORMAT,
     zamba.FORMAT,
+    jamba.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: fmt for fmt in _FORMATS for model_type in fmt.model_types
