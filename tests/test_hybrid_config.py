@@ -99,7 +99,7 @@ def test_hybrid_config_variants_validate_and_the_fields_reach_the_layers():
         (["model.remat=half"], r"model.remat must be one of"),
         (
             ["model.mlp=relu"],
-            r"model.mlp must be one of \('gelu', 'swiglu', 'geglu', 'relu2', 'moe', 'none'\)",
+            r"model.mlp must be one of \('gelu', 'swiglu', 'geglu', 'relu2', 'moe', 'none', 'rwkv'\)",
         ),
         (["model.delta.num_heads=3"], r"model.delta.num_heads=3 must divide model.width=64"),
         (["model.softmax.num_heads=3", "model.softmax.head_dim=16"], None),
