@@ -3,14 +3,16 @@ weight ``w[g] [width, out]``.
 
 Two forms, equal up to float rounding:
 
-* ``"ragged"``: ``jax.lax.ragged_dot``, one grouped matmul on GPUs and TPUs. XLA:CPU
-  lowers it as a dense matmul per group masked to its rows, so every group computes every
-  row (``e`` times the work).
+* ``"ragged"``: ``jax.lax.ragged_dot``, left to the backend's lowering. XLA:CPU lowers it
+  as a dense matmul per group masked to its rows, so every group computes every row (``e``
+  times the work); on an H200 with jax 0.11.2 it measured 5.7-8x a dense MLP of the same
+  active parameters (docs/benchmarks.md), not yet a grouped matmul either.
 * ``"tiled"``: each group's rows padded to whole tiles of ``tile`` rows, so that a tile
   holds one group's rows only, and each tile times its group's weight: ``m + e * tile``
   rows of work in all, whatever the routing.
 
-``"auto"`` is ``"tiled"`` on CPU and ``"ragged"`` elsewhere.
+``"auto"`` is ``"tiled"`` on CPU and ``"ragged"`` elsewhere (on the H200 the tiles were
+1.5x faster at width 2048 and 0.76x at 1024: not a clear win, so not the default there).
 """
 
 from __future__ import annotations

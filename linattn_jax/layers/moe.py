@@ -1,16 +1,15 @@
 """A mixture of SwiGLU (or squared-ReLU) experts (Shazeer et al. 2017; Switch, DeepSeek-V3,
-Qwen3-Next; Nemotron-H's squared ReLU): a
-router picks ``top_k`` experts per token, the tokens are sorted by expert and each expert's
-matmuls run as one grouped matmul over its contiguous rows (``layers.grouped``:
-``jax.lax.ragged_dot`` on GPUs and TPUs; on CPU, whose ``ragged_dot`` computes every expert
-on every row, each expert's rows in whole tiles): dropless (every token reaches its
-``top_k`` experts, no capacity), and no ``[tokens, experts, width]`` tensor.
+Qwen3-Next; Nemotron-H's squared ReLU): a router picks ``top_k`` experts per token, the
+tokens are sorted by expert and each expert's matmuls run as one grouped matmul over its
+contiguous rows (``layers.grouped``: ``jax.lax.ragged_dot`` on GPUs and TPUs; on CPU, whose
+``ragged_dot`` computes every expert on every row, each expert's rows in whole tiles):
+dropless (every token reaches its ``top_k`` experts, no capacity), and no ``[tokens,
+experts, width]`` tensor.
 
 The pure functions (``route``, ``dispatch``, ``grouped_swiglu``, ``grouped_relu2``,
-``combine_experts``,
-``load_balancing_loss``, ``router_z_loss``) take arrays and return arrays; ``MoE`` owns the
-parameters. Tokens are the rows of ``x [n, width]`` (``n = batch * length``); ``e`` is the
-number of routed experts, ``k`` the experts per token.
+``combine_experts``, ``load_balancing_loss``, ``router_z_loss``) take arrays and return
+arrays; ``MoE`` owns the parameters. Tokens are the rows of ``x [n, width]`` (``n = batch *
+length``); ``e`` is the number of routed experts, ``k`` the experts per token.
 
 Padding: a token with ``key_mask`` False routes nowhere (no expert row, no share of a
 loss) and its output is zero; its input never reaches a matmul (``where``, not a product),
