@@ -231,16 +231,22 @@ def randomized(torch_model, norm_mean: float):
     return torch_model
 
 
-def randomized_biases(torch_model):
-    """``torch_model`` with random biases and routers' correction biases (``N(0, 0.5)``;
-    ``transformers`` makes them 0), so that a mapping error shows."""
+def randomized_named(torch_model, suffixes: tuple[str, ...], std: float):
+    """``torch_model`` with every parameter and buffer whose name ends in one of
+    ``suffixes`` drawn from ``N(0, std)`` (in place), so that a mapping error shows."""
     import torch
 
     with torch.no_grad():
         for name, p in [*torch_model.named_parameters(), *torch_model.named_buffers()]:
-            if name.endswith((".bias", "e_score_correction_bias")):
-                p.normal_(0.0, 0.5)
+            if name.endswith(suffixes):
+                p.normal_(0.0, std)
     return torch_model
+
+
+def randomized_biases(torch_model):
+    """``torch_model`` with random biases and routers' correction biases (``N(0, 0.5)``;
+    ``transformers`` makes them 0), so that a mapping error shows."""
+    return randomized_named(torch_model, (".bias", "e_score_correction_bias"), 0.5)
 
 
 def randomized_mamba(torch_model):

@@ -29,11 +29,8 @@ def _bailing():
         pad_token_id=0, eos_token_id=None, num_mtp_layers=0, rope_theta=500.0,
     )  # fmt: skip
     model = transformers.BailingHybridForCausalLM(config)
-    with torch.no_grad():  # decays, gates and score biases away from their initial values
-        for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith(("A_log", "dt_bias", "e_score_correction_bias")):
-                p.normal_(0.0, 1.0)
-    return model
+    # decays, gates and score biases away from their initial values
+    return helpers.randomized_named(model, ("A_log", "dt_bias", "e_score_correction_bias"), 1.0)
 
 
 @pytest.fixture(scope="module")

@@ -54,11 +54,8 @@ def _lfm2_moe():
         rope_parameters={"rope_type": "default", "rope_theta": 500.0},
     )  # fmt: skip
     model = transformers.Lfm2MoeForCausalLM(config)
-    with torch.no_grad():  # transformers makes expert_bias 0 and the router small
-        for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith(("feed_forward.gate.weight", "expert_bias")):
-                p.normal_(0.0, 0.5)
-    return model
+    # transformers makes expert_bias 0 and the router small
+    return helpers.randomized_named(model, ("feed_forward.gate.weight", "expert_bias"), 0.5)
 
 
 def _lfm3():
