@@ -183,6 +183,15 @@ def test_errors():
                                A=inputs["A"], state=None)  # fmt: skip
     state = la.init_selective_state(B, D, N)
     assert state.h.shape == (B, D, N) and np.all(np.asarray(state.h) == 0)
+    # A negative step is a decay above one: refused at real tokens, allowed at padding.
+    negative = inputs["dt"].at[1, 4, 2].set(-0.5)
+    with pytest.raises(ValueError, match=r"^dt must be >= 0 \(a softplus\), got a minimum of -0.5"):
+        bad(dt=negative)
+    key_mask = jnp.ones((B, T), bool).at[1, 4].set(False)
+    assert np.all(np.isfinite(bad(dt=negative, key_mask=key_mask)))
+    one = {k: v[:, 4] for k, v in inputs.items() if k not in "AD"}
+    with pytest.raises(ValueError, match=r"^dt must be >= 0"):
+        la.selective_scan_step(**{**one, "dt": negative[:, 4]}, A=inputs["A"], state=state)
 
 
 def test_bfloat16_inputs_with_float32_steps():

@@ -146,6 +146,20 @@ def concrete_range(x) -> tuple | None:
         return jnp.min(x).item(), jnp.max(x).item()
 
 
+def check_steps(name: str, dt, key_mask=None) -> None:
+    """Concrete steps ``dt`` (``[b, t, ...]``, or ``[b, ...]`` with ``key_mask`` None) must
+    be >= 0 at real tokens (a softplus; padding may hold anything): a negative step is a
+    decay above one, which no form here is exact for. NaN passes (it spoils its channel as
+    the per-token recurrence would)."""
+    if is_concrete(dt) and is_concrete(key_mask) and dt.size:
+        real = np.asarray(dt)
+        if key_mask is not None:
+            mask = np.asarray(key_mask).reshape(key_mask.shape + (1,) * (real.ndim - 2))
+            real = np.where(mask, real, 0.0)
+        if np.any(real < 0):
+            raise ValueError(f"{name} must be >= 0 (a softplus), got a minimum of {np.min(real)}")
+
+
 def token_mask(name: str, mask, b: int, t: int) -> Array | None:
     """A bool ``[b, t]`` mask (True = real token), checked; None passes through."""
     if mask is None:

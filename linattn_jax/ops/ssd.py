@@ -108,16 +108,6 @@ def _check(x, dt, A, B, C, D, *, step: bool):
     return tokens[0], h, p, g, n
 
 
-def _check_dt(dt, key_mask) -> None:
-    """Concrete ``dt`` must be >= 0 at real tokens (padding may hold anything)."""
-    if checks.is_concrete(dt) and checks.is_concrete(key_mask) and dt.size:
-        real = np.asarray(dt)
-        if key_mask is not None:
-            real = np.where(np.asarray(key_mask)[..., None], real, 0.0)
-        if np.any(real < 0):
-            raise ValueError(f"dt must be >= 0 (a softplus), got a minimum of {np.min(real)}")
-
-
 def _operands(x, dt, A, B, C, key_mask, heads: int, repeat: bool = True):
     """``(q = C, k = B, v = dt x, log-decay dt A)`` of the additive rule, the groups repeated
     to ``heads`` (unless not ``repeat``: the chunked engine repeats them per group of
@@ -201,7 +191,7 @@ def causal(
         checks.check_chunk_size(chunk_size)
     checks.check_bool("return_state", return_state)
     key_mask = checks.token_mask("key_mask", key_mask, b, t)
-    _check_dt(dt, key_mask)
+    checks.check_steps("dt", dt, key_mask)
     dtype = feature_maps.accumulation_dtype(x.dtype)
     q, k, v, gate = _operands(x, dt, A, B, C, key_mask, h, repeat=method == "scan")
     g = checks.log_decay(None, gate, b, t, h, dtype, key_mask=key_mask)
@@ -263,7 +253,7 @@ def step(
       ValueError: on mismatched shapes or dtypes, or a bad state, A or dt.
     """
     b, h, p, _, n = _check(x, dt, A, B, C, D, step=True)
-    _check_dt(dt, None)
+    checks.check_steps("dt", dt)
     if state is None:
         raise ValueError(
             "state must be the SSDState after the previous token (init_state(...) before "
@@ -320,7 +310,7 @@ def sequence_parallel(
     """
     b, h, p, _, n = _check(x, dt, A, B, C, D, step=False)
     checks.check_bool("return_state", return_state)
-    _check_dt(dt, None)
+    checks.check_steps("dt", dt)
     s = _as_internal(initial_state, b, h, n, p, feature_maps.accumulation_dtype(x.dtype))
     q, k, v, gate = _operands(x, dt, A, B, C, None, h)
     # The additive state's Z (the denominator's) is not read without normalize: zeros.

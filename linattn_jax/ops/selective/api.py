@@ -77,7 +77,8 @@ def causal(
 
     Raises:
       ValueError: on mismatched or wrong-rank shapes, non-float inputs, concrete
-        ``A > 0``, an unknown method, ``chunk_size < 1``, a bad state, mask or segment ids.
+        ``A > 0`` or ``dt < 0`` (at real tokens), an unknown method, ``chunk_size < 1``,
+        a bad state, mask or segment ids.
     """
     b, d, n = inputs.check(x, dt, A, B, C, D, step=False)
     if method not in METHODS:
@@ -86,6 +87,7 @@ def causal(
     checks.check_bool("return_state", return_state)
     t = x.shape[1]
     key_mask = checks.token_mask("key_mask", key_mask, b, t)
+    checks.check_steps("dt", dt, key_mask)
     u, dt32, A32, B, C, first = inputs.operands(x, dt, A, B, C, key_mask)
     dtype = u.dtype
     resets = None

@@ -68,6 +68,7 @@ def sequence_parallel(
     checks.check_chunk_size(chunk_size)
     chunk_size = checks.default_chunk_size(chunk_size, A)
     shards = mesh.shape[axis_name]
+    checks.check_steps("dt", dt)
     u, dt32, A32, B, C, first = inputs.operands(x, dt, A, B, C, None)
     state = as_internal(initial_state, b, d, n, u.dtype)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from linattn_jax.ops import feature_maps
+from linattn_jax.ops import checks, feature_maps
 from linattn_jax.ops.selective import inputs, recurrent
 from linattn_jax.ops.selective.state import State, as_internal
 from linattn_jax.typing import Array, Float
@@ -36,7 +36,8 @@ def step(
       ``(y [b, d] in x's dtype, the new float32 state)``.
 
     Raises:
-      ValueError: on mismatched shapes, non-float inputs, ``A > 0`` or a bad state.
+      ValueError: on mismatched shapes, non-float inputs, concrete ``A > 0`` or ``dt < 0``,
+        or a bad state.
     """
     b, d, n = inputs.check(x, dt, A, B, C, D, step=True)
     if state is None:
@@ -44,6 +45,7 @@ def step(
             "state must be the SelectiveState after the previous token (init_state(...) "
             "before the first), got None"
         )
+    checks.check_steps("dt", dt)
     dtype = feature_maps.accumulation_dtype(x.dtype)
     h = as_internal(state, b, d, n, dtype)
     x32, dt = x.astype(dtype), dt.astype(dtype)
