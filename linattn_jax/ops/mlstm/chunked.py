@@ -114,7 +114,10 @@ def chunk_body(state, x, *, dtype=None):
     w, w_0, m = gate_weights(log_i, log_f, m_in, live, reset)
     mixed = functools.partial(chunking.einsum, dtype=dtype)
     scores = mixed("bhid,bhjd->bhij", q, k) * w
-    num = mixed("bhij,bhjv->bhiv", scores, v) + w_0[..., None] * mixed("bhid,bhdv->bhiv", q, c_in)
+    # num = scores v + w_0 (q C): one product of [scores, w_0 q] with [v; C] (fewer, larger
+    # matmuls: on CPU a [c, c + d] one costs less than two).
+    reads = jnp.concatenate([scores, w_0[..., None] * q], axis=-1)
+    num = mixed("bhij,bhjv->bhiv", reads, jnp.concatenate([v, c_in], axis=2))
     den = chunking.row_sums(scores) + w_0 * jnp.einsum("bhid,bhd->bhi", q, n_in)
     # The state after the chunk: the last row's weights (float32 operands, as the scan).
     k_out = k * w[:, :, -1, :, None]
@@ -155,16 +158,21 @@ def chunk_body_bwd(d_state, inputs, *, dtype=None):
     wl = w[:, :, -1]  # [b, h, c]: the last row's weights, which write the keys to the state
     k_out = k * wl[..., None]
     across = w_0[:, :, -1]
-    # num = scores v + w_0 (q C), den = scores 1 + w_0 (q n): the scores' cotangent sums
-    # terms that cancel where an output is near its values' mean: float32 operands.
-    d_scores = jnp.einsum("bhiv,bhjv->bhij", d_num, v) + d_den[..., None]
+    c = q.shape[2]
+    # num = [scores, w_0 q] [v; C]: its two transposed products, each one matmul. The
+    # scores' cotangent (d_num v^T + d_den) sums terms that cancel where an output is near
+    # its values' mean: float32 operands.
+    written = jnp.concatenate([v, c_in], axis=2)  # [b, h, c + d, v]
+    back = jnp.einsum("bhiv,bhjv->bhij", d_num, written)  # [d_num v^T, d_num C^T]
+    d_scores, from_c = back[..., :c] + d_den[..., None], back[..., c:]
+    reads = jnp.concatenate([scores, w_0[..., None] * q], axis=-1)
+    d_written = mixed("bhij,bhiv->bhjv", reads, d_num)  # [scores^T d_num; (w_0 q)^T d_num]
     d_dots = d_scores * w
     d_w = d_scores * dots
-    d_v = mixed("bhij,bhiv->bhjv", scores, d_num) + jnp.einsum("bhjd,bhdv->bhjv", k_out, d_c)
+    d_v = d_written[:, :, :c] + jnp.einsum("bhjd,bhdv->bhjv", k_out, d_c)
     d_k_out = jnp.einsum("bhjv,bhdv->bhjd", v, d_c) + d_n[:, :, None]
     d_k = mixed("bhij,bhid->bhjd", d_dots, q) + d_k_out * wl[..., None]
     d_w = d_w.at[:, :, -1].add(chunking.row_sums(d_k_out * k))
-    from_c = jnp.einsum("bhiv,bhdv->bhid", d_num, c_in)  # d(q C) transposed, [b, h, c, d]
     q_n = jnp.einsum("bhid,bhd->bhi", q, n_in)
     d_q = (
         mixed("bhij,bhjd->bhid", d_dots, k)
@@ -174,9 +182,7 @@ def chunk_body_bwd(d_state, inputs, *, dtype=None):
     d_w_0 = chunking.row_sums(from_c * q) + d_den * q_n
     d_across = jnp.sum(d_c * c_in, axis=(2, 3)) + jnp.sum(d_n * n_in, axis=2)
     d_w_0 = d_w_0.at[:, :, -1].add(d_across)
-    d_c_in = across[..., None, None] * d_c + jnp.einsum(
-        "bhid,bhiv->bhdv", q, w_0[..., None] * d_num
-    )
+    d_c_in = across[..., None, None] * d_c + d_written[:, :, c:]
     d_n_in = across[..., None] * d_n + jnp.einsum("bhid,bhi->bhd", q, w_0 * d_den)
     d_m = d_m.at[:, :, -1].add(d_m_out)
     d_log_i, d_log_f, d_m_in = gates_vjp((d_w, d_w_0, d_m))
