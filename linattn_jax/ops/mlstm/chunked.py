@@ -25,8 +25,9 @@ run see neither the entering state nor the keys before s, and their maximum also
 Memory: ``linattn_jax.ops.chunking.scan`` keeps only the state entering each chunk and
 the chunk's outputs; the backward (``chunk_body_bwd``) recomputes the chunk's weights
 (``gate_weights``, by ``jax.vjp``: elementwise) and its ``[c, c]`` scores, then runs the
-transposed products: nine ``[c, c]``-by-``[c, d]`` or ``[c, d]``-by-``[d, v]`` matmuls,
-where autodiff of the body re-ran the forward and transposed the masked cumulative sums.
+transposed products (the work of nine ``[c, c]``-by-``[c, d]`` or ``[c, d]``-by-``[d, v]``
+matmuls, in seven: the two transposes of ``[scores, w_0 q] [v; C]`` one each), where
+autodiff of the body re-ran the forward and transposed the masked cumulative sums.
 """
 
 from __future__ import annotations
