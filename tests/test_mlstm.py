@@ -207,6 +207,84 @@ def test_non_finite_inputs_spoil_only_their_own_and_later_outputs():
         assert np.all(np.isnan(state.c[1, 0, :, 2])) and np.all(np.isfinite(state.c[1, 0, :, :2]))
 
 
+def test_chunk_backward_equals_autodiff_of_the_chunk():
+    """``chunked.chunk_body_bwd`` (hand-written) against ``jax.vjp`` of ``chunk_body`` on one
+    chunk of 8: gates of +-50 among ordinary ones, dead tokens, a segment reset, a given
+    state in one row and none (``m = -inf``, a sequence-parallel shard's start) in the other,
+    cotangents of the outputs (m included) and of the state after the chunk."""
+    b, h, c, d, dv = 2, 2, 8, 4, 3
+    ks = jax.random.split(jax.random.PRNGKey(11), 16)
+    big = lambda key: 50.0 * jnp.sign(jax.random.normal(key, (b, h, c)))
+    pick = jax.random.bernoulli(ks[0], 0.4, (b, h, c))
+    log_i = jnp.where(pick, big(ks[1]), jax.random.normal(ks[2], (b, h, c)))
+    log_f = jax.nn.log_sigmoid(
+        jnp.where(pick, big(ks[3]), 2.0 + jax.random.normal(ks[4], (b, h, c)))
+    )
+    live = jnp.asarray([[[True] * 5 + [False, True, False]], [[True] * 8]])
+    reset = jnp.zeros((b, 1, c), bool).at[1, 0, 4].set(True)
+    q, k = (jax.random.normal(key, (b, h, c, d)) for key in ks[5:7])
+    v = jax.random.normal(ks[7], (b, h, c, dv))
+    state = (
+        jax.random.normal(ks[8], (b, h, d, dv)),
+        jax.random.normal(ks[9], (b, h, d)),
+        jnp.asarray([[0.5, -1.0], [-jnp.inf, -jnp.inf]]),
+    )
+    floats = (q, k, v, log_i, log_f)
+    body = lambda s, x: mlstm.chunked.chunk_body(s, (*x, live, reset))
+
+    @jax.jit
+    def both(state, floats):
+        out, vjp = jax.vjp(body, state, floats)
+        leaves, tree = jax.tree.flatten(out)
+        keys = jax.random.split(ks[10], len(leaves))
+        d_out = jax.tree.unflatten(
+            tree, [jax.random.normal(j, y.shape) for j, y in zip(keys, leaves, strict=True)]
+        )
+        ours = mlstm.chunked.chunk_body_bwd(
+            d_out[0], (state, (*floats, live, reset), out[1], d_out[1])
+        )
+        return ours, vjp(d_out)
+
+    (d_state, d_x), (ref_d_state, ref_d_x) = both(state, floats)
+    assert d_x[5].dtype == jax.dtypes.float0 and d_x[6].dtype == jax.dtypes.float0
+    for name, a, e in zip(ARGS, d_x[:5], ref_d_x, strict=True):
+        assert np.all(np.isfinite(a)), name
+        helpers.assert_close_normwise(a, e)
+    helpers.assert_close_normwise(d_state[:2], ref_d_state[:2])
+    helpers.assert_close_normwise(d_state[2][0], ref_d_state[2][0])
+    assert np.all(np.asarray(d_state[2][1]) == 0)  # no state: m_in reaches nothing
+
+
+def test_long_chunk_of_strong_then_weak_forgetting_equals_the_float64_loop():
+    """One chunk of 16 tokens: 8 forget gates of -300 (the chunk's sum of log forget gates
+    reaches -2400, whose float32 rounding is 1e-4), then 8 near 1. The weights among the
+    later tokens are O(1) and their log-decays small: formed as differences of the
+    chunk's cumulative sums they would carry that 1e-4 (measured: 4.4e-5 normwise error in the
+    outputs); ``split_cumsum``'s exact differences keep outputs and gradients within 1e-5."""
+    t = 16
+    ks = jax.random.split(jax.random.PRNGKey(12), 6)
+    q, k, v = (jax.random.normal(key, (1, t, 2, 4)) for key in ks[:3])
+    i = jax.random.normal(ks[3], (1, t, 2))
+    f = jnp.where(jnp.arange(t)[None, :, None] < t // 2, -300.0, 4.0)
+    f = f + jax.random.normal(ks[4], (1, t, 2))
+    w = jax.random.normal(ks[5], (1, t, 2, 4))
+    loss = lambda fn, *x: jnp.sum(fn(*x) * w.astype(x[0].dtype))
+    run = functools.partial(la.mlstm, chunk_size=t)
+    out, grads = jax.jit(
+        lambda *x: (run(*x), jax.grad(functools.partial(loss, run), (0, 1, 2, 3, 4))(*x))
+    )(q, k, v, i, f)
+    with jax.enable_x64(True):
+        x64 = tuple(np.asarray(x, np.float64) for x in (q, k, v, i, f))
+        s0 = (np.zeros((1, 2, 4, 4)), np.zeros((1, 2, 4)), np.zeros((1, 2)))
+        ref = lambda *x: mlstm_reference(*x, *s0)[0]
+        expected = np.asarray(ref(*x64))
+        ref_grads = jax.grad(functools.partial(loss, ref), (0, 1, 2, 3, 4))(*x64)
+    helpers.assert_close_normwise(out, expected)
+    for name, g, e in zip(ARGS, grads, ref_grads, strict=True):
+        assert np.all(np.isfinite(g)), name
+        helpers.assert_close_normwise(g, np.asarray(e))
+
+
 @pytest.mark.slow
 def test_segments_restart_from_the_empty_state():
     """Packed rows: each segment equals its own sequence run from ``init_state``."""

@@ -11,8 +11,10 @@ d=dv=64, float32), forward and forward+backward, interleaved repetitions in one 
   over jax-linear-attention's ``jla.ops.linear_attention(kind, ..., impl="chunked")``),
   called with the arguments of ``recurrences.recurrence_case`` for ``--families``:
   ``(q, k, v, gate)`` for the additive families, ``(q, k, v, beta, gate)`` for the delta
-  rule (``gate`` None for DeltaNet; ``[b, t, h]`` per head, ``[b, t, h, d]`` per channel)
-  and returning ``out [b, t, h, dv]``. Ours runs the same maths: the delta rule with
+  rule (``gate`` None for DeltaNet; ``[b, t, h]`` per head, ``[b, t, h, d]`` per channel),
+  ``(q, k, v, i, f)`` for the mLSTM (gate pre-activations ``[b, t, h]``: input gate
+  ``exp(i)``, forget gate ``sigmoid(f)``, queries scaled by ``d ** -0.5``, as NX-AI's
+  mlstm-kernels) and returning ``out [b, t, h, dv]``. Ours runs the same maths: the delta rule with
   scale 1; the additive families with identity features and no denominator
   (``simple_gla`` is ``additive_decay`` so computed).
 """
