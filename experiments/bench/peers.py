@@ -14,7 +14,11 @@ d=dv=64, float32), forward and forward+backward, interleaved repetitions in one 
   rule (``gate`` None for DeltaNet; ``[b, t, h]`` per head, ``[b, t, h, d]`` per channel)
   and returning ``out [b, t, h, dv]``. Ours runs the same maths: the delta rule with
   scale 1; the additive families with identity features and no denominator
-  (``simple_gla`` is ``additive_decay`` so computed).
+  (``simple_gla`` is ``additive_decay`` so computed). ``--families causal`` or
+  ``noncausal`` call it as ``(q, k, v)`` ``[b, t, h, d]`` at ``--heads`` heads, ours the
+  additive form with ``--feature-map`` features, normalised (Performer's own
+  ``fast_attention.py`` through an adapter: ``make_fast_generalized_attention`` with
+  deterministic relu features).
 """
 
 from __future__ import annotations
@@ -118,11 +122,20 @@ def load(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
+# The forms ``--families`` names for a peer called as ``(q, k, v)`` (Performer's).
+ATTENTION_FORMS = {"noncausal": la.linear_attention, "causal": la.causal_linear_attention}
+
+
+def attention_inputs(t: int, heads: int):
+    """``(q, k, v)``, each ``[1, t, heads, 64]`` float32."""
+    keys = jax.random.split(jax.random.PRNGKey(t), 3)
+    return tuple(jax.random.normal(key, (1, t, heads, 64)) for key in keys)
+
+
 def cases(t: int, families, impl: str | None, feature_map: str = "elu", heads: int = 8):
     """``(family, ours, theirs, args)`` per case at length ``t``."""
     if impl is None:
-        q, k, v = (jax.random.normal(key, (1, t, heads, 64)) for key in jax.random.split(
-            jax.random.PRNGKey(t), 3))  # fmt: skip
+        q, k, v = attention_inputs(t, heads)
         phi = FEATURES[feature_map]
         ours = functools.partial(la.linear_attention, feature_map=feature_map)
         yield "noncausal", ours, functools.partial(performer_noncausal, phi=phi), (q, k, v)
@@ -131,6 +144,10 @@ def cases(t: int, families, impl: str | None, feature_map: str = "elu", heads: i
         return
     theirs = load(impl)
     for family in families:
+        if family in ATTENTION_FORMS:
+            ours = functools.partial(ATTENTION_FORMS[family], feature_map=feature_map)
+            yield family, ours, theirs, attention_inputs(t, heads)
+            continue
         ours, args = recurrence_case(family, "chunked", t)
         if len(args) == 4:  # additive: the peer's maths (identity features, no denominator)
             ours = ours_additive(family)
