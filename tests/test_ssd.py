@@ -255,3 +255,17 @@ def test_groups_of_chunks_as_on_gpu_equal_the_scan(monkeypatch):
     (d, out), (ref_d, ref_out) = grads
     np.testing.assert_allclose(out, ref_out, **helpers.tol(jnp.float32))
     helpers.assert_close_normwise(d, ref_d)
+
+
+def test_heads_sharing_b_and_c_form_their_scores_once():
+    # Eight heads reading one group of B and C: the chunks' C B^T is formed once for the
+    # group, so the compiled forward costs fewer FLOPs than with a group per head.
+    x, dt, A = jnp.ones((1, 128, 8, 16)), jnp.ones((1, 128, 8)), -jnp.ones((8,))
+    fn = jax.jit(lambda x, dt, A, B, C: ssd.causal(x, dt, A, B, C, chunk_size=32))
+
+    def flops(groups):
+        B = jnp.ones((1, 128, groups, 16))
+        cost = fn.lower(x, dt, A, B, B).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    assert flops(1) < 0.85 * flops(8)

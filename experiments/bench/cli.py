@@ -73,7 +73,8 @@ FLAGS = {
     "--families": dict(
         default="",
         help="recurrences: the families timed (default all); peers --impl: theirs "
-        "(default gated_deltanet)",
+        "(default gated_deltanet; causal, noncausal: a (q, k, v) peer such as Performer's; "
+        "state_products_cC, all_products_cC: the bare chunk matmuls in ours' place)",
     ),
     "--cpu-groups": dict(
         default="", help="recurrences: tokens per group of chunks on CPU (default: one chunk)"

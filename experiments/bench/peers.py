@@ -16,7 +16,12 @@ d=dv=64, float32), forward and forward+backward, interleaved repetitions in one 
   ``exp(i)``, forget gate ``sigmoid(f)``, queries scaled by ``d ** -0.5``, as NX-AI's
   mlstm-kernels) and returning ``out [b, t, h, dv]``. Ours runs the same maths: the delta rule with
   scale 1; the additive families with identity features and no denominator
-  (``simple_gla`` is ``additive_decay`` so computed).
+  (``simple_gla`` is ``additive_decay`` so computed). ``--families causal`` or
+  ``noncausal`` call it as ``(q, k, v)`` ``[b, t, h, d]`` at ``--heads`` heads, ours the
+  additive form with ``--feature-map`` features, normalised (Performer's own
+  ``fast_attention.py`` through an adapter: ``make_fast_generalized_attention`` with
+  deterministic relu features); ``state_products_cC`` and ``all_products_cC`` time in
+  ours' place the bare matmuls of a chunked form with chunks of C (``chunk_products``).
 """
 
 from __future__ import annotations
@@ -120,11 +125,42 @@ def load(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
+# The forms ``--families`` names for a peer called as ``(q, k, v)`` (Performer's).
+ATTENTION_FORMS = {"noncausal": la.linear_attention, "causal": la.causal_linear_attention}
+
+
+def chunk_products(q, k, v, *, chunk: int, in_chunk: bool):
+    """The bare matmuls of a chunked causal form on ``[b, t, h, d]`` buffers: each chunk's
+    write ``K^T V`` and read ``Q (K^T V)``, batched over all chunks at once (Performer's
+    scan's FLOPs); with ``in_chunk`` also the in-chunk ``(Q K^T) V``. No scan, mask,
+    decay, feature map, normaliser or transpose (the buffers are read as heads-first
+    ``[b, h, t / chunk, chunk, d]``, the batched products' fastest layout): not attention,
+    a bound on the time of any chunked form (``t`` a multiple of ``chunk``)."""
+    b, t, h, d = q.shape
+    split = lambda x: x.reshape(b, h, t // chunk, chunk, x.shape[-1])
+    q, k, v = split(q), split(k), split(v)
+    out = jnp.einsum("bhncd,bhnde->bhnce", q, jnp.einsum("bhncd,bhnce->bhnde", k, v))
+    if in_chunk:
+        scores = jnp.einsum("bhnid,bhnjd->bhnij", q, k)
+        out = out + jnp.einsum("bhnij,bhnje->bhnie", scores, v)
+    return out.reshape(b, t, h, -1)
+
+
+# ``--families`` names for that bound in place of ours: ``state_products_c64``,
+# ``all_products_c32`` (the in-chunk products too), ... (the chunk after ``_c``).
+PRODUCTS = {"state_products": False, "all_products": True}
+
+
+def attention_inputs(t: int, heads: int):
+    """``(q, k, v)``, each ``[1, t, heads, 64]`` float32."""
+    keys = jax.random.split(jax.random.PRNGKey(t), 3)
+    return tuple(jax.random.normal(key, (1, t, heads, 64)) for key in keys)
+
+
 def cases(t: int, families, impl: str | None, feature_map: str = "elu", heads: int = 8):
     """``(family, ours, theirs, args)`` per case at length ``t``."""
     if impl is None:
-        q, k, v = (jax.random.normal(key, (1, t, heads, 64)) for key in jax.random.split(
-            jax.random.PRNGKey(t), 3))  # fmt: skip
+        q, k, v = attention_inputs(t, heads)
         phi = FEATURES[feature_map]
         ours = functools.partial(la.linear_attention, feature_map=feature_map)
         yield "noncausal", ours, functools.partial(performer_noncausal, phi=phi), (q, k, v)
@@ -133,6 +169,15 @@ def cases(t: int, families, impl: str | None, feature_map: str = "elu", heads: i
         return
     theirs = load(impl)
     for family in families:
+        kind, _, chunk = family.rpartition("_c")
+        if kind in PRODUCTS:
+            ours = functools.partial(chunk_products, chunk=int(chunk), in_chunk=PRODUCTS[kind])
+            yield family, ours, theirs, attention_inputs(t, heads)
+            continue
+        if family in ATTENTION_FORMS:
+            ours = functools.partial(ATTENTION_FORMS[family], feature_map=feature_map)
+            yield family, ours, theirs, attention_inputs(t, heads)
+            continue
         ours, args = recurrence_case(family, "chunked", t)
         if len(args) == 4:  # additive: the peer's maths (identity features, no denominator)
             ours = ours_additive(family)

@@ -136,7 +136,7 @@ def run_chunks(
     elif kernel is not None:
         fn, q, k, live = kernel
         xs = xs + (q, k, live)
-    options = dict(c=c, diagonal=diagonal, kernel=fn, dtype=dtype, eps=eps, phi=phi)
+    options = dict(c=c, diagonal=diagonal, kernel=fn, dtype=dtype, eps=eps, phi=phi, groups=groups)
     body = functools.partial(group_body, **options)
     body_bwd = functools.partial(group_body_bwd, **options)
     if groups > 1:
@@ -183,7 +183,9 @@ def _grouped_body_bwd(body_bwd, groups: int, d_final, inputs):
     return d_state, tuple(dx)
 
 
-def chunk_parts(diagonal: bool, kernel, x, *, dtype=None, phi=None):
+def chunk_parts(
+    diagonal: bool, kernel, x, *, dtype=None, phi=None, groups: int = 1, heads: int = 1
+):
     """The decayed pieces of one chunk, all that its gradient needs to recompute.
 
     Args:
@@ -194,6 +196,10 @@ def chunk_parts(diagonal: bool, kernel, x, *, dtype=None, phi=None):
         (no values); with ``phi``, ``(q, k, log-decay, resets, live)``.
       dtype: the operand dtype of the scores' matmul (None: no cast).
       phi: None, or the feature map this chunk applies to its raw q and k.
+      groups: the heads that share each q and k (``_repeat_qk``; x folded from
+        ``heads`` heads): with per-head decays (or none) and no ``kernel``, their
+        ``q k^T`` is formed once per group and repeated (``_group_dots``).
+      heads: see ``groups``.
 
     Returns:
       ``(scores [b,h,c,c], phi_q decayed from the chunk's start [b,h,c,f], phi_k decayed
@@ -208,7 +214,10 @@ def chunk_parts(diagonal: bool, kernel, x, *, dtype=None, phi=None):
         q, k = _live(live, phi(q_raw)), _live(live, phi(k_raw))
         x = (q, k, g, r, q_raw, k_raw, live)
     dec = chunking.decays(g, r, q.shape[:3], q.dtype)
-    if kernel is None:
+    if kernel is None and groups > 1 and (dec is None or dec.log_cum.shape[-1] == 1):
+        dots = _group_dots(q, k, heads, groups, dtype)
+        scores = chunking.decay_scores(dots, dec, diagonal=diagonal)
+    elif kernel is None:
         scores = chunking.decayed_scores(q, k, dec, diagonal=diagonal, dtype=dtype)
     else:
         q_raw, k_raw, live = x[4:]
@@ -222,6 +231,18 @@ def chunk_parts(diagonal: bool, kernel, x, *, dtype=None, phi=None):
     return scores, chunking.scaled(q, dec.into), chunking.scaled(k, dec.out_of), dec.across
 
 
+def _group_dots(q: Array, k: Array, heads: int, groups: int, dtype=None) -> Array:
+    """``q_i . k_j`` ``[b, m, c, c]`` of chunks folded from ``heads`` heads (``[b, m =
+    heads * n, c, f]``, head-major) whose q and k repeat each of ``heads / groups`` heads
+    ``groups`` times: one product per group (its first head's), repeated; its gradient
+    sums the group's cotangents before the transposed products."""
+    b, m, c, f = q.shape
+    shape = (b, heads // groups, groups, m // heads, c)
+    first = lambda x: x.reshape(shape + (f,))[:, :, 0]
+    dots = chunking.einsum("bgnif,bgnjf->bgnij", first(q), first(k), dtype=dtype)
+    return jnp.broadcast_to(dots[:, :, None], shape + (c,)).reshape(b, m, c, c)
+
+
 def _live(live: Array | None, x: Array) -> Array:
     """``x [b, h, c, .]`` in its accumulation dtype, zeros where ``live [b, 1, c, 1]`` is
     False (a replacement, so a NaN there reaches nothing)."""
@@ -229,7 +250,9 @@ def _live(live: Array | None, x: Array) -> Array:
     return x if live is None else jnp.where(live, x, jnp.zeros((), x.dtype))
 
 
-def group_body(state, x, *, c: int, diagonal: bool, kernel=None, dtype=None, eps=None, phi=None):
+def group_body(
+    state, x, *, c: int, diagonal: bool, kernel=None, dtype=None, eps=None, phi=None, groups=1
+):
     """One group of chunks (``chunking.scan``'s body): masked matmuls inside each chunk,
     batched, plus the state entering each chunk.
 
@@ -245,6 +268,7 @@ def group_body(state, x, *, c: int, diagonal: bool, kernel=None, dtype=None, eps
         the states (not the ones that write the state).
       eps: None, or return ``(numerator / (denominator + eps), None)`` (needs Z).
       phi: None, or the feature map applied here to x's raw q and k (``run_chunks``).
+      groups: the heads sharing each q and k (``chunk_parts``; 1: none).
 
     Returns:
       ``(state after the group, (numerator [b, h, g, v], denominator [b, h, g] | None))``.
@@ -252,7 +276,9 @@ def group_body(state, x, *, c: int, diagonal: bool, kernel=None, dtype=None, eps
     h, length = x[0].shape[1], x[0].shape[2]
     x = _fold(x, c, h)
     v = _values(x, phi, _good_values(x, _raw_keys(kernel, phi)))
-    parts = chunk_parts(diagonal, kernel, _without_values(x), dtype=dtype, phi=phi)
+    parts = chunk_parts(
+        diagonal, kernel, _without_values(x), dtype=dtype, phi=phi, groups=groups, heads=h
+    )
     states, final = _states(h, parts[3], _writes(parts, v, state[1] is not None), state)
     num, den = _outputs(parts, v, states, dtype=dtype, eps=eps)
     return final, (chunking.unfold(num, h, length), chunking.unfold(den, h, length))
@@ -357,7 +383,16 @@ def _denominator(scores, q_in, z):
 
 
 def group_body_bwd(
-    d_final, inputs, *, c: int, diagonal: bool, kernel=None, dtype=None, eps=None, phi=None
+    d_final,
+    inputs,
+    *,
+    c: int,
+    diagonal: bool,
+    kernel=None,
+    dtype=None,
+    eps=None,
+    phi=None,
+    groups=1,
 ):
     """The transpose of ``group_body`` (``chunking.scan``'s ``body_bwd``), from the state
     entering the group: its chunks' scores and states are recomputed (batched, and the
@@ -369,7 +404,7 @@ def group_body_bwd(
       inputs: ``((S, Z | None) entering the group, x, the group's outputs, their
         cotangents (d numerator [b,h,g,v], d denominator [b,h,g] | None))``; with
         ``eps`` the output and its cotangent are the normalised output's.
-      c, diagonal, kernel, dtype, eps, phi: as in ``group_body``.
+      c, diagonal, kernel, dtype, eps, phi, groups: as in ``group_body``.
 
     Returns:
       ``((dS, dZ | None) before the group, d x)``.
@@ -380,7 +415,9 @@ def group_body_bwd(
     good_v = _good_values(x, _raw_keys(kernel, phi))
     v = _values(x, phi, good_v)
     parts, vjp = jax.vjp(
-        functools.partial(chunk_parts, diagonal, kernel, dtype=dtype, phi=phi),
+        functools.partial(
+            chunk_parts, diagonal, kernel, dtype=dtype, phi=phi, groups=groups, heads=h
+        ),
         _without_values(x),
     )
     scores, q_in, k_out, across = parts
