@@ -203,7 +203,7 @@ def causal(
         q, k = (y.astype(dtype) for y in (q, k))
         (out, _), (s, _) = recurrent.run_scan(q, k, v, g, resets, state, chunk_size, time_axis=1)
     else:
-        (out, _), (s, _) = run_chunks(
+        (out, _), (s, _) = _run_chunks(
             q,
             k,
             v,
@@ -221,6 +221,14 @@ def causal(
     out = _skip(out, x, D, key_mask).astype(x.dtype)
     return (out, State(s)) if return_state else out
 
+
+# The additive chunks as their own jitted function (inlined by XLA into the caller's
+# program): traced and lowered once per shape and options, so a Mamba-2 model's identical
+# layers share one trace (as ``ops.delta``'s chunked form does).
+_run_chunks = jax.jit(
+    run_chunks,
+    static_argnames=("chunk_size", "diagonal", "dtype", "time_axis", "phi", "groups"),
+)
 
 def step(
     x: Float[Array, "b h p"],

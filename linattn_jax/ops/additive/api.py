@@ -29,7 +29,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from linattn_jax.ops import checks, chunking, feature_maps
 from linattn_jax.ops.additive import pallas, recurrent
@@ -231,20 +233,38 @@ def causal(
         (num, den), state = recurrent.run_scan(*xs, time_axis=1)
         out = finish(num, den, normalize, eps, v.dtype, time_axis=1)
     else:
+        live, kernel = None, None
         if maps_inside:
             live = None if key_mask is None else key_mask[:, :, None, None]
-            options = dict(phi=phi, live=live)
         else:
-            options = dict(kernel=chunk_kernel(q, k, phi, key_mask, g, heads_first=False))
+            kernel = chunk_kernel(q, k, phi, key_mask, g, heads_first=False)
         # The chunks divide by their own denominator (in cache, and their backward needs
         # no pass over the whole numerator).
-        (out, _), state = run_chunks(
-            *xs,
-            diagonal=True,
+        (out, _), state = _chunks(
+            *xs, live, kernel, eps=eps if normalize else None, phi=phi if maps_inside else None,
             dtype=chunking.operand_dtype(q.dtype),
-            time_axis=1,
-            eps=eps if normalize else None,
-            **options,
-        )
+        )  # fmt: skip
         out = out.astype(v.dtype)
     return (out, State(*state)) if return_state else out
+
+
+def _chunks(phi_q, phi_k, v, g, resets, state, chunk_size, live, kernel, *, eps, phi, dtype):
+    """``run_chunks`` (time-major, the query sees its own key) as its own jitted function
+    where its options are constants (inlined by XLA into the caller's program): traced and
+    lowered once per shape and options, so a model's identical layers share one trace (as
+    ``ops.delta``'s chunked form does); an ``eps`` array (a tracer) runs it inline."""
+    arrays = (phi_q, phi_k, v, g, resets, state)
+    fn, *kernel_arrays = (None,) if kernel is None else kernel
+    if eps is not None and not isinstance(eps, int | float | np.generic):
+        kernel = None if fn is None else (fn, *kernel_arrays)
+        return run_chunks(*arrays, chunk_size, diagonal=True, kernel=kernel, dtype=dtype,
+                          time_axis=1, eps=eps, phi=phi, live=live)  # fmt: skip
+    return _jitted_chunks(arrays, live, tuple(kernel_arrays), chunk_size=chunk_size,
+                          kernel_fn=fn, eps=eps, phi=phi, dtype=dtype)  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "kernel_fn", "eps", "phi", "dtype"))
+def _jitted_chunks(arrays, live, kernel_arrays, *, chunk_size, kernel_fn, eps, phi, dtype):
+    kernel = None if kernel_fn is None else (kernel_fn, *kernel_arrays)
+    return run_chunks(*arrays, chunk_size, diagonal=True, kernel=kernel, dtype=dtype,
+                      time_axis=1, eps=eps, phi=phi, live=live)  # fmt: skip

@@ -28,6 +28,7 @@ References:
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from linattn_jax.ops import checks, chunking
@@ -110,10 +111,16 @@ def causal(
     if method == "scan":
         (num, den, m), state = recurrent.run_scan(xs, state, chunk_size)
     else:
-        (num, den, m), state = run_chunks(
+        (num, den, m), state = _run_chunks(
             xs, state, chunk_size, dtype=chunking.operand_dtype(v.dtype)
         )
     out = inputs.finish(num, den, m, eps, dtype)
     out, state = inputs.spoil(out, state, first, first_v, key_mask)
     out = out.astype(v.dtype)
     return (out, State(*state)) if return_state else out
+
+
+# The chunks as their own jitted function (inlined by XLA into the caller's program): traced
+# and lowered once per shape and options, so an xLSTM model's identical layers share one
+# trace (as ``ops.delta``'s chunked form does).
+_run_chunks = jax.jit(run_chunks, static_argnames=("chunk_size", "dtype"))
