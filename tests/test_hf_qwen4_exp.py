@@ -1,12 +1,79 @@
-"""Qwen4-Exp (``qwen4_exp``, ``qwen4_exp_text``) is refused by name, with the blocks that
-have no counterpart here (``linattn_jax.hf.unsupported``), from configs in
-``transformers``' fields (``Qwen4ExpTextConfig``, ``Qwen4ExpConfig``'s ``text_config``)."""
+"""Qwen4-Exp checkpoints (``linattn_jax.hf.qwen4_exp``) against ``transformers``' own
+PyTorch ``Qwen4ExpForCausalLM`` (CPU, float32): a tiny random model of Gated DeltaNet
+layers with mixtures, three residual streams (hyper-connections with random mixing,
+injection and norms), a sigmoid output gate and unnormalised top-k weights: logits to 1e-5
+normwise, prefill then decode steps == the full forward, 16 greedy tokens, a left-padded
+row == the row alone, the save round trip, ``--config.init_from``; the configs with the QSA
+indexer or the n-gram embeddings refused by name (``hf.unsupported``), the bad fields
+named. ``transformers`` runs a Qwen4-Exp without attention layers only without a cache
+(``use_cache=False``: its cache needs an attention layer)."""
 
 import json
 
 import pytest
 
 from linattn_jax import hf
+from tests import helpers
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 61
+RTOL = 1e-5
+# Zero-initialised or near-zero in transformers: drawn at random so a mapping error shows.
+RANDOM = (
+    "input_mix_weight_down.weight", "input_mix_weight_up.weight", "block_inject_weight.weight",
+    "A_log", "dt_bias",
+)  # fmt: skip
+
+
+def _text_config(**changes):
+    return dict(
+        vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, layer_types=["linear_attention"] * 2,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=6,
+        linear_value_head_dim=5, linear_conv_kernel_dim=3, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=12, shared_expert_intermediate_size=10,
+        norm_topk_prob=False, hc_count=3, hc_lowrank=5, output_gate_type="sigmoid",
+        rms_norm_eps=1e-5, tie_word_embeddings=False, use_cache=False,
+    ) | changes  # fmt: skip
+
+
+def _qwen4_exp():
+    config = transformers.Qwen4ExpTextConfig(**_text_config())
+    return helpers.randomized_named(transformers.Qwen4ExpForCausalLM(config), RANDOM, 0.5)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """``(torch model, its directory, our model, our config)``."""
+    return helpers.torch_pair(tmp_path_factory, "qwen4_exp", _qwen4_exp, 0.0)
+
+
+def test_logits_decoding_and_left_padding_match(pair):
+    helpers.assert_matches_decodes_and_pads(pair, VOCAB, RTOL)
+
+
+def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
+    helpers.assert_round_trips(pair, tmp_path)
+
+
+def test_init_from_builds_the_checkpoints_model(pair, tmp_path):
+    ref, _, model, _ = pair
+    helpers.assert_init_from_builds(model, ref, tmp_path)
+
+
+def test_bad_fields_are_named(pair):
+    _, _, _, config = pair
+    fmt = hf.qwen4_exp.FORMAT
+    for field, value, message in [
+        ("hc_count", 1, r"hc_count must be an int >= 2, got 1"),
+        ("hc_lowrank", 0, r"hc_lowrank must be an int >= 1, got 0"),
+        ("output_gate_type", "gelu", r"output_gate_type must be \"one of \[None, 'silu', "),
+        ("norm_topk_prob", 1, r"norm_topk_prob must be true or false, got 1"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            fmt.normalize_config({**config, field: value})
 
 
 def _write(path, config):
@@ -15,17 +82,19 @@ def _write(path, config):
     return path
 
 
-def test_qwen4_exp_is_refused_naming_its_missing_blocks(tmp_path):
-    text = dict(model_type="qwen4_exp_text", hc_count=4, indexer_n_heads=2, ple_layer_ids=[1])
+def test_the_indexer_and_ngram_embeddings_are_refused_by_name(tmp_path):
+    text = _text_config(model_type="qwen4_exp_text", indexer_n_heads=2, ple_layer_ids=[1])
     message = (
-        r"model_type 'qwen4_exp_text' \(Qwen4-Exp\) is not supported: no block here matches its "
-        r"hyper-connections \(hc_count=4 residual streams\), the QSA indexer "
-        r"\(indexer_n_heads=2\), per-layer n-gram embeddings \(ple_layer_ids=\[1\]\)$"
+        r"model_type 'qwen4_exp_text' \(Qwen4-Exp\) is not supported with the QSA indexer "
+        r"\(indexer_n_heads=2, 0 attention layers\) or per-layer n-gram embeddings "
+        r"\(ple_layer_ids=\[1\]\): no block here matches it$"
     )
     with pytest.raises(ValueError, match=message):
         hf.read_config(_write(tmp_path / "text", text))
-    plain = dict(model_type="qwen4_exp", text_config=dict(hc_count=2, ple_layer_ids=[]))
-    with pytest.raises(
-        ValueError, match=r"'qwen4_exp' .* its hyper-connections \(hc_count=2 [^,]*$"
-    ):
-        hf.read_config(_write(tmp_path / "multimodal", plain))
+    # transformers gives every attention layer an indexer; the default layout has some.
+    layered = dict(model_type="qwen4_exp", text_config=dict(num_hidden_layers=8))
+    with pytest.raises(ValueError, match=r"'qwen4_exp' .* the QSA indexer \(indexer_n_heads"):
+        hf.read_config(_write(tmp_path / "multimodal", layered))
+    mixed = _text_config(layer_types=["linear_attention", "full_attention"])
+    with pytest.raises(ValueError, match=r"indexer_n_heads=None, 1 attention layers\)"):
+        hf.qwen4_exp.FORMAT.normalize_config({**mixed, "model_type": "qwen4_exp_text"})
