@@ -127,14 +127,17 @@ def _residual_factors(name: str, factors) -> tuple[float, float]:
     return float(factors[0]), float(factors[1])
 
 
-def _check_hyper(hyper, norm, post_norm, normed_residual, attention_residual, mlp_residual):
-    """Refuses the block options ``hyper_connections`` (when given) cannot go with."""
+def _check_norms(norm, hyper, post_norm, normed_residual, alphas) -> None:
+    """Checks ``norm`` and refuses the options ``hyper_connections`` cannot go with
+    (``alphas``: the two halves' residual factors)."""
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
     if hyper is None:
         return
     check_options(hyper)
     if norm != "rms" or post_norm or normed_residual:
         raise ValueError("hyper_connections need norm='rms', no post_norm, no normed_residual")
-    if attention_residual[0] != 1.0 or mlp_residual[0] != 1.0:
+    if alphas != (1.0, 1.0):
         raise ValueError("hyper_connections take no residual alpha other than 1")
 
 
@@ -224,10 +227,9 @@ class TransformerBlock(nnx.Module):
       mlp_multipliers: ``(gate, down)`` of a SwiGLU MLP (``SwiGLU``'s ``multipliers``;
         Falcon-H1's ``mlp_multipliers``); (1, 1): none.
       mlp_bias: biases on a SwiGLU or GeGLU MLP's three projections (RecurrentGemma's).
-      hyper_connections: None, or ``{"streams": n, "rank": r}``: the block's input and
-        output are ``n`` residual streams ``[..., n, width]``, and ``attention_norm`` and
-        ``mlp_norm`` ``layers.hyper.HyperConnection``s reading each half's input from them
-        and writing its output back (Qwen4-Exp's); norm ``"rms"``, pre-norm only.
+      hyper_connections: None, or ``{"streams": n, "rank": r}``: ``x`` is ``n`` streams
+        ``[..., n, width]``, ``attention_norm`` and ``mlp_norm`` ``layers.hyper``'s
+        ``HyperConnection``s reading each half's input and writing its output back.
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
       param_dtype: the parameters' dtype, as in Flax.
@@ -272,12 +274,8 @@ class TransformerBlock(nnx.Module):
         self.attention_residual = _residual_factors("attention_residual", attention_residual)
         self.mlp_residual = _residual_factors("mlp_residual", mlp_residual)
         branch_multipliers = _branch_multipliers(branch_multipliers)
-        if norm not in NORMS:
-            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-        _check_hyper(
-            hyper_connections, norm, post_norm, normed_residual, self.attention_residual,
-            self.mlp_residual,
-        )  # fmt: skip
+        alphas = (self.attention_residual[0], self.mlp_residual[0])
+        _check_norms(norm, hyper_connections, post_norm, normed_residual, alphas)
         norm = lambda hyper=hyper_connections, kind=norm: make_norm(
             kind, width, zero_centred_norm, rngs, dtype, param_dtype, hyper
         )
@@ -285,25 +283,18 @@ class TransformerBlock(nnx.Module):
         self.mlp_norm = nnx.data(norm() if mlp != "none" else None)
         self.attention_post_norm = nnx.data(norm(None) if sandwich_norm and mixer else None)
         self.mlp_post_norm = nnx.data(norm(None) if sandwich_norm and mlp != "none" else None)
-        self.conv = nnx.data(
-            CausalConv1D(width, short_conv, rngs=rngs, param_dtype=param_dtype)
-            if short_conv
+        new_conv = lambda: CausalConv1D(width, short_conv, rngs=rngs, param_dtype=param_dtype)
+        self.conv = nnx.data(new_conv() if short_conv else None)
+        options = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.attention = nnx.data(
+            registry.make_attention(attention, width, num_heads, **options, **attention_kwargs)
+            if mixer
             else None
         )
-        if mixer:
-            attention_kwargs = dict(
-                rngs=rngs, dtype=dtype, param_dtype=param_dtype, **attention_kwargs
-            )
-            self.attention = registry.make_attention(
-                attention, width, num_heads, **attention_kwargs
-            )
-        else:
-            self.attention = nnx.data(None)
         self.parallel = nnx.data(
             _parallel_mixer(parallel, width, num_heads, mixer, short_conv, rngs, dtype, param_dtype)
         )
         self.branch_multipliers = branch_multipliers
-        options = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.mlp = nnx.data(_build_mlp(mlp, width, hidden, moe, mlp_multipliers, mlp_bias, options))
         self.width, self.residual_multiplier = width, float(residual_multiplier)
 
@@ -370,8 +361,7 @@ class TransformerBlock(nnx.Module):
         return (x, state) if return_state else x
 
     def _add(self, residual, h, factors: tuple[float, float], norm=None):
-        """``alpha * residual + beta * residual_multiplier * h`` of a half's ``factors``
-        (written back by a ``HyperConnection`` ``norm``)."""
+        """``alpha * residual + beta * residual_multiplier * h`` (``_add``)."""
         alpha, beta = factors
         return _add(residual, h, (alpha, beta * self.residual_multiplier), norm)
 

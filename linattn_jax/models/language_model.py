@@ -21,6 +21,28 @@ from linattn_jax.models.options import freeze
 from linattn_jax.ops import checks
 
 
+def check_options(
+    embedding_multiplier, logits_scaling, logit_soft_cap, embedding_norm, shared_blocks,
+    scan_layers, remat, hyper_connections,
+) -> int | None:  # fmt: skip
+    """``LanguageModel``'s model-level options checked (a ValueError naming the first bad
+    one); returns the number of residual streams (None: one, no hyper-connections)."""
+    check_multiplier("embedding_multiplier", embedding_multiplier)
+    check_multiplier("logits_scaling", logits_scaling)
+    if shared_blocks is not None and (scan_layers or remat != "none"):
+        raise ValueError("shared_blocks needs scan_layers=False and remat='none'")
+    if logit_soft_cap is not None:
+        checks.check_number("logit_soft_cap", logit_soft_cap, minimum=0.0)
+        if not logit_soft_cap > 0:
+            raise ValueError(f"logit_soft_cap must be > 0 (or None), got {logit_soft_cap!r}")
+    checks.check_bool("embedding_norm", embedding_norm)
+    if hyper_connections is None:
+        return None
+    if shared_blocks is not None:
+        raise ValueError("hyper_connections take no shared_blocks")
+    return hyper.check_options(hyper_connections)[0]
+
+
 class LanguageModel(nnx.Module):
     """Token embedding, causal blocks, final RMSNorm and a tied or untied output.
 
@@ -55,10 +77,9 @@ class LanguageModel(nnx.Module):
         ``num_blocks``, ...): transformer blocks shared by several layers over ``[hidden,
         embeddings]``, each use with its own adapters and KV cache (Zamba2); unrolled
         layers only (no ``scan_layers``, no ``remat``).
-      hyper_connections: None, or ``{"streams": n, "rank": r}``: the residual stream is
-        ``n`` streams (``layers.hyper``; the embeddings copied into each), every block
-        reads and writes them through its two ``HyperConnection``s, and the final norm is
-        a read-out ``HyperConnection`` (Qwen4-Exp's); ``norm="rms"``, no ``shared_blocks``.
+      hyper_connections: None, or ``{"streams": n, "rank": r}``: ``n`` residual streams
+        (``layers.hyper``: the embeddings copied into each, read and written by the blocks,
+        the final norm a read-out; Qwen4-Exp's); ``norm="rms"``, no ``shared_blocks``.
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
       param_dtype: the parameters' dtype, as in Flax.
@@ -116,15 +137,10 @@ class LanguageModel(nnx.Module):
             )
         )  # fmt: skip
         self.hf_config = None
-        check_multiplier("embedding_multiplier", embedding_multiplier)
-        if shared_blocks is not None and (scan_layers or remat != "none"):
-            raise ValueError("shared_blocks needs scan_layers=False and remat='none'")
-        if hyper_connections is not None and shared_blocks is not None:
-            raise ValueError("hyper_connections take no shared_blocks")
-        self.streams = (
-            None if hyper_connections is None else hyper.check_options(hyper_connections)[0]
-        )
-        check_multiplier("logits_scaling", logits_scaling)
+        self.streams = check_options(
+            embedding_multiplier, logits_scaling, logit_soft_cap, embedding_norm, shared_blocks,
+            scan_layers, remat, hyper_connections,
+        )  # fmt: skip
         self.embedding_multiplier = float(embedding_multiplier)
         self.logits_scaling = float(logits_scaling)
         self.vocab_size = vocab_size
@@ -147,15 +163,9 @@ class LanguageModel(nnx.Module):
                 width, depth, **shared_blocks, rngs=rngs, dtype=dtype, param_dtype=param_dtype
             )
         )
-        if logit_soft_cap is not None:
-            checks.check_number("logit_soft_cap", logit_soft_cap, minimum=0.0)
-            if not logit_soft_cap > 0:
-                raise ValueError(f"logit_soft_cap must be > 0 (or None), got {logit_soft_cap!r}")
         self.logit_soft_cap = None if logit_soft_cap is None else float(logit_soft_cap)
-        checks.check_bool("embedding_norm", embedding_norm)
-        new_norm = lambda streams=None: make_norm(
-            norm, width, zero_centred_norm, rngs, dtype, param_dtype, streams, inject=False
-        )
+        norm_args = (norm, width, zero_centred_norm, rngs, dtype, param_dtype)
+        new_norm = lambda hc=None: make_norm(*norm_args, hc, inject=False)
         self.embed_norm = nnx.data(new_norm() if embedding_norm else None)
         self.norm = new_norm(hyper_connections)
         self.head = nnx.data(
