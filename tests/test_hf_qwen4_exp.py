@@ -10,6 +10,7 @@ named. ``transformers`` runs a Qwen4-Exp without attention layers only without a
 
 import json
 
+import numpy as np
 import pytest
 
 from linattn_jax import hf
@@ -61,6 +62,16 @@ def test_save_pretrained_round_trip_through_transformers(pair, tmp_path):
 def test_init_from_builds_the_checkpoints_model(pair, tmp_path):
     ref, _, model, _ = pair
     helpers.assert_init_from_builds(model, ref, tmp_path)
+
+
+def test_scanned_layers_run_as_unrolled(pair):
+    """The streams ``[b, t, n, d]`` are the scan's carry."""
+    _, path, model, _ = pair
+    scanned, _ = hf.from_pretrained(path, scan_layers=True)
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 9))
+    helpers.assert_close_normwise(
+        helpers.logits(scanned, tokens), helpers.logits(model, tokens), 1e-6
+    )
 
 
 def test_bad_fields_are_named(pair):
