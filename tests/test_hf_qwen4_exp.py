@@ -74,6 +74,24 @@ def test_scanned_layers_run_as_unrolled(pair):
     )
 
 
+def test_the_multimodal_models_text_part_loads(pair, tmp_path):
+    """``qwen4_exp`` (``Qwen4ExpForConditionalGeneration``, a tiny vision tower beside):
+    its text weights under ``model.language_model.``, the same logits."""
+    vision = dict(
+        depth=1, hidden_size=8, intermediate_size=8, num_heads=2, out_hidden_size=24,
+        patch_size=2, temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=4,
+    )  # fmt: skip
+    config = transformers.Qwen4ExpConfig(text_config=_text_config(), vision_config=vision)
+    torch.manual_seed(1)
+    ref = transformers.Qwen4ExpForConditionalGeneration(config)
+    ref = helpers.randomized(helpers.randomized_named(ref, RANDOM, 0.5).eval(), 0.0)
+    model, _ = helpers.from_torch(ref, tmp_path)
+    tokens = np.random.default_rng(2).integers(0, VOCAB, (3, 17))
+    helpers.assert_close_normwise(
+        helpers.logits(model, tokens), helpers.torch_logits(ref, tokens), RTOL
+    )
+
+
 def test_bad_fields_are_named(pair):
     _, _, _, config = pair
     fmt = hf.qwen4_exp.FORMAT
