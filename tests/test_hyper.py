@@ -46,9 +46,9 @@ def test_read_and_write_back_match_the_maths():
 def test_a_hybrid_with_streams_decodes_as_its_full_pass():
     options = dict(attention=["gated_deltanet", "softmax"], mlp="swiglu", hyper_connections=HC)
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 9), 0, 31)
-    unrolled = LanguageModel(31, 16, 2, 2, **options, rngs=nnx.Rngs(0))
-    full = unrolled(tokens)
-    steps = helpers.prefill_then_steps(unrolled, tokens, 5, unrolled.init_state(2, 9))
+    model = LanguageModel(31, 16, 2, 2, **options, rngs=nnx.Rngs(0))
+    full = helpers.unmasked(model, tokens)
+    steps = helpers.prefill_then_steps(model, tokens, 5, model.init_state(2, 9))
     helpers.assert_close_normwise(steps, full, 1e-5)
 
 
