@@ -4,7 +4,7 @@ One file per layer kind (``linear``, ``delta``, ``softmax``, ``mla``, ``mamba2``
 ``mlstm``, ``lightning``, ``linearized``, ``gated_conv``, ``rwkv``, ``rglru``), the pieces
 they share
 (``conv``, ``gates``, ``feature_maps``, ``norms``, ``rope``, ``common``), the mixture of
-experts (``moe``), the MLPs (``mlp``), the dispatch
+experts (``moe``), the MLPs (``mlp``), hyper-connections' residual streams (``hyper``), the dispatch
 between a decoding step, the sequence-parallel form and the full-sequence form written
 once (``recurrent``), the blocks (``blocks``), and ONE registry of attention kinds
 (``registry``).
@@ -29,6 +29,7 @@ from linattn_jax.layers.feature_maps import (
 )
 from linattn_jax.layers.gated_conv import GatedConvCache, GatedShortConv
 from linattn_jax.layers.gates import ChannelGate, HeadGate, MambaGate
+from linattn_jax.layers.hyper import HyperConnection
 from linattn_jax.layers.lightning import LightningAttention, lightning_decays
 from linattn_jax.layers.linear import GATES, LinearAttention, LinearAttentionCache
 from linattn_jax.layers.linearized import LinearizedAttention, LinearizedCache
@@ -107,4 +108,5 @@ __all__ = [
     "token_shift",
     "RGLRUBlock",
     "RGLRUCache",
+    "HyperConnection",
 ]

@@ -60,7 +60,9 @@ class HyperConnection(nnx.Module):
       inject: with the write-back's ``inject`` projection (False: a read-out only, the
         model's final norm).
       zero_centred: the norm's ``x * (1 + w)`` form (``layers.norms.RMSNorm``).
-      rngs, dtype, param_dtype: as in Flax.
+      rngs: as in Flax.
+      dtype: the computation dtype (None: the input's), as in Flax.
+      param_dtype: the parameters' dtype, as in Flax.
     """
 
     def __init__(
