@@ -16,9 +16,13 @@ are the same without ``jax_enable_x64``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+from linattn_jax.layers.norms import RMSNorm
 
 LIMB = 16
 MASK = (1 << LIMB) - 1
@@ -103,3 +107,102 @@ def ngram_ids(
         rows = remainder(mixed, list(sizes[heads]))
         out.append(rows + jnp.asarray(offsets[heads], jnp.uint32)[None, None])
     return jnp.concatenate(out, axis=-1).astype(jnp.int32)
+
+
+class NGramState(NamedTuple):
+    """``PerLayerNGrams``' decoding state: the last ``N - 1`` token ids ``[b, N - 1]``
+    (``eos`` at first) and the convolution's last ``(K - 1) N`` inputs ``[b, (K-1) N, n d]``
+    (float32)."""
+
+    context: jax.Array
+    conv: jax.Array
+
+
+class PerLayerNGrams(nnx.Module):
+    """Qwen4-Exp's per-layer n-gram embeddings (``Qwen4ExpTextPLELayer``): hashed n-gram
+    rows (``ngram_ids``) gate a value into each of the ``n`` residual streams, and a
+    dilated causal convolution adds their local context; the output is added to the
+    streams.
+
+    With ``e [b, t, E]`` the rows' features (``E = heads * head_dim``), ``x [b, t, n, d]``
+    the streams and every norm zero-centred, per stream (``layers.RMSNorm(group_size=d)``):
+    ``gate_i = sgn(a_i) sqrt(max(|a_i|, 1e-6))``, ``a_i = <norm_key(key_proj e)_i,
+    norm_query(x)_i> / sqrt(d)``; ``v_i = sigmoid(gate_i) value_proj(e)``; the output is
+    ``v + silu(conv(norm_conv(v)))``, the depthwise convolution of ``K`` taps ``N`` tokens
+    apart (``N = ngram_size``) over the ``n d`` channels. Padded tokens read as ``eos`` and
+    add nothing to the convolution.
+
+    Args:
+      width: ``d``.
+      streams: ``n``.
+      multipliers: the layer's ``N`` hash multipliers (Python ints).
+      sizes: each head's prime table size; ``offsets``: its first row.
+      heads_per_ngram: heads of each order ``2..N``.
+      head_dim: each head's row width.
+      rows: the table's rows (``sum(sizes)`` or more, padded).
+      eos: the token closing segments (and filling the context).
+      conv_size: ``K``.
+      rngs: as in Flax.
+      param_dtype: the parameters' dtype, as in Flax.
+    """
+
+    def __init__(
+        self, width: int, streams: int, *, multipliers: Sequence[int], sizes: Sequence[int],
+        offsets: Sequence[int], heads_per_ngram: int, head_dim: int, rows: int, eos: int,
+        conv_size: int, rngs: nnx.Rngs, param_dtype: Any = jnp.float32,
+    ):  # fmt: skip
+        self.width, self.streams, self.eos = width, streams, eos
+        self.multipliers, self.sizes, self.offsets = (
+            tuple(multipliers),
+            tuple(sizes),
+            tuple(offsets),
+        )
+        self.heads_per_ngram, self.conv_size = heads_per_ngram, conv_size
+        features, full = len(sizes) * head_dim, streams * width
+        options = dict(use_bias=False, param_dtype=param_dtype, rngs=rngs)
+        self.table = nnx.Embed(rows, head_dim, param_dtype=param_dtype, rngs=rngs)
+        self.key_proj = nnx.Linear(features, full, **options)
+        self.value_proj = nnx.Linear(features, width, **options)
+        norm = lambda: RMSNorm(full, group_size=width, zero_centred=True, rngs=rngs)
+        self.norm_key, self.norm_query, self.norm_conv = norm(), norm(), norm()
+        self.conv = nnx.Param(jnp.zeros((conv_size, full), param_dtype))
+
+    @property
+    def past(self) -> int:
+        """The convolution's window before the current token, ``(K - 1) N``."""
+        return (self.conv_size - 1) * len(self.multipliers)
+
+    def init_state(self, batch: int) -> NGramState:
+        context = jnp.full((batch, len(self.multipliers) - 1), self.eos, jnp.int32)
+        return NGramState(context, jnp.zeros((batch, self.past, self.streams * self.width)))
+
+    def __call__(self, x, tokens, *, key_mask=None, state=None):
+        """``(out [b, t, n, d], the new state)`` of the streams ``x [b, t, n, d]`` and
+        ``tokens [b, t]`` (from ``state``, or a fresh one)."""
+        b, t = tokens.shape
+        state = self.init_state(b) if state is None else state
+        tokens = tokens.astype(jnp.int32)
+        if key_mask is not None:
+            tokens = jnp.where(key_mask, tokens, self.eos)
+        history = jnp.concatenate([state.context, tokens], axis=1)
+        rows = ngram_ids(
+            history, self.multipliers, self.sizes, self.offsets, self.heads_per_ngram, self.eos
+        )[:, -t:]
+        e = self.table(rows).reshape(b, t, -1).astype(jnp.float32)
+        key = self.norm_key(self.key_proj(e)).reshape(b, t, self.streams, self.width)
+        query = self.norm_query(x.reshape(b, t, -1)).reshape(key.shape)
+        a = jnp.sum(key * query, axis=-1, keepdims=True) / jnp.sqrt(self.width)
+        gate = jnp.sign(a) * jnp.sqrt(jnp.maximum(jnp.abs(a), 1e-6))
+        v = (jax.nn.sigmoid(gate) * self.value_proj(e)[:, :, None, :]).reshape(b, t, -1)
+        normed = self.norm_conv(v)
+        if key_mask is not None:
+            keep = key_mask[..., None]
+            v, normed = jnp.where(keep, v, 0.0), jnp.where(keep, normed, 0.0)
+        window = jnp.concatenate([state.conv, normed.astype(jnp.float32)], axis=1)
+        step = len(self.multipliers)
+        w = self.conv[...].astype(jnp.float32)
+        conv = sum(
+            window[:, k * step : k * step + t] * w[k][None, None] for k in range(self.conv_size)
+        )
+        out = (v + jax.nn.silu(conv)).reshape(x.shape).astype(x.dtype)
+        return out, NGramState(history[:, -(step - 1) :], window[:, -self.past :])
