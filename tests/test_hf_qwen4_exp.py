@@ -1,11 +1,12 @@
 """Qwen4-Exp checkpoints (``linattn_jax.hf.qwen4_exp``) against ``transformers``' own
 PyTorch ``Qwen4ExpForCausalLM`` (CPU, float32): a tiny random model of Gated DeltaNet
 layers with mixtures, three residual streams (hyper-connections with random mixing,
-injection and norms), a sigmoid output gate and unnormalised top-k weights: logits to 1e-5
-normwise, prefill then decode steps == the full forward, 16 greedy tokens, a left-padded
-row == the row alone, the save round trip, ``--config.init_from``; the configs with the QSA
-indexer or the n-gram embeddings refused by name (``hf.unsupported``), the bad fields
-named. ``transformers`` runs a Qwen4-Exp without attention layers only without a cache
+injection and norms), a sigmoid output gate, unnormalised top-k weights and the per-layer n-gram
+embeddings (PLE) on one layer (``eos`` inside the rows): logits to 1e-5 normwise, prefill
+then decode steps == the full forward, 16 greedy tokens, a left-padded row == the row
+alone, the save round trip (the n-gram table in shards), ``--config.init_from``, the
+multimodal model's text part; the configs with the QSA indexer refused by name
+(``hf.unsupported``), the bad fields named. ``transformers`` runs a Qwen4-Exp without attention layers only without a cache
 (``use_cache=False``: its cache needs an attention layer)."""
 
 import json
@@ -20,11 +21,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 61
+EOS = 7
 RTOL = 1e-5
 # Zero-initialised or near-zero in transformers: drawn at random so a mapping error shows.
 RANDOM = (
     "input_mix_weight_down.weight", "input_mix_weight_up.weight", "block_inject_weight.weight",
-    "A_log", "dt_bias",
+    "A_log", "dt_bias", "ple.conv1d.weight", "ngram_embedding.weight", "key_proj.weight",
+    "value_proj.weight",
 )  # fmt: skip
 
 
@@ -36,7 +39,9 @@ def _text_config(**changes):
         linear_value_head_dim=5, linear_conv_kernel_dim=3, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=12, shared_expert_intermediate_size=10,
         norm_topk_prob=False, hc_count=3, hc_lowrank=5, output_gate_type="sigmoid",
-        rms_norm_eps=1e-5, tie_word_embeddings=False, use_cache=False,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, use_cache=False, eos_token_id=EOS,
+        ple_layer_ids=[2], ple_embed_dim=12, ple_conv_kernel_size=3, ngram_size=3,
+        heads_per_ngram=2, ngram_vocab_size_base=40, split_ngram_parts=2,
     ) | changes  # fmt: skip
 
 
@@ -64,14 +69,10 @@ def test_init_from_builds_the_checkpoints_model(pair, tmp_path):
     helpers.assert_init_from_builds(model, ref, tmp_path)
 
 
-def test_scanned_layers_run_as_unrolled(pair):
-    """The streams ``[b, t, n, d]`` are the scan's carry."""
-    _, path, model, _ = pair
-    scanned, _ = hf.from_pretrained(path, scan_layers=True)
-    tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 9))
-    helpers.assert_close_normwise(
-        helpers.logits(scanned, tokens), helpers.logits(model, tokens), 1e-6
-    )
+def test_scanned_layers_are_refused_with_ngrams(pair):
+    """Each PLE layer hashes with its own multipliers: the layers differ, no scan."""
+    with pytest.raises(ValueError, match=r"scan_layers stacks identical layers, but ngrams"):
+        hf.from_pretrained(pair[1], scan_layers=True)
 
 
 def test_the_multimodal_models_text_part_loads(pair, tmp_path):
@@ -100,6 +101,9 @@ def test_bad_fields_are_named(pair):
         ("hc_lowrank", 0, r"hc_lowrank must be an int >= 1, got 0"),
         ("output_gate_type", "gelu", r"output_gate_type must be \"one of \[None, 'silu', "),
         ("norm_topk_prob", 1, r"norm_topk_prob must be true or false, got 1"),
+        ("ple_layer_ids", [3], r"ple_layer_ids must list ints in \[1, 2\], got \[3\]"),
+        ("ple_embed_dim", 10, r"ple_embed_dim=10 must be a multiple of the n-gram heads"),
+        ("eos_token_id", None, r"eos_token_id must be set with ple_layer_ids, got None"),
     ]:
         with pytest.raises(ValueError, match=message):
             fmt.normalize_config({**config, field: value})
@@ -111,12 +115,11 @@ def _write(path, config):
     return path
 
 
-def test_the_indexer_and_ngram_embeddings_are_refused_by_name(tmp_path):
-    text = _text_config(model_type="qwen4_exp_text", indexer_n_heads=2, ple_layer_ids=[1])
+def test_the_indexer_is_refused_by_name(tmp_path):
+    text = _text_config(model_type="qwen4_exp_text", indexer_n_heads=2)
     message = (
         r"model_type 'qwen4_exp_text' \(Qwen4-Exp\) is not supported with the QSA indexer "
-        r"\(indexer_n_heads=2, 0 attention layers\) or per-layer n-gram embeddings "
-        r"\(ple_layer_ids=\[1\]\): no block here matches it$"
+        r"\(indexer_n_heads=2, 0 attention layers\): no block here matches it$"
     )
     with pytest.raises(ValueError, match=message):
         hf.read_config(_write(tmp_path / "text", text))

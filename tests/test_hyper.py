@@ -52,6 +52,25 @@ def test_a_hybrid_with_streams_decodes_as_its_full_pass():
     helpers.assert_close_normwise(steps, full, 1e-5)
 
 
+def test_scanned_streams_run_as_unrolled():
+    """The streams ``[b, t, n, d]`` are the scan's carry: the scanned model with the
+    unrolled one's parameters (layer ``i`` at index ``i`` of the stack) gives its logits."""
+    options = dict(attention="gated_deltanet", mlp="swiglu", hyper_connections=HC)
+    unrolled = LanguageModel(31, 16, 2, 2, **options, rngs=nnx.Rngs(0))
+    scanned = LanguageModel(31, 16, 2, 2, **options, scan_layers=True, rngs=nnx.Rngs(1))
+    ours = dict(nnx.to_flat_state(nnx.state(unrolled, nnx.Param)))
+    for path, variable in nnx.to_flat_state(nnx.state(scanned, nnx.Param)):
+        if path[0] == "blocks":
+            value = jnp.stack([ours[("blocks", i, *path[2:])][...] for i in range(2)])
+        else:
+            value = ours[path][...]
+        variable.set_value(value)
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 9), 0, 31)
+    helpers.assert_close_normwise(
+        helpers.unmasked(scanned, tokens), helpers.unmasked(unrolled, tokens), 1e-6
+    )
+
+
 def test_bad_options_are_named():
     block = lambda **o: TransformerBlock(8, 2, attention="softmax", rngs=nnx.Rngs(0), **o)
     for options, message in [

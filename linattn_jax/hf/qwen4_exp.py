@@ -26,19 +26,40 @@ embeddings, neither a block here: configs with either are refused by name
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from linattn_jax.hf import common, qwen3_5, qwen3_5_moe, tables, unsupported
-from linattn_jax.hf.tables import COPY, LINEAR, rules
+from linattn_jax.hf.tables import CONV, COPY, LINEAR, rules
 
 MODEL_TYPES = unsupported.QWEN4_EXP[::-1]  # qwen4_exp_text, qwen4_exp
 # transformers' defaults (Qwen4ExpTextConfig) of the fields Qwen3.5-MoE lacks or sets
 # otherwise.
 DEFAULTS = dict(
     hc_count=4, hc_lowrank=320, num_experts=512, num_experts_per_tok=10, norm_topk_prob=True,
-    output_gate_type=None,
+    output_gate_type=None, ple_layer_ids=[], ple_embed_dim=None, ple_conv_kernel_size=4,
+    ngram_size=3, heads_per_ngram=8, ngram_vocab_size_base=20_000_000,
+    make_ngram_vocab_size_divisible_by=128, seed=1234, split_ngram_parts=512,
 )  # fmt: skip
+NGRAM_INTS = (
+    "ple_embed_dim", "ple_conv_kernel_size", "ngram_size", "heads_per_ngram",
+    "ngram_vocab_size_base", "make_ngram_vocab_size_divisible_by", "split_ngram_parts",
+)  # fmt: skip
+PLE = "ple."  # a PLE layer's rows, under layers.{i}. (ours: blocks.{i}.ngrams.)
+PLE_RULES = rules(
+    ("key_proj.weight", "key_proj.kernel", LINEAR),
+    ("value_proj.weight", "value_proj.kernel", LINEAR),
+    ("norm_key.weight", "norm_key.scale", COPY),
+    ("norm_query.weight", "norm_query.scale", COPY),
+    ("norm_conv.weight", "norm_conv.scale", COPY),
+    ("conv1d.weight", "conv", CONV),
+)
+# Buffers transformers saves and recomputes from the config (ngram_options).
+PLE_BUFFERS = tuple(
+    f"ple_embedding.{b}"
+    for b in ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
+)
 GATE_TYPES = ("silu", "sigmoid")
 
 READ_RULES = rules(
@@ -53,6 +74,78 @@ LAYER_HYPER_RULES = tables.under(
 MODEL_RULES = tables.MODEL_RULES[:1] + tables.under(READ_RULES, "hyper_connection_mixer.", "norm.")
 
 
+MASK64 = (1 << 64) - 1
+GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment and mixers, transformers' hash seeds
+
+
+def splitmix64(value: int) -> int:
+    value = (value + GAMMA) & MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & MASK64
+    return value ^ (value >> 31)
+
+
+def is_prime(n: int) -> bool:
+    return n >= 2 and all(n % d for d in range(2, math.isqrt(n) + 1))
+
+
+def eos_id(config: Mapping[str, Any]) -> Any:
+    """``eos_token_id``, the first where it lists several (PLE's segment end)."""
+    eos = config.get("eos_token_id")
+    return eos[0] if isinstance(eos, list) and eos else eos
+
+
+def ngram_options(config: Mapping[str, Any], i: int) -> dict[str, Any] | None:
+    """Layer ``i``'s ``layers.ngram.PerLayerNGrams`` options (None: not a PLE layer), as
+    ``transformers`` derives them: the PLE layer ``k``'s odd multipliers (splitmix64 of
+    ``seed + 10007 k``) and, for its heads, the next primes after ``ngram_vocab_size_base
+    - 1`` (the ``k``-th PLE layer's heads after the earlier layers'), their offsets and the
+    table's rows padded to ``make_ngram_vocab_size_divisible_by``."""
+    if i + 1 not in config["ple_layer_ids"]:
+        return None
+    k, n = config["ple_layer_ids"].index(i + 1), config["ngram_size"]
+    heads = (n - 1) * config["heads_per_ngram"]
+    half = max(1, ((1 << 63) - 1) // config["vocab_size"] // 2)
+    seed = config["seed"] + 10007 * k
+    multipliers = [2 * (splitmix64((seed + GAMMA * (j + 1)) & MASK64) % half) + 1 for j in range(n)]
+    sizes, prime = [], config["ngram_vocab_size_base"] - 1
+    for _ in range((k + 1) * heads):
+        prime += 1
+        while not is_prime(prime):
+            prime += 1
+        sizes.append(prime)
+    sizes = sizes[k * heads :]
+    offsets = [sum(sizes[:h]) for h in range(heads)]
+    divisor = config["make_ngram_vocab_size_divisible_by"]
+    return dict(
+        multipliers=multipliers, sizes=sizes, offsets=offsets,
+        heads_per_ngram=config["heads_per_ngram"], head_dim=config["ple_embed_dim"] // heads,
+        rows=-(-sum(sizes) // divisor) * divisor, eos=eos_id(config),
+        conv_size=config["ple_conv_kernel_size"],
+    )  # fmt: skip
+
+
+def ple_rows(config: Mapping[str, Any], i: int) -> tuple[tables.Rule, ...]:
+    """Layer ``i``'s PLE rows (none where it has no PLE): the table in
+    ``split_ngram_parts`` shards as ``torch.chunk`` cuts it, then ``PLE_RULES``."""
+    options = ngram_options(config, i)
+    if options is None:
+        return ()
+    rows, parts = options["rows"], config["split_ngram_parts"]
+    size = -(-rows // parts)
+    table = "ngram_embedding.shard_{}.weight"
+    shards = tuple(
+        tables.Rule(
+            PLE + "ple_embedding." + table.format(j),
+            ("ngrams.table.embedding",),
+            COPY,
+            slice(j * size, min(rows, (j + 1) * size)),
+        )
+        for j in range(-(-rows // size))
+    )
+    return shards + tables.under(PLE_RULES, PLE, "ngrams.")
+
+
 def table(config: Mapping[str, Any], prefix: str) -> tables.Table:
     """The embedding and read-out rows, then each layer's hyper-connections, mixture (per
     expert, or fused for a ``prefix`` ending in ``qwen3_5_moe.FUSED``) and mixer."""
@@ -60,18 +153,40 @@ def table(config: Mapping[str, Any], prefix: str) -> tables.Table:
     rows = [(prefix + r.hf, r) for r in MODEL_RULES]
     for i, layer_type in enumerate(config["layer_types"]):
         layer, block = f"{prefix}layers.{i}.", f"blocks.{i}."
-        rows += tables.prefixed(LAYER_HYPER_RULES, layer, block)
+        rows += tables.prefixed(ple_rows(config, i) + LAYER_HYPER_RULES, layer, block)
         rows += qwen3_5_moe.moe_rows(config, layer, block, fused)
         rows += tables.prefixed(qwen3_5.LAYER_RULES[layer_type], layer, block)
     return rows
 
 
 def check_hyper(config: common.Config) -> None:
-    """Checks the hyper-connections' sizes, ``norm_topk_prob`` and ``output_gate_type``."""
+    """Checks the hyper-connections' sizes, ``norm_topk_prob``, ``output_gate_type`` and
+    the PLE fields (reading ``eos``: the first ``eos_token_id``)."""
     common.check_ints(config, ("hc_count",), minimum=2)  # transformers: hc_count > 1
     common.check_ints(config, ("hc_lowrank",))
     common.check_bools(config, ("norm_topk_prob",))
     common.check_choice(config, "output_gate_type", (None, *GATE_TYPES))
+    if config["ple_embed_dim"] is None:
+        config["ple_embed_dim"] = config["hidden_size"]
+    common.check_ints(config, NGRAM_INTS)
+    common.check_ints(config, ("ngram_size",), minimum=2)
+    ids, depth = config["ple_layer_ids"], config["num_hidden_layers"]
+    if not isinstance(ids, list) or not all(common.is_int(i) and 1 <= i <= depth for i in ids):
+        raise ValueError(f"config.json: ple_layer_ids must list ints in [1, {depth}], got {ids!r}")
+    config["ple_layer_ids"] = sorted(set(ids))
+    if not ids:
+        return
+    heads = (config["ngram_size"] - 1) * config["heads_per_ngram"]
+    if config["ple_embed_dim"] % heads:
+        raise ValueError(
+            f"config.json: ple_embed_dim={config['ple_embed_dim']} must be a multiple of the "
+            f"n-gram heads (ngram_size - 1) * heads_per_ngram = {heads}"
+        )
+    if not common.is_int(eos_id(config)):
+        raise ValueError(
+            "config.json: eos_token_id must be set with ple_layer_ids, got "
+            f"{config.get('eos_token_id')!r}"
+        )
 
 
 def options(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -86,6 +201,7 @@ def options(config: Mapping[str, Any]) -> dict[str, Any]:
         kind_options=base["kind_options"] | dict(gated_deltanet=delta),
         moe=base["moe"] | dict(normalize=config["norm_topk_prob"]),
         hyper_connections=dict(streams=config["hc_count"], rank=config["hc_lowrank"]),
+        ngrams=[ngram_options(config, i) for i in range(config["num_hidden_layers"])],
     )
 
 
@@ -102,4 +218,13 @@ FORMAT = qwen3_5_moe.FORMAT.derive(
     ),
     options=options,
     table=table,
+    ignored=lambda config: (
+        tuple(
+            f"{prefix}layers.{i - 1}.{PLE}{b}"
+            for prefix in qwen3_5.FORMAT.prefixes
+            for i in config["ple_layer_ids"]
+            for b in PLE_BUFFERS
+        )
+        + qwen3_5.IGNORED_PREFIXES
+    ),
 )

@@ -1,12 +1,11 @@
 """Model types (or forms of one) that ``transformers`` has and the loader refuses by name,
 saying which of their blocks has no counterpart here (rather than "unknown model_type").
 
-* ``qwen4_exp`` and ``qwen4_exp_text`` (Qwen4-Exp, ``hf.qwen4_exp``) load without their
-  two blocks that have no counterpart here, and are refused with either: the QSA indexer
+* ``qwen4_exp`` and ``qwen4_exp_text`` (Qwen4-Exp, ``hf.qwen4_exp``) load without the
+  QSA indexer, which has no counterpart here, and are refused with it
   (``indexer_n_heads``: its attention layers choose ``indexer_budget`` keys per query
   over compressed blocks; ``transformers`` gives every Qwen4-Exp attention layer one, so
-  a config with attention layers in ``layer_types`` has it) and the per-layer n-gram
-  embeddings (``ple_layer_ids``: hashed n-gram tables added to those layers' streams).
+  a config with attention layers in ``layer_types`` has it).
 """
 
 from __future__ import annotations
@@ -43,8 +42,6 @@ def qwen4_exp_blocks(config: Mapping[str, Any]) -> list[str]:
             f"the QSA indexer (indexer_n_heads={text.get('indexer_n_heads')}, "
             f"{attention} attention layers)"
         )
-    if text.get("ple_layer_ids"):
-        blocks.append(f"per-layer n-gram embeddings (ple_layer_ids={text['ple_layer_ids']})")
     return blocks
 
 

@@ -15,13 +15,14 @@ are the same without ``jax_enable_x64``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from linattn_jax.layers.blocks import TransformerBlock
 from linattn_jax.layers.norms import RMSNorm
 
 LIMB = 16
@@ -206,3 +207,35 @@ class PerLayerNGrams(nnx.Module):
         )
         out = (v + jax.nn.silu(conv)).reshape(x.shape).astype(x.dtype)
         return out, NGramState(history[:, -(step - 1) :], window[:, -self.past :])
+
+
+class NGramBlock(TransformerBlock):
+    """A ``TransformerBlock`` on hyper-connections' streams that first adds its layer's
+    n-gram embeddings (``PerLayerNGrams`` of the ``ngrams`` options) to the streams
+    (Qwen4-Exp's PLE layers). Its state is ``(the block's, the n-grams')``; it reads the
+    tokens (``tokens [b, t]``), so the models pass them on. Options: ``TransformerBlock``'s,
+    ``hyper_connections`` given, and ``ngrams``."""
+
+    def __init__(self, width: int, num_heads: int, *, ngrams: Mapping[str, Any], **options):
+        if options.get("hyper_connections") is None:
+            raise ValueError("ngrams need hyper_connections (the streams they are added to)")
+        super().__init__(width, num_heads, **options)
+        streams = options["hyper_connections"]["streams"]
+        self.ngrams = PerLayerNGrams(
+            width, streams, **ngrams, rngs=options["rngs"],
+            param_dtype=options.get("param_dtype", jnp.float32),
+        )  # fmt: skip
+
+    def init_state(self, batch: int, max_length: int | None = None):
+        return super().init_state(batch, max_length), self.ngrams.init_state(batch)
+
+    def __call__(self, x, *, tokens, key_mask=None, segment_ids=None, state=None, **options):
+        """``TransformerBlock``'s call after ``x + ngrams(x, tokens)``; no ``segment_ids``."""
+        if segment_ids is not None:
+            raise ValueError("an n-gram block takes no segment_ids (its n-grams would cross)")
+        block, own = (None, None) if state is None else state
+        h, own = self.ngrams(x, tokens, key_mask=key_mask, state=own)
+        out = super().__call__(x + h, key_mask=key_mask, state=block, **options)
+        if options.get("return_state"):
+            return out[0], (out[1], own)
+        return out

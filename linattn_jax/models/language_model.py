@@ -78,8 +78,7 @@ class LanguageModel(nnx.Module):
         embeddings]``, each use with its own adapters and KV cache (Zamba2); unrolled
         layers only (no ``scan_layers``, no ``remat``).
       hyper_connections: None, or ``{"streams": n, "rank": r}``: ``n`` residual streams
-        (``layers.hyper``: the embeddings copied into each, read and written by the blocks,
-        the final norm a read-out; Qwen4-Exp's); ``norm="rms"``, no ``shared_blocks``.
+        (``layers.hyper``; the final norm a read-out); ``norm="rms"``, no ``shared_blocks``.
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
       param_dtype: the parameters' dtype, as in Flax.
@@ -230,6 +229,7 @@ class LanguageModel(nnx.Module):
             segment_ids=segment_ids,
             state=state,
             return_state=return_state,
+            **(dict(tokens=tokens) if self.shared is None else {}),
         )
         if return_state:
             x, new_states = x
