@@ -4,7 +4,8 @@ One file per layer kind (``linear``, ``delta``, ``softmax``, ``mla``, ``mamba2``
 ``mlstm``, ``lightning``, ``linearized``, ``gated_conv``, ``rwkv``, ``rglru``), the pieces
 they share
 (``conv``, ``gates``, ``feature_maps``, ``norms``, ``rope``, ``common``), the mixture of
-experts (``moe``), the MLPs (``mlp``), hyper-connections' residual streams (``hyper``), the dispatch
+experts (``moe``), the MLPs (``mlp``), hyper-connections' residual streams (``hyper``),
+n-gram embeddings (``ngram``), the dispatch
 between a decoding step, the sequence-parallel form and the full-sequence form written
 once (``recurrent``), the blocks (``blocks``), and ONE registry of attention kinds
 (``registry``).
@@ -39,6 +40,7 @@ from linattn_jax.layers.mla import LatentAttention, LatentKVCache
 from linattn_jax.layers.mlp import MLP, MLPS, GeGLU, ReLU2MLP, SwiGLU, mlp_layout
 from linattn_jax.layers.mlstm import MLSTMLayer, MultiHeadLayerNorm
 from linattn_jax.layers.moe import MoE
+from linattn_jax.layers.ngram import NGramBlock, PerLayerNGrams, ngram_ids
 from linattn_jax.layers.norms import GatedRMSNorm, RMSNorm
 from linattn_jax.layers.recurrent import SequenceSharding, run_causal
 from linattn_jax.layers.registry import ATTENTION_KINDS, KINDS, AttentionKind, make_attention
@@ -109,4 +111,7 @@ __all__ = [
     "RGLRUBlock",
     "RGLRUCache",
     "HyperConnection",
+    "NGramBlock",
+    "PerLayerNGrams",
+    "ngram_ids",
 ]

@@ -67,6 +67,8 @@ def make_blocks(
     ``num_heads`` there overrides the model's for that kind). ``kwargs["mlp"]`` may list
     each layer's MLP kind (``layers.mlp.mlp_layout``); a scan's period then repeats
     both layouts; an ``mlp`` in ``kind_options[kind]`` overrides it for that kind.
+    ``kwargs["ngrams"]`` may list, per layer, None or ``layers.ngram.PerLayerNGrams``'
+    options: those layers are ``NGramBlock``s (Qwen4-Exp's PLE; unrolled only).
 
     Raises:
       ValueError: a bad depth, layout (``registry.parse_layout``), ``kind_options`` or
