@@ -69,6 +69,16 @@ def times(x: jax.Array, multiplier: int) -> list[jax.Array]:
     return out
 
 
+def bits(value: Sequence[jax.Array], low: int, width: int) -> jax.Array:
+    """Bits ``[low, low + width)`` (``width <= 16``) of the 64-bit ``value`` (four 16-bit
+    limbs)."""
+    i, shift = divmod(low, LIMB)
+    out = value[i] >> shift
+    if shift + width > LIMB:
+        out = out | (value[i + 1] << (LIMB - shift))
+    return out & ((1 << width) - 1)
+
+
 def remainder(value: Sequence[jax.Array], moduli: Sequence[int]) -> jax.Array:
     """The 64-bit ``value`` (four 16-bit limbs ``[...]``) mod each of ``moduli`` (``k``
     Python ints in ``[1, 2**31]``): ``[..., k]``, by chunks of bits small enough that no
@@ -76,13 +86,11 @@ def remainder(value: Sequence[jax.Array], moduli: Sequence[int]) -> jax.Array:
     step = 32 - (max(moduli) - 1).bit_length()  # (p - 1) * 2**step + rest < 2**32
     step = max(1, min(step, LIMB))
     moduli = jnp.asarray(moduli, jnp.uint32).reshape((1,) * value[0].ndim + (-1,))
-    bits = [(limb[..., None] >> i) & 1 for limb in value for i in range(LIMB)]  # low first
     r = jnp.zeros(value[0].shape + moduli.shape[-1:], jnp.uint32)
     top = 4 * LIMB
     while top > 0:
         width = min(step, top)
-        chunk = sum(bits[top - width + i] << i for i in range(width))
-        r = ((r << width) | chunk) % moduli
+        r = ((r << width) | bits(value, top - width, width)[..., None]) % moduli
         top -= width
     return r
 
