@@ -1,15 +1,13 @@
 """Qwen4-Exp checkpoints (``linattn_jax.hf.qwen4_exp``) against ``transformers``' own
-PyTorch ``Qwen4ExpForCausalLM`` (CPU, float32): a tiny random model of Gated DeltaNet
-layers with mixtures, three residual streams (hyper-connections with random mixing,
-injection and norms), a sigmoid output gate, unnormalised top-k weights and the per-layer n-gram
-embeddings (PLE) on one layer (``eos`` inside the rows): logits to 1e-5 normwise, prefill
-then decode steps == the full forward, 16 greedy tokens, a left-padded row == the row
-alone, the save round trip (the n-gram table in shards), ``--config.init_from``, the
-multimodal model's text part; the configs with the QSA indexer refused by name
-(``hf.unsupported``), the bad fields named. ``transformers`` runs a Qwen4-Exp without attention layers only without a cache
-(``use_cache=False``: its cache needs an attention layer)."""
-
-import json
+PyTorch ``Qwen4ExpForCausalLM`` (CPU, float32): a tiny random model of a Gated DeltaNet
+layer with the per-layer n-gram embeddings (PLE, ``eos`` inside the rows) and an indexed
+attention layer (QSA: a budget of 4 tokens in blocks of 2, so most queries see a choice of
+keys; 16 index heads, so no score ties), mixtures, three residual streams
+(hyper-connections with random mixing, injection and norms), a sigmoid output gate and
+unnormalised top-k weights: logits to 1e-5 normwise, prefill then decode steps == the full
+forward, 16 greedy tokens (``transformers``' cache with the indexer's keys), a left-padded
+row == the row alone, the save round trip (the n-gram table in shards),
+``--config.init_from``, the multimodal model's text part, the bad fields named."""
 
 import numpy as np
 import pytest
@@ -34,13 +32,15 @@ RANDOM = (
 def _text_config(**changes):
     return dict(
         vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, layer_types=["linear_attention"] * 2,
+        num_key_value_heads=1, head_dim=8, layer_types=["linear_attention", "full_attention"],
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=6,
         linear_value_head_dim=5, linear_conv_kernel_dim=3, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=12, shared_expert_intermediate_size=10,
         norm_topk_prob=False, hc_count=3, hc_lowrank=5, output_gate_type="sigmoid",
-        rms_norm_eps=1e-5, tie_word_embeddings=False, use_cache=False, eos_token_id=EOS,
-        ple_layer_ids=[2], ple_embed_dim=12, ple_conv_kernel_size=3, ngram_size=3,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=EOS, indexer_n_heads=16,
+        indexer_kv_heads=1, indexer_head_dim=6, indexer_budget=4, indexer_compress_ratio=2,
+        rope_parameters=dict(rope_type="default", rope_theta=1000.0, partial_rotary_factor=0.5),
+        ple_layer_ids=[1], ple_embed_dim=12, ple_conv_kernel_size=3, ngram_size=3,
         heads_per_ngram=2, ngram_vocab_size_base=40, split_ngram_parts=2,
     ) | changes  # fmt: skip
 
@@ -109,24 +109,18 @@ def test_bad_fields_are_named(pair):
             fmt.normalize_config({**config, field: value})
 
 
-def _write(path, config):
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
-def test_the_indexer_is_refused_by_name(tmp_path):
-    text = _text_config(model_type="qwen4_exp_text", indexer_n_heads=2)
-    message = (
-        r"model_type 'qwen4_exp_text' \(Qwen4-Exp\) is not supported with the QSA indexer "
-        r"\(indexer_n_heads=2, 0 attention layers\): no block here matches it$"
-    )
-    with pytest.raises(ValueError, match=message):
-        hf.read_config(_write(tmp_path / "text", text))
-    # transformers gives every attention layer an indexer; the default layout has some.
-    layered = dict(model_type="qwen4_exp", text_config=dict(num_hidden_layers=8))
-    with pytest.raises(ValueError, match=r"'qwen4_exp' .* the QSA indexer \(indexer_n_heads"):
-        hf.read_config(_write(tmp_path / "multimodal", layered))
-    mixed = _text_config(layer_types=["linear_attention", "full_attention"])
-    with pytest.raises(ValueError, match=r"indexer_n_heads=None, 1 attention layers\)"):
-        hf.qwen4_exp.FORMAT.normalize_config({**mixed, "model_type": "qwen4_exp_text"})
+def test_the_indexer_fields_are_checked():
+    """Every attention layer carries the indexer: its fields are needed, and checked."""
+    fmt = hf.qwen4_exp.FORMAT
+    config = _text_config(model_type="qwen4_exp_text")
+    assert fmt.normalize_config(config)["layer_types"][1] == "full_attention"
+    named = {**config, "layer_types": ["linear_attention", "indexed_attention"]}
+    assert fmt.normalize_config(named)["layer_types"] == ["linear_attention", "full_attention"]
+    for field, value, message in [
+        ("indexer_n_heads", None, r"indexer_n_heads must be an int >= 1, got None"),
+        ("indexer_kv_heads", 2, r"indexer_kv_heads must be 1, got 2"),
+        ("indexer_budget", 5, r"indexer_budget=5 must be a multiple of indexer_compress_ratio"),
+        ("indexer_head_dim", 1, r"indexer_head_dim=1 must hold the 4 rotary channels"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            fmt.normalize_config({**config, field: value})

@@ -17,11 +17,13 @@ Their rows, under ``layers.{i}.{attn,mlp}_hyper_connection.`` (our ``blocks.{i}.
   ``[n, n d]``: our ``down``, ``up`` and ``inject`` kernels (transposed).
 
 The Gated DeltaNet's output gate is ``output_gate_type`` (``"silu"`` or ``"sigmoid"``;
-null: ``hidden_act``), the routers renormalise their top-k by ``norm_topk_prob``.
-Qwen4-Exp's attention layers carry the QSA indexer and its PLE layers hashed n-gram
-embeddings, neither a block here: configs with either are refused by name
-(``hf.unsupported``), so a Qwen4-Exp that loads has Gated DeltaNet layers only (which
-``transformers`` runs without a cache: its cache needs an attention layer).
+null: ``hidden_act``), the routers renormalise their top-k by ``norm_topk_prob``. The
+attention layers (``"indexed_attention"``, or ``"full_attention"``, as ``transformers``
+reads both) are Qwen3.5's gated attention with the QSA indexer (``layers.indexed``:
+``self_attn.indexer.index_qk_proj``, ``q_layernorm``, ``k_layernorm`` are our
+``attention.index_proj``, ``index_q_norm``, ``index_k_norm``), which needs the
+``indexer_*`` fields; the ``ple_layer_ids`` layers add the per-layer n-gram embeddings
+(``layers.ngram``).
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from linattn_jax.hf import common, qwen3_5, qwen3_5_moe, tables, unsupported
+from linattn_jax.hf import common, qwen3_5, qwen3_5_moe, tables
 from linattn_jax.hf.tables import CONV, COPY, LINEAR, rules
 
-MODEL_TYPES = unsupported.QWEN4_EXP[::-1]  # qwen4_exp_text, qwen4_exp
+MODEL_TYPES = ("qwen4_exp_text", "qwen4_exp")
 # transformers' defaults (Qwen4ExpTextConfig) of the fields Qwen3.5-MoE lacks or sets
 # otherwise.
 DEFAULTS = dict(
@@ -41,7 +43,18 @@ DEFAULTS = dict(
     output_gate_type=None, ple_layer_ids=[], ple_embed_dim=None, ple_conv_kernel_size=4,
     ngram_size=3, heads_per_ngram=8, ngram_vocab_size_base=20_000_000,
     make_ngram_vocab_size_divisible_by=128, seed=1234, split_ngram_parts=512,
+    indexer_n_heads=None, indexer_kv_heads=None, indexer_head_dim=None, indexer_budget=None,
+    indexer_compress_ratio=None,
 )  # fmt: skip
+QSA_FIELDS = (
+    "indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget",
+    "indexer_compress_ratio",
+)  # fmt: skip
+INDEX_RULES = rules(
+    ("self_attn.indexer.index_qk_proj.weight", "attention.index_proj.kernel", LINEAR),
+    ("self_attn.indexer.q_layernorm.weight", "attention.index_q_norm.scale", COPY),
+    ("self_attn.indexer.k_layernorm.weight", "attention.index_k_norm.scale", COPY),
+)
 NGRAM_INTS = (
     "ple_embed_dim", "ple_conv_kernel_size", "ngram_size", "heads_per_ngram",
     "ngram_vocab_size_base", "make_ngram_vocab_size_divisible_by", "split_ngram_parts",
@@ -155,8 +168,38 @@ def table(config: Mapping[str, Any], prefix: str) -> tables.Table:
         layer, block = f"{prefix}layers.{i}.", f"blocks.{i}."
         rows += tables.prefixed(ple_rows(config, i) + LAYER_HYPER_RULES, layer, block)
         rows += qwen3_5_moe.moe_rows(config, layer, block, fused)
-        rows += tables.prefixed(qwen3_5.LAYER_RULES[layer_type], layer, block)
+        own = qwen3_5.LAYER_RULES[layer_type]
+        rows += tables.prefixed(
+            own + (INDEX_RULES if layer_type != "linear_attention" else ()), layer, block
+        )
     return rows
+
+
+def indexed_layers(config: common.Config) -> None:
+    """``transformers``' name of the attention layers, ``"indexed_attention"``, as
+    Qwen3.5's ``"full_attention"`` (which ``transformers`` reads as indexed)."""
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = [
+            "full_attention" if t == "indexed_attention" else t for t in config["layer_types"]
+        ]
+
+
+def check_indexer(config: common.Config) -> None:
+    """The QSA indexer's fields, which every attention layer needs."""
+    common.check_ints(config, QSA_FIELDS)
+    common.check_choice(config, "indexer_kv_heads", (1,))
+    budget, ratio = config["indexer_budget"], config["indexer_compress_ratio"]
+    if budget % ratio:
+        raise ValueError(
+            f"config.json: indexer_budget={budget} must be a multiple of "
+            f"indexer_compress_ratio={ratio}"
+        )
+    rotary = int(config["head_dim"] * config["rope_parameters"]["partial_rotary_factor"])
+    if rotary > config["indexer_head_dim"]:
+        raise ValueError(
+            f"config.json: indexer_head_dim={config['indexer_head_dim']} must hold the "
+            f"{rotary} rotary channels"
+        )
 
 
 def check_hyper(config: common.Config) -> None:
@@ -166,6 +209,8 @@ def check_hyper(config: common.Config) -> None:
     common.check_ints(config, ("hc_lowrank",))
     common.check_bools(config, ("norm_topk_prob",))
     common.check_choice(config, "output_gate_type", (None, *GATE_TYPES))
+    if "full_attention" in config["layer_types"]:
+        check_indexer(config)
     if config["ple_embed_dim"] is None:
         config["ple_embed_dim"] = config["hidden_size"]
     common.check_ints(config, NGRAM_INTS)
@@ -193,12 +238,21 @@ def options(config: Mapping[str, Any]) -> dict[str, Any]:
     """Qwen3.5-MoE's options with ``hyper_connections``, the Gated DeltaNet's output gate
     and ``norm_topk_prob``."""
     base = qwen3_5_moe.options(config)
+    indexed = dict(
+        base["kind_options"]["softmax"], index_heads=config["indexer_n_heads"],
+        index_head_dim=config["indexer_head_dim"], index_budget=config["indexer_budget"],
+        index_block=config["indexer_compress_ratio"],
+    )  # fmt: skip
     delta = dict(
         base["kind_options"]["gated_deltanet"],
         output_gate_activation=config["output_gate_type"] or config["hidden_act"],
     )
     return base | dict(
-        kind_options=base["kind_options"] | dict(gated_deltanet=delta),
+        attention=["indexed_softmax" if k == "softmax" else k for k in base["attention"]],
+        kind_options={
+            "gated_deltanet": delta,
+            **({"indexed_softmax": indexed} if "softmax" in base["attention"] else {}),
+        },
         moe=base["moe"] | dict(normalize=config["norm_topk_prob"]),
         hyper_connections=dict(streams=config["hc_count"], rank=config["hc_lowrank"]),
         ngrams=[ngram_options(config, i) for i in range(config["num_hidden_layers"])],
@@ -210,8 +264,8 @@ FORMAT = qwen3_5_moe.FORMAT.derive(
     model_types=MODEL_TYPES,
     architecture="Qwen4ExpForCausalLM",
     steps=(
-        unsupported.check,  # the QSA indexer and PLE, named
         qwen3_5.text_part("qwen4_exp", "qwen4_exp_text"),
+        indexed_layers,
         common.defaults(DEFAULTS, keep_none=("output_gate_type",)),
         *qwen3_5_moe.FORMAT.steps[1:],  # Qwen3.5-MoE's, from its defaults on
         check_hyper,

@@ -31,6 +31,7 @@ from linattn_jax.layers.feature_maps import (
 from linattn_jax.layers.gated_conv import GatedConvCache, GatedShortConv
 from linattn_jax.layers.gates import ChannelGate, HeadGate, MambaGate
 from linattn_jax.layers.hyper import HyperConnection
+from linattn_jax.layers.indexed import IndexedAttention, IndexedCache
 from linattn_jax.layers.lightning import LightningAttention, lightning_decays
 from linattn_jax.layers.linear import GATES, LinearAttention, LinearAttentionCache
 from linattn_jax.layers.linearized import LinearizedAttention, LinearizedCache
@@ -114,4 +115,6 @@ __all__ = [
     "NGramBlock",
     "PerLayerNGrams",
     "ngram_ids",
+    "IndexedAttention",
+    "IndexedCache",
 ]
