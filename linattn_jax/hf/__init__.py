@@ -27,7 +27,8 @@ The layout: one module per model type over a shared loader.
       qwen3_5 (Gated DeltaNet + gated softmax)
       └── qwen3_5_moe (every MLP a mixture)
           ├── qwen3_next (fused DeltaNet projections, dense and MoE layers)
-          └── lara_mini (sliding and full softmax layers, plain norms, fused in_proj)
+          ├── lara_mini (sliding and full softmax layers, plain norms, fused in_proj)
+          └── qwen4_exp (hyper-connections: n residual streams)
       mamba2 (Mamba-2 mixers)
       ├── bamba (Mamba-2 + Llama attention + SwiGLU: the hybrids' base)
       │   ├── granitemoehybrid (experts + shared MLP, muP multipliers)
@@ -107,6 +108,7 @@ from linattn_jax.hf import (  # noqa: E402
     qwen3_5_moe,
     qwen3_moe,
     qwen3_next,
+    qwen4_exp,
     rope,
     rwkv,
     safetensors_io,
@@ -184,4 +186,5 @@ __all__ = [
     "recurrent_gemma",
     "zamba",
     "jamba",
+    "qwen4_exp",
 ]

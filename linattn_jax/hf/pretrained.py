@@ -50,6 +50,7 @@ from linattn_jax.hf import (
     qwen3_5_moe,
     qwen3_moe,
     qwen3_next,
+    qwen4_exp,
     recurrent_gemma,
     rwkv,
     safetensors_io,
@@ -100,6 +101,7 @@ _FORMATS = (
     falcon_mamba.FORMAT,
     zamba.FORMAT,
     jamba.FORMAT,
+    qwen4_exp.FORMAT,
 )
 FORMATS: dict[str, common.ModelFormat] = {
     model_type: fmt for fmt in _FORMATS for model_type in fmt.model_types

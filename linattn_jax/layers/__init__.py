@@ -4,7 +4,8 @@ One file per layer kind (``linear``, ``delta``, ``softmax``, ``mla``, ``mamba2``
 ``mlstm``, ``lightning``, ``linearized``, ``gated_conv``, ``rwkv``, ``rglru``), the pieces
 they share
 (``conv``, ``gates``, ``feature_maps``, ``norms``, ``rope``, ``common``), the mixture of
-experts (``moe``), the MLPs (``mlp``), the dispatch
+experts (``moe``), the MLPs (``mlp``), hyper-connections' residual streams (``hyper``),
+n-gram embeddings (``ngram``), the dispatch
 between a decoding step, the sequence-parallel form and the full-sequence form written
 once (``recurrent``), the blocks (``blocks``), and ONE registry of attention kinds
 (``registry``).
@@ -29,6 +30,8 @@ from linattn_jax.layers.feature_maps import (
 )
 from linattn_jax.layers.gated_conv import GatedConvCache, GatedShortConv
 from linattn_jax.layers.gates import ChannelGate, HeadGate, MambaGate
+from linattn_jax.layers.hyper import HyperConnection
+from linattn_jax.layers.indexed import IndexedAttention, IndexedCache
 from linattn_jax.layers.lightning import LightningAttention, lightning_decays
 from linattn_jax.layers.linear import GATES, LinearAttention, LinearAttentionCache
 from linattn_jax.layers.linearized import LinearizedAttention, LinearizedCache
@@ -38,6 +41,7 @@ from linattn_jax.layers.mla import LatentAttention, LatentKVCache
 from linattn_jax.layers.mlp import MLP, MLPS, GeGLU, ReLU2MLP, SwiGLU, mlp_layout
 from linattn_jax.layers.mlstm import MLSTMLayer, MultiHeadLayerNorm
 from linattn_jax.layers.moe import MoE
+from linattn_jax.layers.ngram import NGramBlock, PerLayerNGrams, ngram_ids
 from linattn_jax.layers.norms import GatedRMSNorm, RMSNorm
 from linattn_jax.layers.recurrent import SequenceSharding, run_causal
 from linattn_jax.layers.registry import ATTENTION_KINDS, KINDS, AttentionKind, make_attention
@@ -107,4 +111,10 @@ __all__ = [
     "token_shift",
     "RGLRUBlock",
     "RGLRUCache",
+    "HyperConnection",
+    "NGramBlock",
+    "PerLayerNGrams",
+    "ngram_ids",
+    "IndexedAttention",
+    "IndexedCache",
 ]

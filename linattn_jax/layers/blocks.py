@@ -14,6 +14,7 @@ from flax import nnx
 from linattn_jax.layers import registry
 from linattn_jax.layers.common import check_state
 from linattn_jax.layers.conv import CausalConv1D
+from linattn_jax.layers.hyper import HyperConnection, check_options
 from linattn_jax.layers.mlp import MLP_CLASSES, MLPS, check_multiplier
 from linattn_jax.layers.moe import MoE
 from linattn_jax.layers.norms import RMSNorm
@@ -34,9 +35,18 @@ class BlockState(NamedTuple):
 NORMS = ("rms", "layer")
 
 
-def make_norm(norm: str, width: int, zero_centred: bool, rngs, dtype, param_dtype) -> nnx.Module:
+def make_norm(
+    norm: str, width: int, zero_centred: bool, rngs, dtype, param_dtype, hyper=None, inject=True
+) -> nnx.Module:
     """A block's (and a model's) norm: ``"rms"`` (``RMSNorm``) or ``"layer"``
-    (``nnx.LayerNorm`` with a bias, RWKV's; its epsilon 1e-5, as torch's)."""
+    (``nnx.LayerNorm`` with a bias, RWKV's; its epsilon 1e-5, as torch's); with ``hyper``
+    (``hyper_connections``' dict) a ``HyperConnection`` (``inject``: with its write-back)."""
+    if hyper is not None:
+        streams, rank = check_options(hyper)
+        return HyperConnection(
+            width, streams, rank, inject=inject, zero_centred=zero_centred, rngs=rngs,
+            dtype=dtype, param_dtype=param_dtype,
+        )  # fmt: skip
     if norm == "layer":
         return nnx.LayerNorm(width, epsilon=1e-5, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     return RMSNorm(
@@ -117,9 +127,26 @@ def _residual_factors(name: str, factors) -> tuple[float, float]:
     return float(factors[0]), float(factors[1])
 
 
-def _add(residual, h, factors: tuple[float, float]):
-    """``alpha * residual + beta * h`` (no product for a factor of 1)."""
+def _check_norms(norm, hyper, post_norm, normed_residual, alphas) -> None:
+    """Checks ``norm`` and refuses the options ``hyper_connections`` cannot go with
+    (``alphas``: the two halves' residual factors)."""
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    if hyper is None:
+        return
+    check_options(hyper)
+    if norm != "rms" or post_norm or normed_residual:
+        raise ValueError("hyper_connections need norm='rms', no post_norm, no normed_residual")
+    if alphas != (1.0, 1.0):
+        raise ValueError("hyper_connections take no residual alpha other than 1")
+
+
+def _add(residual, h, factors: tuple[float, float], norm=None):
+    """``alpha * residual + beta * h`` (no product for a factor of 1); a
+    ``HyperConnection`` ``norm`` writes ``beta * h`` back into the streams ``residual``."""
     alpha, beta = factors
+    if isinstance(norm, HyperConnection):
+        return norm.write(residual, h if beta == 1.0 else h * jnp.asarray(beta, h.dtype))
     if alpha != 1.0:
         residual = residual * jnp.asarray(alpha, residual.dtype)
     if beta != 1.0:
@@ -200,6 +227,9 @@ class TransformerBlock(nnx.Module):
       mlp_multipliers: ``(gate, down)`` of a SwiGLU MLP (``SwiGLU``'s ``multipliers``;
         Falcon-H1's ``mlp_multipliers``); (1, 1): none.
       mlp_bias: biases on a SwiGLU or GeGLU MLP's three projections (RecurrentGemma's).
+      hyper_connections: None, or ``{"streams": n, "rank": r}``: ``x`` is ``n`` streams
+        ``[..., n, width]``, ``attention_norm`` and ``mlp_norm`` ``layers.hyper``'s
+        ``HyperConnection``s reading each half's input and writing its output back.
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
       param_dtype: the parameters' dtype, as in Flax.
@@ -229,6 +259,7 @@ class TransformerBlock(nnx.Module):
         branch_multipliers: Sequence[Sequence[float]] = ((1.0, 1.0), (1.0, 1.0)),
         mlp_multipliers: Sequence[float] = (1.0, 1.0),
         mlp_bias: bool = False,
+        hyper_connections: Mapping[str, int] | None = None,
         rngs: nnx.Rngs,
         dtype=None,
         param_dtype=jnp.float32,
@@ -243,33 +274,27 @@ class TransformerBlock(nnx.Module):
         self.attention_residual = _residual_factors("attention_residual", attention_residual)
         self.mlp_residual = _residual_factors("mlp_residual", mlp_residual)
         branch_multipliers = _branch_multipliers(branch_multipliers)
-        if norm not in NORMS:
-            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-        kind_of_norm = norm
-        norm = lambda: make_norm(kind_of_norm, width, zero_centred_norm, rngs, dtype, param_dtype)
+        alphas = (self.attention_residual[0], self.mlp_residual[0])
+        _check_norms(norm, hyper_connections, post_norm, normed_residual, alphas)
+        norm = lambda hyper=hyper_connections, kind=norm: make_norm(
+            kind, width, zero_centred_norm, rngs, dtype, param_dtype, hyper
+        )
         self.attention_norm = nnx.data(norm() if mixer else None)
         self.mlp_norm = nnx.data(norm() if mlp != "none" else None)
-        self.attention_post_norm = nnx.data(norm() if sandwich_norm and mixer else None)
-        self.mlp_post_norm = nnx.data(norm() if sandwich_norm and mlp != "none" else None)
-        self.conv = nnx.data(
-            CausalConv1D(width, short_conv, rngs=rngs, param_dtype=param_dtype)
-            if short_conv
+        self.attention_post_norm = nnx.data(norm(None) if sandwich_norm and mixer else None)
+        self.mlp_post_norm = nnx.data(norm(None) if sandwich_norm and mlp != "none" else None)
+        new_conv = lambda: CausalConv1D(width, short_conv, rngs=rngs, param_dtype=param_dtype)
+        self.conv = nnx.data(new_conv() if short_conv else None)
+        options = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.attention = nnx.data(
+            registry.make_attention(attention, width, num_heads, **options, **attention_kwargs)
+            if mixer
             else None
         )
-        if mixer:
-            attention_kwargs = dict(
-                rngs=rngs, dtype=dtype, param_dtype=param_dtype, **attention_kwargs
-            )
-            self.attention = registry.make_attention(
-                attention, width, num_heads, **attention_kwargs
-            )
-        else:
-            self.attention = nnx.data(None)
         self.parallel = nnx.data(
             _parallel_mixer(parallel, width, num_heads, mixer, short_conv, rngs, dtype, param_dtype)
         )
         self.branch_multipliers = branch_multipliers
-        options = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.mlp = nnx.data(_build_mlp(mlp, width, hidden, moe, mlp_multipliers, mlp_bias, options))
         self.width, self.residual_multiplier = width, float(residual_multiplier)
 
@@ -328,17 +353,17 @@ class TransformerBlock(nnx.Module):
             h = self.attention_norm(h)
         elif self.attention_post_norm is not None:
             h = self.attention_post_norm(h)
-        x = self._add(residual, h, self.attention_residual)
+        x = self._add(residual, h, self.attention_residual, self.attention_norm)
         if self.mlp is not None:
             x, mlp_state = self._mlp_half(x, key_mask, recording, segment_ids, mlp_state)
         if return_state:
             state = state._replace(mlp=mlp_state)
         return (x, state) if return_state else x
 
-    def _add(self, residual, h, factors: tuple[float, float]):
-        """``alpha * residual + beta * residual_multiplier * h`` of a half's ``factors``."""
+    def _add(self, residual, h, factors: tuple[float, float], norm=None):
+        """``alpha * residual + beta * residual_multiplier * h`` (``_add``)."""
         alpha, beta = factors
-        return _add(residual, h, (alpha, beta * self.residual_multiplier))
+        return _add(residual, h, (alpha, beta * self.residual_multiplier), norm)
 
     def _mlp_half(self, x, key_mask, recording: bool, segment_ids, state):
         """``(x + mlp(norm(x)), the MLP's new state)`` (a state only for RWKV's)."""
@@ -348,7 +373,7 @@ class TransformerBlock(nnx.Module):
             return self._add(x, self.mlp_norm(h), self.mlp_residual), state
         h = h if self.mlp_post_norm is None else self.mlp_post_norm(h)
         residual = normed if self.normed_residual else x
-        return self._add(residual, h, self.mlp_residual), state
+        return self._add(residual, h, self.mlp_residual, self.mlp_norm), state
 
 
 def _call_mlp(mlp, h, key_mask, recording: bool, segment_ids, state):

@@ -20,10 +20,14 @@ class RMSNorm(nnx.RMSNorm):
     ``zero_centred=True``: ``x / rms(x) * (1 + w)`` with ``w`` from zeros, computed in
     float32 and returned in ``dtype`` (the input's when None), as Qwen3-Next's RMSNorm.
     The parameter is ``scale`` either way, and the two initialise to the same function.
+    With ``group_size``, each run of ``group_size`` features of the last axis is normalised
+    alone (computed in float32 as the zero-centred form; hyper-connections' streams).
 
     Args:
-      num_features: the normalised (last) axis' size.
+      num_features: the last axis' size (``scale``'s).
       zero_centred: the ``1 + w`` form.
+      group_size: None (the whole axis), or the size, dividing ``num_features``, of the
+        groups normalised alone.
       epsilon: added to the mean square.
       dtype, param_dtype, rngs: as in ``nnx.RMSNorm``.
     """
@@ -33,6 +37,7 @@ class RMSNorm(nnx.RMSNorm):
         num_features: int,
         *,
         zero_centred: bool = False,
+        group_size: int | None = None,
         epsilon: float = 1e-6,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -40,6 +45,13 @@ class RMSNorm(nnx.RMSNorm):
     ):
         if not isinstance(zero_centred, bool):
             raise ValueError(f"zero_centred must be True or False, got {zero_centred!r}")
+        if group_size is not None and (
+            not isinstance(group_size, int) or group_size < 1 or num_features % group_size
+        ):
+            raise ValueError(
+                f"group_size must be None or an int >= 1 dividing num_features={num_features}, "
+                f"got {group_size!r}"
+            )
         init = nnx.initializers.zeros if zero_centred else nnx.initializers.ones
         super().__init__(
             num_features,
@@ -49,18 +61,20 @@ class RMSNorm(nnx.RMSNorm):
             scale_init=init,
             rngs=rngs,
         )
-        self.zero_centred = zero_centred
+        self.zero_centred, self.group_size = zero_centred, group_size
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         """``x [..., num_features]`` normalised (``mask`` as in ``nnx.RMSNorm``, which alone
         takes it)."""
-        if not self.zero_centred:
+        if not self.zero_centred and self.group_size is None:
             return super().__call__(x, mask)
         if mask is not None:
-            raise ValueError("a zero-centred RMSNorm takes no mask")
+            raise ValueError("a zero-centred or grouped RMSNorm takes no mask")
         y = x.astype(jnp.float32)
-        y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + self.epsilon)
-        scale = 1.0 + self.scale[...].astype(jnp.float32)
+        groups = y.reshape(*y.shape[:-1], -1, self.group_size or y.shape[-1])
+        groups = groups * jax.lax.rsqrt(jnp.mean(groups**2, axis=-1, keepdims=True) + self.epsilon)
+        y = groups.reshape(y.shape)
+        scale = self.scale[...].astype(jnp.float32) + (1.0 if self.zero_centred else 0.0)
         y = y * scale.reshape((1,) * (y.ndim - 1) + scale.shape)
         return y.astype(self.dtype or x.dtype)
 

@@ -14,6 +14,7 @@ from flax import nnx
 
 from linattn_jax.layers.delta import DeltaRuleAttention
 from linattn_jax.layers.gated_conv import GatedShortConv
+from linattn_jax.layers.indexed import IndexedAttention
 from linattn_jax.layers.lightning import LightningAttention
 from linattn_jax.layers.linear import LinearAttention
 from linattn_jax.layers.linearized import LinearizedAttention
@@ -208,6 +209,13 @@ KINDS: Mapping[str, AttentionKind] = _frozen(
             RGLRUBlock,
             "RG-LRU (Griffin)",
             options=("method", "chunk_size"),
+        ),
+        # Qwen4-Exp's indexed sparse attention (QSA): softmax over the blocks an indexer picks.
+        "indexed_softmax": AttentionKind(
+            IndexedAttention,
+            "indexed sparse softmax attention (QSA)",
+            sequence_parallel=False,
+            takes_max_length=True,
         ),
     }
 )

@@ -184,10 +184,7 @@ class SoftmaxAttention(nnx.Module):
             hd * (heads if qk_norm_over_heads else 1), zero_centred=zero_centred_qk_norm,
             dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs,
         )  # fmt: skip
-        self.q_norm, self.k_norm = (
-            nnx.data(norm(h) if qk_norm else None),
-            nnx.data(norm(kv) if qk_norm else None),
-        )
+        self.q_norm, self.k_norm = (nnx.data(norm(n) if qk_norm else None) for n in (h, kv))
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs if dropout_rate > 0 else None)
 
     def init_state(self, batch: int, max_length: int | None = None) -> KVCache:
@@ -213,8 +210,10 @@ class SoftmaxAttention(nnx.Module):
         return_state: bool = False,
         deterministic: bool | None = None,
         rngs: nnx.Rngs | None = None,
+        select: jax.Array | None = None,
     ):
-        """``x [b, t, width] -> [b, t, width]`` (and the new KV cache if ``return_state``).
+        """``x [b, t, width] -> [b, t, width]`` (and the new KV cache if ``return_state``);
+        ``select [b, t, keys or slots]``: what each query may see besides (bool).
 
         With a ``state``, ``x`` is written to the cache after the tokens already
         there; keys masked out by ``key_mask`` stay masked for every later call.
@@ -250,7 +249,9 @@ class SoftmaxAttention(nnx.Module):
         q, k, v = (y.astype(jnp.float32) for y in (q, k, v))
         q, k = _qk_norms(self, q, k)
         cross = inputs_k is not None or inputs_v is not None
-        out, new_state = _attend(self, q, k, v, key_mask, segment_ids, state, return_state, cross)
+        out, new_state = _attend(
+            self, q, k, v, key_mask, segment_ids, state, return_state, cross, select
+        )
         out = checks.where_token(query_mask, out)  # a padded query's output is 0
         out = _gated(self, out, gate, x)
         out = self.dropout(out.astype(dtype), deterministic=deterministic, rngs=rngs)
@@ -258,14 +259,14 @@ class SoftmaxAttention(nnx.Module):
         return (y, new_state) if return_state else y
 
 
-def _attend(layer, q, k, v, key_mask, segment_ids, state, return_state: bool, cross: bool):
+def _attend(layer, q, k, v, key_mask, segment_ids, state, return_state: bool, cross: bool, select):
     """``(out [b, t, h, hd] float32, the new KVCache or None)``: over the cache (``state``,
     or a new one for ``return_state``; overflowing rows NaN), else over this call's keys."""
     if state is None and not return_state:
-        return attend_full(layer, q, k, v, key_mask, segment_ids, cross), None
+        return attend_full(layer, q, k, v, key_mask, segment_ids, cross, select), None
     if segment_ids is not None:
         raise ValueError("SoftmaxAttention takes no segment_ids with a KV cache")
-    out, new_state, overflow = attend_cached(layer, q, k, v, key_mask, state)
+    out, new_state, overflow = attend_cached(layer, q, k, v, key_mask, state, select)
     return jnp.where(overflow[:, None, None, None], jnp.nan, out), new_state
 
 
@@ -297,8 +298,9 @@ def _rope(layer, x: jax.Array, positions: jax.Array) -> jax.Array:
     return rope_lib.apply_rope(x, positions, layer.rotary_dim, layer.rope_theta, layer.rope_scaling)
 
 
-def attend_full(layer, q, k, v, key_mask, segment_ids, cross: bool):
-    """``SoftmaxAttention`` over this call's keys only (no cache): ``[b, t, h, hd]`` float32."""
+def attend_full(layer, q, k, v, key_mask, segment_ids, cross: bool, select=None):
+    """``SoftmaxAttention`` over this call's keys only (no cache): ``[b, t, h, hd]`` float32
+    (each query over the keys ``select [b, t, s]`` allows, where given)."""
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
     if not cross:  # q and k share the positions
         pos = rope_lib.token_positions(b, t, key_mask=key_mask, segment_ids=segment_ids)
@@ -311,6 +313,8 @@ def attend_full(layer, q, k, v, key_mask, segment_ids, cross: bool):
         run = checks.segment_runs(segment_ids)  # runs, not ids: a repeated id is a new segment
         same = run[:, None, :, None] == run[:, None, None, :]
         mask = same if mask is None else mask & same
+    if select is not None:
+        mask = select[:, None] if mask is None else mask & select[:, None]
     window = None
     if layer.sliding_window is not None:
         window = (layer.sliding_window - 1, 0 if layer.causal else layer.sliding_window - 1)
@@ -320,9 +324,10 @@ def attend_full(layer, q, k, v, key_mask, segment_ids, cross: bool):
     )  # fmt: skip
 
 
-def attend_cached(layer, q, k, v, key_mask, state):
+def attend_cached(layer, q, k, v, key_mask, state, select=None):
     """``SoftmaxAttention`` over a KV cache after writing this call's keys to it:
-    ``(out [b, t, h, hd] float32, the new KVCache, [b] rows that overflowed)``."""
+    ``(out [b, t, h, hd] float32, the new KVCache, [b] rows that overflowed)``; ``select
+    [b, t, slots]``: the slots each query may see besides (not with a window)."""
     b, t = q.shape[:2]
     if state is None:
         state = layer.init_state(b, max(t, layer.max_length))
@@ -348,6 +353,7 @@ def attend_cached(layer, q, k, v, key_mask, state):
     mask = write_slots(state.mask, real, state.position)  # padding stays masked from now on
     query_slot = positions(state.position, b, t)[:, :, None]  # [b, t, 1]
     allowed = (jnp.arange(n)[None, None, :] <= query_slot) & mask[:, None, :]
+    allowed = allowed if select is None else allowed & select
     f32 = lambda a: a.astype(jnp.float32)
     out = soft_cap.dot_product_attention(
         q, f32(k_all), f32(v_all), mask=allowed[:, None], scale=layer.scale,

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax import sharding
+from linattn_jax.layers import hyper
 from linattn_jax.layers.blocks import make_norm
 from linattn_jax.layers.mlp import check_multiplier
 from linattn_jax.layers.shared import SharedBlocks
@@ -18,6 +19,28 @@ from linattn_jax.models import sampling, stack
 from linattn_jax.models.common import check_state, check_tokens
 from linattn_jax.models.options import freeze
 from linattn_jax.ops import checks
+
+
+def check_options(
+    embedding_multiplier, logits_scaling, logit_soft_cap, embedding_norm, shared_blocks,
+    scan_layers, remat, hyper_connections,
+) -> int | None:  # fmt: skip
+    """``LanguageModel``'s model-level options checked (a ValueError naming the first bad
+    one); returns the number of residual streams (None: one, no hyper-connections)."""
+    check_multiplier("embedding_multiplier", embedding_multiplier)
+    check_multiplier("logits_scaling", logits_scaling)
+    if shared_blocks is not None and (scan_layers or remat != "none"):
+        raise ValueError("shared_blocks needs scan_layers=False and remat='none'")
+    if logit_soft_cap is not None:
+        checks.check_number("logit_soft_cap", logit_soft_cap, minimum=0.0)
+        if not logit_soft_cap > 0:
+            raise ValueError(f"logit_soft_cap must be > 0 (or None), got {logit_soft_cap!r}")
+    checks.check_bool("embedding_norm", embedding_norm)
+    if hyper_connections is None:
+        return None
+    if shared_blocks is not None:
+        raise ValueError("hyper_connections take no shared_blocks")
+    return hyper.check_options(hyper_connections)[0]
 
 
 class LanguageModel(nnx.Module):
@@ -54,6 +77,8 @@ class LanguageModel(nnx.Module):
         ``num_blocks``, ...): transformer blocks shared by several layers over ``[hidden,
         embeddings]``, each use with its own adapters and KV cache (Zamba2); unrolled
         layers only (no ``scan_layers``, no ``remat``).
+      hyper_connections: None, or ``{"streams": n, "rank": r}``: ``n`` residual streams
+        (``layers.hyper``; the final norm a read-out); ``norm="rms"``, no ``shared_blocks``.
       rngs: as in Flax.
       dtype: the computation dtype (None: the input's), as in Flax.
       param_dtype: the parameters' dtype, as in Flax.
@@ -91,6 +116,7 @@ class LanguageModel(nnx.Module):
         logits_scaling: float = 1.0,
         logit_soft_cap: float | None = None,
         shared_blocks: Mapping[str, Any] | None = None,
+        hyper_connections: Mapping[str, int] | None = None,
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -106,13 +132,14 @@ class LanguageModel(nnx.Module):
                 logit_soft_cap=logit_soft_cap, dtype=dtype, param_dtype=param_dtype,
                 **block_kwargs,
                 **({} if shared_blocks is None else dict(shared_blocks=shared_blocks)),
+                **({} if hyper_connections is None else dict(hyper_connections=hyper_connections)),
             )
         )  # fmt: skip
         self.hf_config = None
-        check_multiplier("embedding_multiplier", embedding_multiplier)
-        if shared_blocks is not None and (scan_layers or remat != "none"):
-            raise ValueError("shared_blocks needs scan_layers=False and remat='none'")
-        check_multiplier("logits_scaling", logits_scaling)
+        self.streams = check_options(
+            embedding_multiplier, logits_scaling, logit_soft_cap, embedding_norm, shared_blocks,
+            scan_layers, remat, hyper_connections,
+        )  # fmt: skip
         self.embedding_multiplier = float(embedding_multiplier)
         self.logits_scaling = float(logits_scaling)
         self.vocab_size = vocab_size
@@ -124,7 +151,8 @@ class LanguageModel(nnx.Module):
             depth, width, num_heads, attention=attention, kind_options=kind_options,
             scan_layers=scan_layers, remat=remat, causal=True, mlp_ratio=mlp_ratio,
             short_conv=short_conv, zero_centred_norm=zero_centred_norm, norm=norm, rngs=rngs,
-            dtype=dtype, param_dtype=param_dtype, **block_kwargs,
+            dtype=dtype, param_dtype=param_dtype, hyper_connections=hyper_connections,
+            **block_kwargs,
         )  # fmt: skip
         self.depth, self.remat = depth, remat
         self.shared = nnx.data(
@@ -134,15 +162,11 @@ class LanguageModel(nnx.Module):
                 width, depth, **shared_blocks, rngs=rngs, dtype=dtype, param_dtype=param_dtype
             )
         )
-        if logit_soft_cap is not None:
-            checks.check_number("logit_soft_cap", logit_soft_cap, minimum=0.0)
-            if not logit_soft_cap > 0:
-                raise ValueError(f"logit_soft_cap must be > 0 (or None), got {logit_soft_cap!r}")
         self.logit_soft_cap = None if logit_soft_cap is None else float(logit_soft_cap)
-        checks.check_bool("embedding_norm", embedding_norm)
-        new_norm = lambda: make_norm(norm, width, zero_centred_norm, rngs, dtype, param_dtype)
+        norm_args = (norm, width, zero_centred_norm, rngs, dtype, param_dtype)
+        new_norm = lambda hc=None: make_norm(*norm_args, hc, inject=False)
         self.embed_norm = nnx.data(new_norm() if embedding_norm else None)
-        self.norm = new_norm()
+        self.norm = new_norm(hyper_connections)
         self.head = nnx.data(
             None
             if tie_embeddings
@@ -193,6 +217,8 @@ class LanguageModel(nnx.Module):
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         x = sharding.constrain(x, sharding.BATCH, sharding.LENGTH, None)
+        if self.streams is not None:
+            x = hyper.expand(x, self.streams)
         run = stack.run_blocks if self.shared is None else self.shared.run
         x = run(
             self.blocks,
@@ -203,6 +229,7 @@ class LanguageModel(nnx.Module):
             segment_ids=segment_ids,
             state=state,
             return_state=return_state,
+            **(dict(tokens=tokens) if self.shared is None else {}),
         )
         if return_state:
             x, new_states = x

@@ -24,6 +24,7 @@ from flax import nnx
 from linattn_jax import sharding
 from linattn_jax.layers import TransformerBlock, registry
 from linattn_jax.layers.mlp import mlp_layout
+from linattn_jax.layers.ngram import NGramBlock
 from linattn_jax.ops import checks
 
 REMAT = ("none", "full", "dots_saveable")
@@ -66,6 +67,8 @@ def make_blocks(
     ``num_heads`` there overrides the model's for that kind). ``kwargs["mlp"]`` may list
     each layer's MLP kind (``layers.mlp.mlp_layout``); a scan's period then repeats
     both layouts; an ``mlp`` in ``kind_options[kind]`` overrides it for that kind.
+    ``kwargs["ngrams"]`` may list, per layer, None or ``layers.ngram.PerLayerNGrams``'
+    options: those layers are ``NGramBlock``s (Qwen4-Exp's PLE; unrolled only).
 
     Raises:
       ValueError: a bad depth, layout (``registry.parse_layout``), ``kind_options`` or
@@ -75,6 +78,9 @@ def make_blocks(
     kinds = registry.parse_layout(attention, depth)
     options = check_options(kind_options, remat, scan_layers)
     mlps = mlp_layout(kwargs.pop("mlp", "gelu"), depth)
+    ngrams = kwargs.pop("ngrams", None) or (None,) * depth
+    if len(ngrams) != depth:
+        raise ValueError(f"ngrams must list one dict or None per layer ({depth}), got {ngrams!r}")
 
     def block(kind: str, mlp: str, rngs: nnx.Rngs, index: int = 0) -> TransformerBlock:
         own = {**kwargs, **options.get(kind, {})}
@@ -82,6 +88,9 @@ def make_blocks(
             own.update(layer_index=index, num_layers=depth)
         heads = own.pop("num_heads", num_heads)
         mlp = own.pop("mlp", mlp)  # a kind's own (kind_options: Nemotron-H's mixer-only)
+        if ngrams[index] is not None:  # its layer's n-gram embeddings (Qwen4-Exp's PLE)
+            own.update(ngrams=ngrams[index])
+            return NGramBlock(width, heads, attention=kind, mlp=mlp, rngs=rngs, **own)
         return TransformerBlock(width, heads, attention=kind, mlp=mlp, rngs=rngs, **own)
 
     if not scan_layers:
@@ -90,6 +99,8 @@ def make_blocks(
         ]
         return nnx.List(layers), kinds, None
     fixed = sorted({k for k in kinds if registry.get(k).takes_layer_index})
+    if any(n is not None for n in ngrams):
+        raise ValueError("scan_layers stacks identical layers, but ngrams differ by layer")
     if fixed:
         raise ValueError(
             f"scan_layers stacks identical layers, but {fixed}'s layers differ by depth "
@@ -127,14 +138,19 @@ def run_blocks(
     segment_ids: jax.Array | None = None,
     state: list | None = None,
     return_state: bool = False,
+    tokens: jax.Array | None = None,
 ):
     """``x [b, t, width]`` through every layer: ``x`` (and the new states when
-    ``return_state``). ``state``: ``init_states``' layout, or None."""
+    ``return_state``). ``state``: ``init_states``' layout, or None; ``tokens [b, t]``: for
+    the layers that read them (``layers.ngram.NGramBlock``)."""
 
     def call(block, x, s):
+        reads = dict(tokens=tokens) if isinstance(block, NGramBlock) else {}
         if s is None and not return_state:
-            return block(x, key_mask=key_mask, segment_ids=segment_ids), None
-        return block(x, key_mask=key_mask, segment_ids=segment_ids, state=s, return_state=True)
+            return block(x, key_mask=key_mask, segment_ids=segment_ids, **reads), None
+        return block(
+            x, key_mask=key_mask, segment_ids=segment_ids, state=s, return_state=True, **reads
+        )
 
     if remat != "none":
         # Inside a scan, CSE cannot merge the recomputation away (JAX's advice).
