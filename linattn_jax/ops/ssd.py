@@ -230,6 +230,7 @@ _run_chunks = jax.jit(
     static_argnames=("chunk_size", "diagonal", "dtype", "time_axis", "phi", "groups"),
 )
 
+
 def step(
     x: Float[Array, "b h p"],
     dt: Float[Array, "b h"],

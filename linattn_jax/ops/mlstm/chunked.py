@@ -42,9 +42,9 @@ from linattn_jax.ops import chunking
 
 
 def split_cumsum(log_f):
-    """``(H, Lo)``: the cumulative sums of ``log_f [b, h, c]`` in two parts whose
+    """``(H, Lo, lo)``: the cumulative sums of ``log_f [b, h, c]`` in two parts whose
     differences give ``A_ij = sum_{j < l <= i} f_l = (H_i - H_j) + (Lo_i - Lo_j)`` to one
-    rounding of ``A_ij`` itself.
+    rounding of ``A_ij`` itself, and the small part ``lo`` whose sums ``Lo`` are.
 
     ``hi`` is ``log_f`` rounded to a power-of-two grid coarse enough that c of them sum to
     less than ``2**22`` grid steps: its cumulative sums and their differences are exact.
@@ -56,7 +56,46 @@ def split_cumsum(log_f):
     top = jnp.max(jnp.abs(log_f), axis=-1, keepdims=True) * c
     grid = jnp.ldexp(jnp.ones((), log_f.dtype), jnp.frexp(top)[1] - 22)
     hi = jax.lax.stop_gradient(jnp.round(log_f / grid) * grid)
-    return chunking.chunk_cumsum(hi), chunking.chunk_cumsum(log_f - hi)
+    lo = log_f - hi
+    return chunking.chunk_cumsum(hi), chunking.chunk_cumsum(lo), lo
+
+
+@jax.custom_vjp
+def interval_sums(lo):
+    """``[b, h, c, c]``: ``Lo_i - Lo_j`` (``Lo`` the cumulative sums of ``lo [b, h, c]``),
+    ``sum_{j < l <= i} lo_l`` below the diagonal and its negative above.
+
+    Its transpose sums each ``lo_l``'s rectangle of pairs (``j < l <= i``) directly. The
+    transpose of the difference of cumulative sums, a reverse cumulative sum of row sums
+    minus column sums, gets the same number as a difference in which every pair with both
+    ends after ``l`` cancels: after a strong forgetting (gates of -300) the earlier gates'
+    gradient is 0 but came out as the rounding of the later O(1) pairs' sums (1.6e-7 per
+    token, 1.6e-5 of the gradient's norm where the later gates' is 55x smaller).
+    """
+    return _interval_sums(lo)
+
+
+def _interval_sums(lo):
+    cum = chunking.chunk_cumsum(lo)
+    return cum[..., :, None] - cum[..., None, :]
+
+
+def _interval_sums_fwd(lo):
+    return _interval_sums(lo), None
+
+
+def _interval_sums_bwd(_, d):
+    # d lo_l = sum_{j < l <= i} (d_ij - d_ji): the antisymmetric part's lower-left
+    # rectangle, as a product with [j < l] and a sum over the rows i >= l.
+    e = d - jnp.swapaxes(d, -1, -2)
+    idx = jnp.arange(d.shape[-1])
+    before = (idx[:, None] < idx[None, :]).astype(d.dtype)  # [j, l]: j < l
+    left = jnp.einsum("bhij,jl->bhil", e, before, precision=jax.lax.Precision.HIGHEST)
+    below = idx[:, None] >= idx[None, :]  # [i, l]: i >= l
+    return (jnp.sum(jnp.where(below, left, 0), axis=-2),)
+
+
+interval_sums.defvjp(_interval_sums_fwd, _interval_sums_bwd)
 
 
 def gate_weights(log_i, log_f, m_in, live, reset):
@@ -75,9 +114,9 @@ def gate_weights(log_i, log_f, m_in, live, reset):
     cols = jnp.arange(c).reshape(1, 1, 1, c)
     causal = rows >= cols
     neg = jnp.full((), -jnp.inf, log_f.dtype)
-    cum, rest = split_cumsum(log_f)
+    cum, rest, lo = split_cumsum(log_f)
     # A[i, j] = sum_{j < l <= i} f_l: exact differences first, then the small rests.
-    pair = (cum[..., :, None] - cum[..., None, :]) + (rest[..., :, None] - rest[..., None, :])
+    pair = (cum[..., :, None] - cum[..., None, :]) + interval_sums(lo)
     keys = causal & live[..., None, :]
     log_0 = (cum + rest) + m_in[..., None]
     if reset is not None:
