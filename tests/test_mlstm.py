@@ -289,11 +289,12 @@ def test_long_chunk_of_strong_then_weak_forgetting_equals_the_float64_loop():
         helpers.assert_close_normwise(g, np.asarray(e))
 
 
-def test_interval_sums_transpose_is_the_differences_transpose():
+@pytest.mark.parametrize("c", [7, 64])
+def test_interval_sums_transpose_is_the_differences_transpose(c):
     """``chunked.interval_sums``' hand-written transpose (each gate's rectangle of pairs)
     equals autodiff's of ``Lo_i - Lo_j`` for any cotangent, above the diagonal too."""
-    lo = jax.random.normal(jax.random.PRNGKey(3), (2, 3, 8))
-    d = jax.random.normal(jax.random.PRNGKey(4), (2, 3, 8, 8))
+    lo = jax.random.normal(jax.random.PRNGKey(3), (2, 3, c))
+    d = jax.random.normal(jax.random.PRNGKey(4), (2, 3, c, c))
     out, vjp = jax.vjp(mlstm.chunked.interval_sums, lo)
     differences = lambda x: jnp.cumsum(x, -1)[..., :, None] - jnp.cumsum(x, -1)[..., None, :]
     expected, vjp_ref = jax.vjp(differences, lo)

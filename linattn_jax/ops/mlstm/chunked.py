@@ -86,7 +86,9 @@ def _interval_sums_fwd(lo):
 
 def _interval_sums_bwd(_, d):
     # d lo_l = sum_{j < l <= i} (d_ij - d_ji): the antisymmetric part's lower-left
-    # rectangle, as a product with [j < l] and a sum over the rows i >= l.
+    # rectangle, as a product with [j < l] and a sum over the rows i >= l. (The same sums
+    # by blocks of 8 tokens, O(c^2) work, ran no faster on CPU: 1.45 ms against 1.5 for 8
+    # heads of 32 chunks of 64; this product costs the forward+backward 5-10%.)
     e = d - jnp.swapaxes(d, -1, -2)
     idx = jnp.arange(d.shape[-1])
     before = (idx[:, None] < idx[None, :]).astype(d.dtype)  # [j, l]: j < l
