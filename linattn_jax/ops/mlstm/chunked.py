@@ -24,7 +24,8 @@ run see neither the entering state nor the keys before s, and their maximum also
 
 Memory: ``linattn_jax.ops.chunking.scan`` keeps only the state entering each chunk and
 the chunk's outputs; the backward (``chunk_body_bwd``) recomputes the chunk's weights
-(``gate_weights``, by ``jax.vjp``: elementwise) and its ``[c, c]`` scores, then runs the
+(``gate_weights``, by ``jax.vjp``: elementwise but for one ``[c, c]`` product, the forget
+gates' exact gradient through ``interval_sums``) and its ``[c, c]`` scores, then runs the
 transposed products (the work of nine ``[c, c]``-by-``[c, d]`` or ``[c, d]``-by-``[d, v]``
 matmuls, in seven: the two transposes of ``[scores, w_0 q] [v; C]`` one each), where
 autodiff of the body re-ran the forward and transposed the masked cumulative sums.
