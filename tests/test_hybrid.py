@@ -236,6 +236,37 @@ def test_scanned_generate_with_constant_variables_equals_unrolled(kind):
         assert float(jnp.sum(moe.collect_losses(scanned))) > 0
 
 
+def _scan_outputs(model, tokens, state) -> int:
+    """How many outputs (not carried) the depth's scan has in one decoding call."""
+    graphdef, variables = nnx.split(model)
+    call = lambda v, s: nnx.merge(graphdef, v)(tokens, state=s, return_state=True)
+    eqns = jax.make_jaxpr(call)(variables, state).eqns
+    (scan,) = [e for e in eqns if e.primitive.name == "scan" and e.params["length"] == 2]
+    return len(scan.outvars) - scan.params["num_carry"]
+
+
+def test_scanned_decoding_carries_each_layers_state_in_its_place():
+    """Prefill then token-by-token steps, scanned: the stacked states are the scan's carry
+    (no stacked copy as its output), each step writes layer ``i * p + j``'s state into
+    slice ``i`` of block ``j``'s, and every slice equals the unrolled model's layer."""
+    unrolled, tokens = _model(4), _tokens(9)
+    scanned = _scanned_copy(unrolled, 4)
+    state, want = scanned.init_state(B, T), unrolled.init_state(B, T)
+    assert _scan_outputs(scanned, tokens[:, :7], state) == 0
+    logits, state = _decode(scanned, tokens[:, :7], state)
+    expected, want = _decode(unrolled, tokens[:, :7], want)
+    np.testing.assert_allclose(logits, expected, atol=2e-5, rtol=2e-5)
+    for i in range(7, 10):
+        logits, state = _decode(scanned, tokens[:, i : i + 1], state)
+        expected, want = _decode(unrolled, tokens[:, i : i + 1], want)
+        np.testing.assert_allclose(logits, expected, atol=2e-5, rtol=2e-5)
+    for layer in range(4):
+        i, j = divmod(layer, scanned.period)
+        chex.assert_trees_all_close(
+            jax.tree.map(lambda x, i=i: x[i], state[j]), want[layer], atol=2e-5, rtol=2e-5
+        )
+
+
 def test_gradients_reach_every_parameter():
     model, tokens = _model(tie_embeddings=False), _tokens(6)
     _, grads = _loss_and_grads(model, tokens)

@@ -229,15 +229,35 @@ def _checkpointed(call, checkpoint, block, x, s):
 
 
 def _scanned(through, blocks, x, states):
-    """``through`` over the stacked blocks by ``jax.lax.scan``, carrying ``x``."""
+    """``through`` over the stacked blocks by ``jax.lax.scan``, carrying ``x`` and the
+    stacked decoding states: step ``i`` reads its layer's slice of each and writes the new
+    one in its place (``dynamic_update_index_in_dim``), so XLA updates the states in place
+    rather than stack a copy of each as the scan's output. A block given no state
+    (``None``) returns its new one, if any, as the scan's output."""
     merge, params, rest = _split(blocks)
+    carried = [s is not None for s in states]
+    at = lambda i: lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
+    put = lambda i: lambda a, new: jax.lax.dynamic_update_index_in_dim(a, new, i, 0)
 
-    def body(x, layer):
-        params, rest, states = layer
+    def body(carry, layer):
+        i, x, stacked = carry
+        params, rest = layer
         given, merged = _values(rest), merge(params, rest)
-        x, new = through(merged, x, states)
-        return x, (new, _changed(given, merged))
+        read = lambda stacked: [jax.tree.map(at(i), s) for s in stacked]
+        # Read through a conditional XLA cannot see through: the slice is made once, so the
+        # update below is the stacked state's only other user and runs in place. Read
+        # directly, XLA:CPU fuses the slice into each of its consumers and then copies the
+        # whole stacked state twice per layer (depth squared per token).
+        own = jax.lax.cond(i >= 0, read, read, stacked) if any(carried) else stacked
+        x, new = through(merged, x, own)
+        stacked = [
+            jax.tree.map(put(i), s, n) if c else s
+            for s, n, c in zip(stacked, new, carried, strict=True)
+        ]
+        fresh = [None if c else n for n, c in zip(new, carried, strict=True)]
+        return (i + 1, x, stacked), (fresh, _changed(given, merged))
 
-    x, (new, changed) = jax.lax.scan(body, x, (params, rest, states))
+    start = (jnp.int32(0), x, states)
+    (_, x, stacked), (fresh, changed) = jax.lax.scan(body, start, (params, rest))
     _write_back(blocks, changed)
-    return x, new
+    return x, [s if c else f for s, f, c in zip(stacked, fresh, carried, strict=True)]
