@@ -235,3 +235,17 @@ def test_the_compile_sweep_builds_the_bound_and_the_scanned_model():
     plain = compile_time.hf_model(4, 32)
     methods = [n.method for _, n in nnx.iter_graph(plain) if isinstance(n, DeltaRuleAttention)]
     assert methods == ["chunked"] * 3 and plain.period is None  # unrolled
+
+
+def test_the_scan_layers_suite_prints_a_row_per_layout(tmp_path, capsys):
+    benchmark.main(
+        ["scan-layers", "--layouts", "linear,gated_deltanet : softmax", "--depth", "2"]
+        + ["--width", "16", "--prefill", "8", "--decode-steps", "2", "--repeats", "1"]
+        + ["--out", str(tmp_path)]
+    )
+    printed = capsys.readouterr().out.strip()
+    assert printed.splitlines()[0].startswith("| layout | depth | width | period |")
+    rows = [line.split(" | ") for line in printed.splitlines()[2:]]
+    assert [(r[0], r[3]) for r in rows] == [("| linear", "1"), ("| gated_deltanet : softmax", "2")]
+    assert all(r[6].endswith("x") and r[9].endswith("x |") for r in rows)
+    assert (tmp_path / "scan_layers.md").read_text().endswith(printed + "\n")

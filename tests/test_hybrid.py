@@ -7,6 +7,7 @@ it in its process with ``--xla_force_host_platform_device_count=8`` (one process
 multi-device check, rather than one each).
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from linattn_jax import layers, models
-from linattn_jax.layers import registry
+from linattn_jax.layers import moe, registry
 from tests import helpers
 
 V, W, H, B, T = 29, 16, 2, 2, 12
@@ -197,6 +198,73 @@ def test_remat_keeps_the_loss_and_gradients(remat, scan):
         block = jax.tree.map(lambda x: x[0], block) if scan else block
         helpers.assert_close_normwise(block, grads["blocks"][i], rtol=1e-4)
     helpers.assert_close_normwise(got_grads["embed"], grads["embed"], rtol=1e-4)
+
+
+MOE = dict(num_experts=4, top_k=2, hidden=8, score="sigmoid", shared_hidden=8, score_bias=True)
+CONSTANTS = {  # blocks holding non-parameter variables that a call only reads, or records
+    "favor_plus": dict(attention="linear", feature_map="favor_plus"),  # RandomProjection
+    "favor_plus_remat": dict(attention="linear", feature_map="favor_plus", remat="full"),
+    "moe": dict(mlp=["swiglu", "moe"] * 2, moe=MOE, mlp_hidden=12),  # RouterBias, RouterLosses
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CONSTANTS))
+def test_scanned_generate_with_constant_variables_equals_unrolled(kind):
+    """Blocks holding non-parameter constants (a random projection, a router's bias) decode
+    scanned as unrolled: the scan writes back only what its body changed, so nothing is
+    written from inside generate's loop into the modules made outside it (before: a
+    TraceContextError; with remat, unrolled too). A MoE model records its losses in training and, like the unrolled
+    one, nothing (and fails on nothing) in a jit closing over it."""
+    kw = CONSTANTS[kind]
+    unrolled = _model(4, **kw)
+    scanned = _scanned_copy(unrolled, 4, **kw)
+    rest = nnx.state(scanned.blocks, nnx.Not(nnx.Param))
+    assert jax.tree.leaves(rest)
+    prompt = _tokens(5)[:, :6]
+    np.testing.assert_array_equal(
+        scanned.generate(prompt, 5, temperature=0.0),
+        unrolled.generate(prompt, 5, temperature=0.0),
+    )
+    chex.assert_trees_all_equal(nnx.state(scanned.blocks, nnx.Not(nnx.Param)), rest)
+    if kind == "moe":
+        jax.jit(lambda t: scanned(t))(prompt)  # a closure: records nothing, as unrolled
+        chex.assert_trees_all_equal(nnx.state(scanned.blocks, nnx.Not(nnx.Param)), rest)
+        _forward(scanned, prompt), _forward(unrolled, prompt)
+        np.testing.assert_allclose(
+            moe.collect_losses(scanned), moe.collect_losses(unrolled), rtol=1e-5
+        )
+        assert float(jnp.sum(moe.collect_losses(scanned))) > 0
+
+
+def _scan_outputs(model, tokens, state) -> int:
+    """How many outputs (not carried) the depth's scan has in one decoding call."""
+    graphdef, variables = nnx.split(model)
+    call = lambda v, s: nnx.merge(graphdef, v)(tokens, state=s, return_state=True)
+    eqns = jax.make_jaxpr(call)(variables, state).eqns
+    (scan,) = [e for e in eqns if e.primitive.name == "scan" and e.params["length"] == 2]
+    return len(scan.outvars) - scan.params["num_carry"]
+
+
+def test_scanned_decoding_carries_each_layers_state_in_its_place():
+    """Prefill then token-by-token steps, scanned: the stacked states are the scan's carry
+    (no stacked copy as its output), each step writes layer ``i * p + j``'s state into
+    slice ``i`` of block ``j``'s, and every slice equals the unrolled model's layer."""
+    unrolled, tokens = _model(4), _tokens(9)
+    scanned = _scanned_copy(unrolled, 4)
+    state, want = scanned.init_state(B, T), unrolled.init_state(B, T)
+    assert _scan_outputs(scanned, tokens[:, :7], state) == 0
+    logits, state = _decode(scanned, tokens[:, :7], state)
+    expected, want = _decode(unrolled, tokens[:, :7], want)
+    np.testing.assert_allclose(logits, expected, atol=2e-5, rtol=2e-5)
+    for i in range(7, 10):
+        logits, state = _decode(scanned, tokens[:, i : i + 1], state)
+        expected, want = _decode(unrolled, tokens[:, i : i + 1], want)
+        np.testing.assert_allclose(logits, expected, atol=2e-5, rtol=2e-5)
+    for layer in range(4):
+        i, j = divmod(layer, scanned.period)
+        chex.assert_trees_all_close(
+            jax.tree.map(lambda x, i=i: x[i], state[j]), want[layer], atol=2e-5, rtol=2e-5
+        )
 
 
 def test_gradients_reach_every_parameter():

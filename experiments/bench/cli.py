@@ -1,10 +1,10 @@
 """The command line of ``python -m experiments.benchmark``: one subcommand per suite
 (``forms``, ``recurrences``, ``decode``, ``comm``, ``fsdp``, ``train-step``, ``compile``,
-``hf-load``, ``peers``, ``triangular``, ``moe``, ``device``), each taking only its own flags,
-and the flat command line without a subcommand, which takes every flag and runs the suite that
-``--recurrences``, ``--decode``, ``--comm`` or ``--train-steps`` names (the forms when none
-does; ``compile``, ``fsdp``, ``hf-load``, ``peers``, ``triangular``, ``moe`` and ``device``
-are subcommands only).
+``hf-load``, ``peers``, ``triangular``, ``moe``, ``device``, ``scan-layers``), each taking
+only its own flags, and the flat command line without a subcommand, which takes every flag and
+runs the suite that ``--recurrences``, ``--decode``, ``--comm`` or ``--train-steps`` names
+(the forms when none does; ``compile``, ``fsdp``, ``hf-load``, ``peers``, ``triangular``,
+``moe``, ``device`` and ``scan-layers`` are subcommands only).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from experiments.bench import (
     moe,
     peers,
     recurrences,
+    scan_layers,
     train_step,
     triangular,
 )
@@ -99,6 +100,10 @@ FLAGS = {
         type=float, default=200.0, help="device: seconds after which the rest is skipped"
     ),
     "--smallest": dict(action="store_true", help="device: every part at toy sizes (CPU)"),
+    "--depth": dict(type=int, default=8, help="scan-layers: the models' depth"),
+    "--layouts": dict(
+        default=scan_layers.LAYOUTS, help="scan-layers: the attention layouts, comma-separated"
+    ),
 }
 
 # Subcommand: (its module, what it measures, its flags besides --out).
@@ -215,6 +220,20 @@ SUITES["device"] = (
         "--smallest",
     ),
 )
+SUITES["scan-layers"] = (
+    scan_layers,
+    "a model's forward and per-token decoding with its layers scanned against unrolled "
+    "(the same parameters), for each of --layouts, interleaved; ratios scanned / unrolled",
+    (
+        "--layouts",
+        "--depth",
+        "--width",
+        ("--prefill", dict(default=256, help="scan-layers: the forward's tokens")),
+        ("--decode-steps", dict(default=32, help="scan-layers: decoding steps timed")),
+        ("--decode-batch", dict(help="scan-layers: the forward's and decoding's batch")),
+        ("--repeats", dict(default=10)),
+    ),
+)
 # The flat command line's suite flags, in the order they win: (attribute, suite).
 PICKS = (("comm", "comm"), ("train_steps", "train-step"), ("recurrences", "recurrences"))
 PICKS += (("decode", "decode"),)
@@ -236,7 +255,8 @@ def make_parser() -> argparse.ArgumentParser:
         epilog="Each suite is also a subcommand with only its own flags: "
         "python -m experiments.benchmark SUITE --help.",
     )
-    own = ("--config", "--out", "--dtypes", "--budget-s", "--smallest")  # not the flat line's
+    # Not the flat line's:
+    own = ("--config", "--out", "--dtypes", "--budget-s", "--smallest", "--depth", "--layouts")
     _add(parser, [f for f in FLAGS if f not in own])
     for attribute, suite in PICKS:
         flag = "--" + attribute.replace("_", "-")

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax import sharding
-from linattn_jax.layers import TransformerBlock, registry
+from linattn_jax.layers import TransformerBlock, moe, registry
 from linattn_jax.layers.mlp import mlp_layout
 from linattn_jax.layers.ngram import NGramBlock
 from linattn_jax.ops import checks
@@ -174,8 +174,10 @@ def run_blocks(
 
 # Not nnx.remat / nnx.scan: they refuse modules made at another trace level, as in
 # generate's decoding while_loop, which calls the model it closes over. These run the pure
-# function of the modules' state (nnx.split / nnx.merge) and write back what is not a
-# parameter (dropout's RNG counts).
+# function of the modules' state (nnx.split / nnx.merge) and write back the variables that
+# are not parameters and that the call changed (dropout's RNG counts, a MoE's router losses),
+# never the constants it only read (random projections, a router's bias): those, written
+# from inside the decoding loop, would mutate modules made outside it.
 
 
 def _split(module):
@@ -184,9 +186,33 @@ def _split(module):
     return merged, params, rest
 
 
-def _write_back(module, rest) -> None:
-    if jax.tree.leaves(rest):
-        nnx.update(module, rest)
+def _values(state: nnx.State) -> dict:
+    """The arrays of ``state`` by path, taken now (a merged module may hold and change its
+    very variables)."""
+    return {path: v.get_value() for path, v in nnx.to_flat_state(state)}
+
+
+def _changed(given: dict, merged) -> nnx.State:
+    """The non-parameter variables of ``merged`` that its call replaced, ``given`` the
+    arrays it was merged from (``_values``): one left alone still holds the very array."""
+    after = nnx.to_flat_state(nnx.state(merged, nnx.Not(nnx.Param)))
+    return nnx.from_flat_state([(p, v) for p, v in after if v.get_value() is not given.get(p)])
+
+
+def _write_back(module, changed: nnx.State) -> None:
+    """``changed`` into ``module``, but for records that cannot be written at this trace
+    level (a MoE's losses inside a decoding loop: unrolled, the MoE skips them there too);
+    anything else (dropout's RNG counts there) raises as an unrolled layer does."""
+    if not jax.tree.leaves(changed):
+        return
+    targets = {tuple(p): n for p, n in nnx.iter_graph(module) if isinstance(n, nnx.Variable)}
+    keep = [
+        (path, v)
+        for path, v in nnx.to_flat_state(changed)
+        if getattr(targets[tuple(path)], "_can_update", True) or not isinstance(v, moe.RouterLosses)
+    ]
+    if keep:
+        nnx.update(module, nnx.from_flat_state(keep))
 
 
 def _checkpointed(call, checkpoint, block, x, s):
@@ -194,24 +220,44 @@ def _checkpointed(call, checkpoint, block, x, s):
     merge, params, rest = _split(block)
 
     def pure(params, rest, x, s):
-        merged = merge(params, rest)
-        return call(merged, x, s), nnx.state(merged, nnx.Not(nnx.Param))
+        given, merged = _values(rest), merge(params, rest)
+        return call(merged, x, s), _changed(given, merged)
 
-    out, rest = checkpoint(pure)(params, rest, x, s)
-    _write_back(block, rest)
+    out, changed = checkpoint(pure)(params, rest, x, s)
+    _write_back(block, changed)
     return out
 
 
 def _scanned(through, blocks, x, states):
-    """``through`` over the stacked blocks by ``jax.lax.scan``, carrying ``x``."""
+    """``through`` over the stacked blocks by ``jax.lax.scan``, carrying ``x`` and the
+    stacked decoding states: step ``i`` reads its layer's slice of each and writes the new
+    one in its place (``dynamic_update_index_in_dim``), so XLA updates the states in place
+    rather than stack a copy of each as the scan's output. A block given no state
+    (``None``) returns its new one, if any, as the scan's output."""
     merge, params, rest = _split(blocks)
+    carried = [s is not None for s in states]
+    at = lambda i: lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
+    put = lambda i: lambda a, new: jax.lax.dynamic_update_index_in_dim(a, new, i, 0)
 
-    def body(x, layer):
-        params, rest, states = layer
-        merged = merge(params, rest)
-        x, new = through(merged, x, states)
-        return x, (new, nnx.state(merged, nnx.Not(nnx.Param)))
+    def body(carry, layer):
+        i, x, stacked = carry
+        params, rest = layer
+        given, merged = _values(rest), merge(params, rest)
+        read = lambda stacked: [jax.tree.map(at(i), s) for s in stacked]
+        # Read through a conditional XLA cannot see through: the slice is made once, so the
+        # update below is the stacked state's only other user and runs in place. Read
+        # directly, XLA:CPU fuses the slice into each of its consumers and then copies the
+        # whole stacked state twice per layer (depth squared per token).
+        own = jax.lax.cond(i >= 0, read, read, stacked) if any(carried) else stacked
+        x, new = through(merged, x, own)
+        stacked = [
+            jax.tree.map(put(i), s, n) if c else s
+            for s, n, c in zip(stacked, new, carried, strict=True)
+        ]
+        fresh = [None if c else n for n, c in zip(new, carried, strict=True)]
+        return (i + 1, x, stacked), (fresh, _changed(given, merged))
 
-    x, (new, rest) = jax.lax.scan(body, x, (params, rest, states))
-    _write_back(blocks, rest)
-    return x, new
+    start = (jnp.int32(0), x, states)
+    (_, x, stacked), (fresh, changed) = jax.lax.scan(body, start, (params, rest))
+    _write_back(blocks, changed)
+    return x, [s if c else f for s, f, c in zip(stacked, fresh, carried, strict=True)]
