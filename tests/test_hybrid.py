@@ -242,7 +242,9 @@ def _scan_outputs(model, tokens, state) -> int:
     call = lambda v, s: nnx.merge(graphdef, v)(tokens, state=s, return_state=True)
     eqns = jax.make_jaxpr(call)(variables, state).eqns
     (scan,) = [e for e in eqns if e.primitive.name == "scan" and e.params["length"] == 2]
-    return len(scan.outvars) - scan.params["num_carry"]
+    # A carried output has its step's shape; a stacked one gains the scan's length.
+    steps = scan.params["jaxpr"].jaxpr.outvars
+    return sum(out.aval.shape != step.aval.shape for out, step in zip(scan.outvars, steps))
 
 
 def test_scanned_decoding_carries_each_layers_state_in_its_place():
