@@ -129,10 +129,7 @@ def _scanned_copy(unrolled, depth, **kw):
     """A scanned model holding ``unrolled``'s parameters (layer i * p + j at index i of
     block j)."""
     scanned = _model(depth, seed=7, scan_layers=True, **kw)
-    p = scanned.period
-    for j in range(p):
-        per_layer = [nnx.state(unrolled.blocks[i * p + j]) for i in range(depth // p)]
-        nnx.update(scanned.blocks[j], jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer))
+    models.stack.stack_layers(unrolled.blocks, scanned.blocks)
     for name in ("embed", "norm"):
         nnx.update(getattr(scanned, name), nnx.state(getattr(unrolled, name)))
     return scanned
@@ -244,7 +241,9 @@ def _scan_outputs(model, tokens, state) -> int:
     (scan,) = [e for e in eqns if e.primitive.name == "scan" and e.params["length"] == 2]
     # A carried output has its step's shape; a stacked one gains the scan's length.
     steps = scan.params["jaxpr"].jaxpr.outvars
-    return sum(out.aval.shape != step.aval.shape for out, step in zip(scan.outvars, steps))
+    return sum(
+        out.aval.shape != step.aval.shape for out, step in zip(scan.outvars, steps, strict=True)
+    )
 
 
 def test_scanned_decoding_carries_each_layers_state_in_its_place():

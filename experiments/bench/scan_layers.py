@@ -36,10 +36,7 @@ def build(layout: str, depth: int, width: int) -> tuple[models.LanguageModel, ..
         scan_layers=scan, rngs=nnx.Rngs(0),
     )  # fmt: skip
     unrolled, scanned = make(False), make(True)
-    p = scanned.period
-    for j in range(p):
-        per_layer = [nnx.state(unrolled.blocks[i * p + j]) for i in range(depth // p)]
-        nnx.update(scanned.blocks[j], jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer))
+    models.stack.stack_layers(unrolled.blocks, scanned.blocks)
     for name in ("embed", "norm"):
         nnx.update(getattr(scanned, name), nnx.state(getattr(unrolled, name)))
     return unrolled, scanned

@@ -119,6 +119,15 @@ def make_blocks(
     return nnx.List(stacked), kinds, period
 
 
+def stack_layers(unrolled, scanned) -> None:
+    """Puts the unrolled stack ``unrolled``'s layers into the scanned stack ``scanned`` of
+    the same layout (``p`` blocks): layer ``i * p + j`` at index ``i`` of block ``j``."""
+    p = len(scanned)
+    for j, block in enumerate(scanned):
+        layers = [nnx.state(unrolled[i]) for i in range(j, len(unrolled), p)]
+        nnx.update(block, jax.tree.map(lambda *xs: jnp.stack(xs), *layers))
+
+
 def init_states(blocks, depth: int, period: int | None, batch: int, max_length: int | None):
     """One decoding state per layer (unrolled), or per block of the period, stacked
     ``depth / period`` deep (scanned)."""
