@@ -134,8 +134,8 @@ class DeltaRuleTest(chex.TestCase):
 
         args = (q, k, v, beta, gate, s0)
         argnums = (0, 1, 2, 3, 5) if gate is None else (0, 1, 2, 3, 4, 5)
-        got = jax.grad(ours, argnums=argnums)(*args)
-        want = jax.grad(ref, argnums=argnums)(*args)
+        got = jax.jit(jax.grad(ours, argnums=argnums))(*args)  # one program each
+        want = jax.jit(jax.grad(ref, argnums=argnums))(*args)
         helpers.assert_close_normwise(got, want)
 
     @parameterized.parameters(*VARIANTS)
@@ -200,9 +200,13 @@ class DeltaRuleTest(chex.TestCase):
             )
             chex.assert_trees_all_close(out, ref_out, **helpers.tol(jnp.float32))
             chex.assert_trees_all_close(state.s, ref_s, **helpers.tol(jnp.float32))
-            grads = jax.grad(
-                lambda q, k, g, m=method: jnp.sum(la.delta_rule(q, k, v, beta, gate=g, method=m)),
-                argnums=(0, 1, 2),
+            grads = jax.jit(  # one program (eagerly: op by op)
+                jax.grad(
+                    lambda q, k, g, m=method: jnp.sum(
+                        la.delta_rule(q, k, v, beta, gate=g, method=m)
+                    ),
+                    argnums=(0, 1, 2),
+                )
             )(q, k, gate)
             assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
 
@@ -230,8 +234,8 @@ class DeltaRuleTest(chex.TestCase):
                 la.delta_rule(q, k, v, beta, gate=g, method=method, chunk_size=chunk_size) ** 2
             )
         )
-        got = jax.grad(loss("chunked"), argnums=(0, 1, 2))(q, k, gate)
-        want = jax.grad(loss("scan"), argnums=(0, 1, 2))(q, k, gate)
+        got = jax.jit(jax.grad(loss("chunked"), argnums=(0, 1, 2)))(q, k, gate)  # one program
+        want = jax.jit(jax.grad(loss("scan"), argnums=(0, 1, 2)))(q, k, gate)
         helpers.assert_close_normwise(got, want)
 
     def test_every_token_at_minus_thirty(self):

@@ -67,16 +67,17 @@ def test_equals_transformers_mamba2_mixer_float32():
     x = _tokens(1)
     with torch.no_grad():
         expected = mixer(torch.from_numpy(np.array(x))).numpy()
-    helpers.assert_close_normwise(ours(x), expected, rtol=1e-5)
+    call = helpers.call  # one program a call (eagerly: op by op, slowly)
+    helpers.assert_close_normwise(call(ours, x), expected, rtol=1e-5)
     # The scan form and a chunk size that does not divide the length agree too.
-    helpers.assert_close_normwise(_ours(mixer, method="scan")(x), expected, rtol=1e-5)
+    helpers.assert_close_normwise(call(_ours(mixer, method="scan"), x), expected, rtol=1e-5)
 
 
 def test_prefill_then_steps_equal_the_full_forward():
     ours = _ours(_torch_mixer(2), chunk_size=4)
     x = _tokens(3, t=9)
-    full = ours(x)
-    y, cache = ours(x[:, :5], state=ours.init_state(2), return_state=True)
+    full = helpers.call(ours, x)  # one program a call (eagerly: op by op, slowly)
+    y, cache = helpers.call(ours, x[:, :5], state=ours.init_state(2), return_state=True)
     outs = [y]
     step = nnx.jit(lambda m, x, c: m(x, state=c, return_state=True))
     for i in range(5, 9):
@@ -90,17 +91,18 @@ def test_left_padding_and_packed_segments_equal_each_row_alone():
     ours = _ours(_torch_mixer(4))
     a, b, c = _tokens(5, b=1, t=7), _tokens(6, b=1, t=4), _tokens(7, b=1, t=3)
     # Causal: row 0's first 4 outputs are b's alone, whatever follows (one shape throughout).
-    alone = ours(jnp.concatenate([jnp.concatenate([b, c], 1), a]))
+    call = helpers.call  # one program a call (eagerly: op by op, slowly)
+    alone = call(ours, jnp.concatenate([jnp.concatenate([b, c], 1), a]))
     # Row 0 left-padded (its padding holding NaN), row 1 the full length.
     padded = jnp.concatenate([jnp.full((1, 3, WIDTH), jnp.nan), b], axis=1)
     mask = jnp.array([[False] * 3 + [True] * 4, [True] * 7])
-    out = ours(jnp.concatenate([padded, a]), key_mask=mask)
+    out = call(ours, jnp.concatenate([padded, a]), key_mask=mask)
     np.testing.assert_allclose(out[0, 3:], alone[0, :4], **helpers.tol(jnp.float32))
     np.testing.assert_allclose(out[1], alone[1], **helpers.tol(jnp.float32))
     # c packed after b in one row, told apart by segment ids: c as if alone.
     segments = jnp.array([[0] * 4 + [1] * 3, [0] * 7])
-    packed = ours(jnp.concatenate([jnp.concatenate([b, c], 1), a]), segment_ids=segments)
-    c_alone = ours(jnp.concatenate([jnp.concatenate([c, b], 1), a]))[0, :3]
+    packed = call(ours, jnp.concatenate([jnp.concatenate([b, c], 1), a]), segment_ids=segments)
+    c_alone = call(ours, jnp.concatenate([jnp.concatenate([c, b], 1), a]))[0, :3]
     np.testing.assert_allclose(packed[0, :4], alone[0, :4], **helpers.tol(jnp.float32))
     np.testing.assert_allclose(packed[0, 4:], c_alone, **helpers.tol(jnp.float32))
 

@@ -59,18 +59,20 @@ def test_layer_equals_transformers_prefill_and_steps(layer_pair):
             steps.append(y.numpy())
         rest, _ = ref(torch.from_numpy(x[:, 8:]), (c, n, m))
     expected_steps = np.concatenate(steps, 1)
-    out, s = layer(jnp.asarray(x[:, :8]), state=layer.init_state(B), return_state=True)
+    out, s = helpers.call(  # each call one program (eagerly: op by op, slowly)
+        layer, jnp.asarray(x[:, :8]), state=layer.init_state(B), return_state=True
+    )
     helpers.assert_close_normwise(out, expected.numpy())
     helpers.assert_close_normwise(tuple(s), (c.numpy(), n.numpy(), m.numpy()[..., 0]))
     outs = [out]
     for t in range(8, T):
-        y, s = layer(jnp.asarray(x[:, t : t + 1]), state=s, return_state=True)
+        y, s = helpers.call(layer, jnp.asarray(x[:, t : t + 1]), state=s, return_state=True)
         outs.append(y)
     helpers.assert_close_normwise(jnp.concatenate(outs, 1), expected_steps)
     helpers.assert_close_normwise(tuple(s), tuple(np.asarray(z)[..., 0] if z.ndim == 3 and
                                   z.shape[-1] == 1 else z.numpy() for z in state))  # fmt: skip
     # The sequence kernel (3 tokens, fewer than a chunk) from the chunkwise one's state.
-    helpers.assert_close_normwise(layer(jnp.asarray(x[:, 8:]), state=mlstm.State(
+    helpers.assert_close_normwise(helpers.call(layer, jnp.asarray(x[:, 8:]), state=mlstm.State(
         jnp.asarray(c.numpy()), jnp.asarray(n.numpy()), jnp.asarray(m.numpy()[..., 0])
     )), rest.numpy())  # fmt: skip
 

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from linattn_jax.layers import moe
-from tests.helpers import assert_close_normwise
+from tests.helpers import assert_close_normwise, call
 
 
 def scores_of(logits, score):
@@ -117,12 +117,15 @@ def test_matches_the_dense_reference_outputs_and_gradients(variant, method):
         ours = lambda layer, x: layer(x, record=False)
         chosen = layer_choice(layer, x)
         reference = lambda layer, x: reference_moe(layer, x, chosen)
-        out = ours(layer, x)
-        expected = reference(layer, x)
+        # Each under jit: one program, where eagerly every operation compiles on its own.
+        forward = jax.jit(lambda p, x, fn: fn(nnx.merge(graphdef, p, rest), x), static_argnums=2)
+        out = forward(params, x, ours)
+        expected = forward(params, x, reference)
         assert out.dtype == jnp.float64
         assert_close_normwise(out, expected, 1e-12)
-        grads = jax.grad(loss, argnums=(0, 1))(params, x, ours)
-        expected_grads = jax.grad(loss, argnums=(0, 1))(params, x, reference)
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+        grads = grad(params, x, ours)
+        expected_grads = grad(params, x, reference)
         assert_close_normwise(grads, expected_grads, 1e-12)
 
 
@@ -169,11 +172,11 @@ def test_padded_tokens_change_nothing_even_as_nan():
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), a, b)
     assert np.all(np.asarray(grads[1])[~np.asarray(mask)] == 0)
     # The real tokens' outputs and losses are those of the real tokens alone.
-    layer(poisoned, key_mask=mask)
+    call(layer, poisoned, key_mask=mask)
     masked_losses = layer.losses[...]
-    np.testing.assert_allclose(out[1:, :5], layer(x[1:, :5]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out[1:, :5], call(layer, x[1:, :5]), rtol=1e-5, atol=1e-6)
     real = x[mask]  # [9, 8]
-    layer(real[None])
+    call(layer, real[None])
     np.testing.assert_allclose(masked_losses, layer.losses[...], rtol=1e-6)
 
 

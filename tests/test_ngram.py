@@ -89,14 +89,16 @@ def test_the_layer_matches_transformers_and_decodes_as_its_full_pass():
             conv_mask=torch.tensor(mask.astype(np.int64)),
         ).numpy()  # fmt: skip
     streams = jnp.asarray(x).reshape(b, t, n, d)
-    full, _ = layer(streams, jnp.asarray(tokens), key_mask=jnp.asarray(mask))
+    full, _ = helpers.call(layer, streams, jnp.asarray(tokens), key_mask=jnp.asarray(mask))
     helpers.assert_close_normwise(full.reshape(b, t, -1), theirs, 1e-5)
-    out, state = layer(
-        streams[:, :4], jnp.asarray(tokens[:, :4]), key_mask=jnp.asarray(mask[:, :4])
+    out, state = helpers.call(  # each call one program (eagerly: op by op, slowly)
+        layer, streams[:, :4], jnp.asarray(tokens[:, :4]), key_mask=jnp.asarray(mask[:, :4])
     )
     outs = [out]
     for i in range(4, t):
-        out, state = layer(streams[:, i : i + 1], jnp.asarray(tokens[:, i : i + 1]), state=state)
+        out, state = helpers.call(
+            layer, streams[:, i : i + 1], jnp.asarray(tokens[:, i : i + 1]), state=state
+        )
         outs.append(out)
     helpers.assert_close_normwise(jnp.concatenate(outs, 1), full, 1e-6)
     assert jax.tree.leaves(state)[0].shape == (b, 2)

@@ -11,6 +11,7 @@ from flax import nnx
 
 from linattn_jax import layers
 from linattn_jax.ops import checks
+from tests import helpers
 
 # The third run repeats the first's id; the second is shorter than the convolution's window.
 IDS = np.array([0] * 5 + [1] * 2 + [0] * 5)
@@ -35,7 +36,11 @@ def test_segment_runs():
 )
 def test_repeated_id_is_a_new_segment(make):
     layer = make()
-    call = (lambda x, **kw: layer(x, **kw)[0]) if isinstance(layer, layers.CausalConv1D) else layer
+
+    def call(x, **kw):  # one program a call (eagerly: op by op, slowly)
+        out = helpers.call(layer, x, **kw)
+        return out[0] if isinstance(layer, layers.CausalConv1D) else out
+
     x = jax.random.normal(jax.random.key(0), (1, 12, 8))
     packed = call(x, segment_ids=jnp.asarray(IDS[None], jnp.int32))
     alone = jnp.concatenate([call(x[:, a:b]) for a, b in RUNS], axis=1)

@@ -10,6 +10,7 @@ from flax import nnx
 from linattn_jax import layers
 from linattn_jax.layers import norms, rope
 from tests import helpers
+from tests.helpers import call
 
 B, T, W, H = 2, 10, 16, 4
 EPS = 1e-6  # the RMSNorms' epsilon
@@ -203,13 +204,13 @@ def test_token_positions_restart_per_segment_and_skip_padding():
 @pytest.mark.parametrize("name", ["qwen_next", "window", "gqa", "soft_cap"])
 def test_prefill_then_steps_equal_full_forward_and_cache_holds_kv_heads(name):
     layer, x = _randomise(_layer(**OPTIONS[name])), _x(3)
-    full = layer(x)
-    y, cache = layer(x[:, :6], state=layer.init_state(B), return_state=True)
+    full = call(layer, x)
+    y, cache = call(layer, x[:, :6], state=layer.init_state(B), return_state=True)
     n = 32 if layer.sliding_window is None else layer.sliding_window  # a window: a ring
     assert cache.k.shape == (B, n, layer.num_kv_heads, layer.head_dim) == cache.v.shape
     outs = [y]
     for i in range(6, T):
-        y, cache = layer(x[:, i : i + 1], state=cache, return_state=True)
+        y, cache = call(layer, x[:, i : i + 1], state=cache, return_state=True)
         outs.append(y)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-5)
 
@@ -250,16 +251,16 @@ def test_left_padded_prefill_and_packed_segments_equal_each_alone():
     # Row 1 padded by 3 on the left: its real tokens' outputs, then its steps, equal row 1's
     # last 7 tokens alone.
     mask = jnp.ones((B, T), bool).at[1, :3].set(False)
-    padded, cache = layer(x[:, :8], key_mask=mask[:, :8], state=layer.init_state(B), return_state=True)  # fmt: skip
-    step, _ = layer(x[:, 8:9], state=cache, return_state=True)
-    alone = layer(x[1:, 3:9])
+    padded, cache = call(layer, x[:, :8], key_mask=mask[:, :8], state=layer.init_state(B), return_state=True)  # fmt: skip
+    step, _ = call(layer, x[:, 8:9], state=cache, return_state=True)
+    alone = call(layer, x[1:, 3:9])
     np.testing.assert_allclose(padded[1, 3:], alone[0, :5], atol=1e-5)
     np.testing.assert_allclose(step[1], alone[0, 5:], atol=1e-5)
     # Two segments packed in one row: each as its own sequence.
     seg = jnp.array([[0] * 4 + [1] * 6] * B)
-    packed = layer(x, segment_ids=seg)
-    np.testing.assert_allclose(packed[:, :4], layer(x[:, :4]), atol=1e-5)
-    np.testing.assert_allclose(packed[:, 4:], layer(x[:, 4:]), atol=1e-5)
+    packed = call(layer, x, segment_ids=seg)
+    np.testing.assert_allclose(packed[:, :4], call(layer, x[:, :4]), atol=1e-5)
+    np.testing.assert_allclose(packed[:, 4:], call(layer, x[:, 4:]), atol=1e-5)
 
 
 @pytest.mark.parametrize(
