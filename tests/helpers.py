@@ -206,11 +206,14 @@ def load_state_dict(torch_model, path, config_dir):
 def prefill_then_steps(model, tokens, prefill: int, state):
     """The logits of ``tokens [b, t]`` run as a prefill of the first ``prefill`` from
     ``state`` and then one decoding step per token (jitted), concatenated over time."""
-    run = nnx.jit(lambda m, t, s: m(t, state=s, return_state=True))
-    logits, state = run(model, jnp.asarray(tokens[:, :prefill], jnp.int32), state)
+
+    def run(tokens, state):
+        return call(model, jnp.asarray(tokens, jnp.int32), state=state, return_state=True)
+
+    logits, state = run(tokens[:, :prefill], state)
     outs = [logits]
     for i in range(prefill, tokens.shape[1]):
-        logits, state = run(model, jnp.asarray(tokens[:, i : i + 1], jnp.int32), state)
+        logits, state = run(tokens[:, i : i + 1], state)
         outs.append(logits)
     return jnp.concatenate(outs, 1)
 
@@ -275,12 +278,6 @@ def torch_pair(tmp_path_factory, name: str, make, norm_mean: float) -> tuple:
     return (ref, path, *from_torch(ref, path))
 
 
-# Compiled once per model structure and shape (eager calls would run op by op, slowly:
-# a Mamba-2 hybrid's eager forward takes about four times its compile's CPU time).
-forward = nnx.jit(lambda model, tokens, mask: model(tokens, key_mask=mask))
-unmasked = nnx.jit(lambda model, tokens: model(tokens))
-
-
 def call(module, *args, **kwargs):
     """``module(*args, **kwargs)`` as one compiled program (``nnx.jit``; state the call
     writes, such as a MoE layer's losses, written back). Eagerly, each operation of the
@@ -300,6 +297,16 @@ def _all_arrays(tree) -> bool:
 @nnx.jit(static_argnames="options")
 def _call(module, args, arrays, options):
     return module(*args, **arrays, **dict(options))
+
+
+# A model's logits, compiled once per model structure and shape (a Mamba-2 hybrid's eager
+# forward takes about four times its compile's CPU time).
+def forward(model, tokens, mask):
+    return call(model, tokens, key_mask=mask)
+
+
+def unmasked(model, tokens):
+    return call(model, tokens)
 
 
 def logits(model, tokens, mask=None):

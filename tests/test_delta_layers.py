@@ -196,7 +196,7 @@ def test_classifier_ignores_padding(kind):
 def test_segments_run_as_separate_sequences(kind):
     layer, x = _layer(kind), _x(5, (1, T, W))
     segments = jnp.where(jnp.arange(T) < 5, 0, 1)[None].astype(jnp.int32)
-    packed = helpers.call(layer, x, segment_ids=segments)  # one program a call
+    packed = helpers.call(layer, x, segment_ids=segments)
     separate = jnp.concatenate([helpers.call(layer, x[:, :5]), helpers.call(layer, x[:, 5:])], 1)
     chex.assert_trees_all_close(packed, separate, atol=1e-5, rtol=1e-5)
 

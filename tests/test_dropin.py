@@ -36,16 +36,17 @@ class DropInTest(parameterized.TestCase):
         x = jax.random.normal(jax.random.PRNGKey(1), (B, T, W))
         kv = jax.random.normal(jax.random.PRNGKey(2), (B, S, W))
         key_mask = jnp.arange(S)[None, :] < jnp.array([[S], [4]])
-        call = helpers.call  # one program a call (eagerly: op by op, slowly)
-        chex.assert_trees_all_close(call(layer, x, kv), _reference(layer, x, kv, None), atol=1e-5)
+        chex.assert_trees_all_close(
+            helpers.call(layer, x, kv), _reference(layer, x, kv, None), atol=1e-5
+        )
         poisoned = jnp.where(key_mask[..., None], kv, jnp.nan)
-        out = call(layer, x, poisoned, key_mask=key_mask)
+        out = helpers.call(layer, x, poisoned, key_mask=key_mask)
         chex.assert_trees_all_close(out, _reference(layer, x, kv, key_mask), atol=1e-5)
         grads = nnx.grad(lambda m: jnp.sum(m(x, poisoned, key_mask=key_mask) ** 2))(layer)
         assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
         # Separate values: inputs_v replaces the values only.
         v_in = jax.random.normal(jax.random.PRNGKey(3), (B, S, W))
-        out = call(layer, x, kv, v_in)
+        out = helpers.call(layer, x, kv, v_in)
         q, k, v = _heads(layer.q_proj(x)), _heads(layer.k_proj(kv)), _heads(layer.v_proj(v_in))
         attend = la.linear_attention if cls is layers.LinearAttention else None
         if attend is not None:

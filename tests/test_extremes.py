@@ -12,7 +12,6 @@ import pytest
 
 import linattn_jax as la
 from tests import helpers
-from tests.helpers import call
 from tests.reference_recurrent import delta_rule_reference
 
 B, T, H, D, C = 1, 24, 2, 4, 8
@@ -198,18 +197,18 @@ def test_right_padding_leaves_the_delta_layers_cache_its_last_real_inputs():
     x = jax.random.normal(jax.random.PRNGKey(2), (1, 9, WIDTH))
     real, pad = x[:, :6], jnp.full((1, 3, WIDTH), jnp.nan)
     mask = jnp.array([[True] * 6 + [False] * 3])
-    _, cache = call(
+    _, cache = helpers.call(
         layer,
         jnp.concatenate([real, pad], 1),
         key_mask=mask,
         state=layer.init_state(1),
         return_state=True,
     )
-    _, ref_cache = call(layer, real, state=layer.init_state(1), return_state=True)
+    _, ref_cache = helpers.call(layer, real, state=layer.init_state(1), return_state=True)
     chex.assert_trees_all_close(cache, ref_cache, **helpers.tol(jnp.float32))
     token = x[:, 6:7]
-    y, _ = call(layer, token, state=cache, return_state=True)
-    y_ref, _ = call(layer, token, state=ref_cache, return_state=True)
+    y, _ = helpers.call(layer, token, state=cache, return_state=True)
+    y_ref, _ = helpers.call(layer, token, state=ref_cache, return_state=True)
     chex.assert_trees_all_close(y, y_ref, **helpers.tol(jnp.float32))
 
 
@@ -229,11 +228,11 @@ def test_a_left_padded_chunk_after_a_state_keeps_the_states_inputs_in_the_window
     layer = SHORT_CONV_LAYERS[kind]()
     x = jax.random.normal(jax.random.PRNGKey(5), (1, 7, WIDTH))
     first, second = x[:, :5], x[:, 5:]
-    _, state = call(layer, first, state=layer.init_state(1), return_state=True)
-    alone, alone_state = call(layer, second, state=state, return_state=True)
+    _, state = helpers.call(layer, first, state=layer.init_state(1), return_state=True)
+    alone, alone_state = helpers.call(layer, second, state=state, return_state=True)
     padded = jnp.concatenate([jnp.full((1, 3, WIDTH), jnp.nan), second], axis=1)
     mask = jnp.array([[False] * 3 + [True] * 2])
-    out, out_state = call(layer, padded, key_mask=mask, state=state, return_state=True)
+    out, out_state = helpers.call(layer, padded, key_mask=mask, state=state, return_state=True)
     chex.assert_trees_all_close(out[:, 3:], alone, **helpers.tol(jnp.float32))
     chex.assert_trees_all_close(out_state, alone_state, **helpers.tol(jnp.float32))
 
@@ -244,9 +243,11 @@ def test_the_classifier_checks_its_ids_and_pools_by_selection():
     mask = jnp.array([[True, True, True, False]])
     with pytest.raises(ValueError, match=rf"tokens: token ids must lie in \[0, {VOCAB}\)"):
         model(tokens, key_mask=mask)
-    padded = call(model, tokens.at[0, 3].set(0), key_mask=mask)
+    padded = helpers.call(model, tokens.at[0, 3].set(0), key_mask=mask)
     assert bool(jnp.all(jnp.isfinite(padded)))
-    chex.assert_trees_all_close(padded, call(model, tokens[:, :3]), **helpers.tol(jnp.float32))
+    chex.assert_trees_all_close(
+        padded, helpers.call(model, tokens[:, :3]), **helpers.tol(jnp.float32)
+    )
 
 
 def test_a_tiny_temperature_samples_greedily():

@@ -129,7 +129,7 @@ class ModelTest(chex.TestCase):
     def test_classifier_padding_and_shapes(self, attention):
         model = models.SequenceClassifier(37, 5, W, 2, H, attention=attention, rngs=nnx.Rngs(0))
         tokens = jax.random.randint(jax.random.PRNGKey(1), (B, T), 0, 37)
-        logits = helpers.call(model, tokens[:, :7])  # one program a call
+        logits = helpers.call(model, tokens[:, :7])
         chex.assert_shape(logits, (B, 5))
         padded = tokens.at[:, 7:].set(0)
         mask = jnp.broadcast_to(jnp.arange(T)[None] < 7, (B, T))

@@ -46,8 +46,7 @@ def _through_weights(layer, x, weights):
 )
 def test_a_window_over_the_whole_sequence_is_the_softmax_layer(x, window, scaling):
     teacher, student = _pair(window=window, rope_scaling=scaling)
-    call = helpers.call  # one program a call (eagerly: op by op, slowly)
-    helpers.assert_close_normwise(call(student, x), call(teacher, x), 1e-5)
+    helpers.assert_close_normwise(helpers.call(student, x), helpers.call(teacher, x), 1e-5)
 
 
 @pytest.mark.parametrize(
@@ -62,17 +61,12 @@ def test_fast_forms_equal_the_quadratic_weights(x, options):
         helpers.assert_close_normwise(jnp.sum(weights, -1), jnp.ones((2, HEADS, T)), 1e-6)
 
 
-@nnx.jit
-def _call(layer, x, state):
-    return layer(x, state=state, return_state=True)
-
-
 def test_decoding_and_left_padding(x):
     _, student = _pair(chunk_size=4, gate="channel")
-    y, state = _call(student, x[:, :8], student.init_state(2))
+    y, state = helpers.call(student, x[:, :8], state=student.init_state(2), return_state=True)
     steps = [y]
     for i in range(8, T):
-        y, state = _call(student, x[:, i : i + 1], state)
+        y, state = helpers.call(student, x[:, i : i + 1], state=state, return_state=True)
         steps.append(y)
     helpers.assert_close_normwise(jnp.concatenate(steps, axis=1), helpers.call(student, x), 1e-5)
     mask = jnp.arange(T)[None] >= jnp.array([[0], [3]])

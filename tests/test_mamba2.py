@@ -67,21 +67,19 @@ def test_equals_transformers_mamba2_mixer_float32():
     x = _tokens(1)
     with torch.no_grad():
         expected = mixer(torch.from_numpy(np.array(x))).numpy()
-    call = helpers.call  # one program a call (eagerly: op by op, slowly)
-    helpers.assert_close_normwise(call(ours, x), expected, rtol=1e-5)
+    helpers.assert_close_normwise(helpers.call(ours, x), expected, rtol=1e-5)
     # The scan form and a chunk size that does not divide the length agree too.
-    helpers.assert_close_normwise(call(_ours(mixer, method="scan"), x), expected, rtol=1e-5)
+    helpers.assert_close_normwise(helpers.call(_ours(mixer, method="scan"), x), expected, rtol=1e-5)
 
 
 def test_prefill_then_steps_equal_the_full_forward():
     ours = _ours(_torch_mixer(2), chunk_size=4)
     x = _tokens(3, t=9)
-    full = helpers.call(ours, x)  # one program a call (eagerly: op by op, slowly)
+    full = helpers.call(ours, x)
     y, cache = helpers.call(ours, x[:, :5], state=ours.init_state(2), return_state=True)
     outs = [y]
-    step = nnx.jit(lambda m, x, c: m(x, state=c, return_state=True))
     for i in range(5, 9):
-        y, cache = step(ours, x[:, i : i + 1], cache)
+        y, cache = helpers.call(ours, x[:, i : i + 1], state=cache, return_state=True)
         outs.append(y)
     assert cache.ssm.s.shape == (2, HEADS, STATE, HEAD_DIM) and cache.ssm.s.dtype == jnp.float32
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, **helpers.tol(jnp.float32))
@@ -91,7 +89,7 @@ def test_left_padding_and_packed_segments_equal_each_row_alone():
     ours = _ours(_torch_mixer(4))
     a, b, c = _tokens(5, b=1, t=7), _tokens(6, b=1, t=4), _tokens(7, b=1, t=3)
     # Causal: row 0's first 4 outputs are b's alone, whatever follows (one shape throughout).
-    call = helpers.call  # one program a call (eagerly: op by op, slowly)
+    call = helpers.call
     alone = call(ours, jnp.concatenate([jnp.concatenate([b, c], 1), a]))
     # Row 0 left-padded (its padding holding NaN), row 1 the full length.
     padded = jnp.concatenate([jnp.full((1, 3, WIDTH), jnp.nan), b], axis=1)

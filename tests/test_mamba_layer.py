@@ -25,7 +25,7 @@ def test_weighted_mixer_norms_equal_the_weightless_ones_folded_into_the_projecti
     weighted.c_layernorm.scale[...] = 1.0 / s
     plain.dt_proj.kernel[...] = plain.dt_proj.kernel[...] * w[:, None]
     x = jax.random.normal(ks[2], (2, 7, 16))
-    call = helpers.call  # one program a call (eagerly: op by op, slowly)
+    call = helpers.call
     helpers.assert_close_normwise(call(weighted, x), call(plain, x), 1e-5)
     weighted.c_layernorm.scale[...] = s  # no longer cancelling: a different output
     assert float(jnp.linalg.norm(call(weighted, x) - call(plain, x))) > 1e-3

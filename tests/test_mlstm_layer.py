@@ -59,7 +59,7 @@ def test_layer_equals_transformers_prefill_and_steps(layer_pair):
             steps.append(y.numpy())
         rest, _ = ref(torch.from_numpy(x[:, 8:]), (c, n, m))
     expected_steps = np.concatenate(steps, 1)
-    out, s = helpers.call(  # each call one program (eagerly: op by op, slowly)
+    out, s = helpers.call(
         layer, jnp.asarray(x[:, :8]), state=layer.init_state(B), return_state=True
     )
     helpers.assert_close_normwise(out, expected.numpy())

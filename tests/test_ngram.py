@@ -91,7 +91,7 @@ def test_the_layer_matches_transformers_and_decodes_as_its_full_pass():
     streams = jnp.asarray(x).reshape(b, t, n, d)
     full, _ = helpers.call(layer, streams, jnp.asarray(tokens), key_mask=jnp.asarray(mask))
     helpers.assert_close_normwise(full.reshape(b, t, -1), theirs, 1e-5)
-    out, state = helpers.call(  # each call one program (eagerly: op by op, slowly)
+    out, state = helpers.call(
         layer, streams[:, :4], jnp.asarray(tokens[:, :4]), key_mask=jnp.asarray(mask[:, :4])
     )
     outs = [out]

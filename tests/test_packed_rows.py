@@ -37,7 +37,7 @@ def test_segment_runs():
 def test_repeated_id_is_a_new_segment(make):
     layer = make()
 
-    def call(x, **kw):  # one program a call (eagerly: op by op, slowly)
+    def call(x, **kw):
         out = helpers.call(layer, x, **kw)
         return out[0] if isinstance(layer, layers.CausalConv1D) else out
 

@@ -10,7 +10,6 @@ from flax import nnx
 from linattn_jax import layers
 from linattn_jax.layers import norms, rope
 from tests import helpers
-from tests.helpers import call
 
 B, T, W, H = 2, 10, 16, 4
 EPS = 1e-6  # the RMSNorms' epsilon
@@ -204,13 +203,13 @@ def test_token_positions_restart_per_segment_and_skip_padding():
 @pytest.mark.parametrize("name", ["qwen_next", "window", "gqa", "soft_cap"])
 def test_prefill_then_steps_equal_full_forward_and_cache_holds_kv_heads(name):
     layer, x = _randomise(_layer(**OPTIONS[name])), _x(3)
-    full = call(layer, x)
-    y, cache = call(layer, x[:, :6], state=layer.init_state(B), return_state=True)
+    full = helpers.call(layer, x)
+    y, cache = helpers.call(layer, x[:, :6], state=layer.init_state(B), return_state=True)
     n = 32 if layer.sliding_window is None else layer.sliding_window  # a window: a ring
     assert cache.k.shape == (B, n, layer.num_kv_heads, layer.head_dim) == cache.v.shape
     outs = [y]
     for i in range(6, T):
-        y, cache = call(layer, x[:, i : i + 1], state=cache, return_state=True)
+        y, cache = helpers.call(layer, x[:, i : i + 1], state=cache, return_state=True)
         outs.append(y)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-5)
 
@@ -222,17 +221,18 @@ def test_a_windowed_cache_is_a_ring_of_the_window_past_which_decoding_equals_the
     what would overflow."""
     layer = _layer(sliding_window=3, rope=True, num_kv_heads=2)
     x = jax.random.normal(jax.random.PRNGKey(7), (B, 20, W))
-    full = nnx.jit(lambda layer, x: layer(x))(layer, x)
+    full = helpers.call(layer, x)
     mask = jnp.ones((B, 20), bool).at[1, :2].set(False)  # row 1: 2 padded, then its tokens
     padded = x.at[1, 2:].set(x[1, :18])
-    run = nnx.jit(
-        lambda layer, x, mask, cache: layer(x, key_mask=mask, state=cache, return_state=True)
-    )
-    y, cache = run(layer, padded[:, :7], mask[:, :7], layer.init_state(B, 64))
+
+    def run(x, mask, cache):
+        return helpers.call(layer, x, key_mask=mask, state=cache, return_state=True)
+
+    y, cache = run(padded[:, :7], mask[:, :7], layer.init_state(B, 64))
     assert cache.k.shape == (B, 3, 2, layer.head_dim) and cache.mask.shape == (B, 3)
     outs = [y]
     for i in range(7, 20):
-        y, cache = run(layer, padded[:, i : i + 1], mask[:, i : i + 1], cache)
+        y, cache = run(padded[:, i : i + 1], mask[:, i : i + 1], cache)
         outs.append(y)
     out = jnp.concatenate(outs, 1)
     np.testing.assert_array_equal(cache.position, [20, 20])
@@ -251,16 +251,16 @@ def test_left_padded_prefill_and_packed_segments_equal_each_alone():
     # Row 1 padded by 3 on the left: its real tokens' outputs, then its steps, equal row 1's
     # last 7 tokens alone.
     mask = jnp.ones((B, T), bool).at[1, :3].set(False)
-    padded, cache = call(layer, x[:, :8], key_mask=mask[:, :8], state=layer.init_state(B), return_state=True)  # fmt: skip
-    step, _ = call(layer, x[:, 8:9], state=cache, return_state=True)
-    alone = call(layer, x[1:, 3:9])
+    padded, cache = helpers.call(layer, x[:, :8], key_mask=mask[:, :8], state=layer.init_state(B), return_state=True)  # fmt: skip
+    step, _ = helpers.call(layer, x[:, 8:9], state=cache, return_state=True)
+    alone = helpers.call(layer, x[1:, 3:9])
     np.testing.assert_allclose(padded[1, 3:], alone[0, :5], atol=1e-5)
     np.testing.assert_allclose(step[1], alone[0, 5:], atol=1e-5)
     # Two segments packed in one row: each as its own sequence.
     seg = jnp.array([[0] * 4 + [1] * 6] * B)
-    packed = call(layer, x, segment_ids=seg)
-    np.testing.assert_allclose(packed[:, :4], call(layer, x[:, :4]), atol=1e-5)
-    np.testing.assert_allclose(packed[:, 4:], call(layer, x[:, 4:]), atol=1e-5)
+    packed = helpers.call(layer, x, segment_ids=seg)
+    np.testing.assert_allclose(packed[:, :4], helpers.call(layer, x[:, :4]), atol=1e-5)
+    np.testing.assert_allclose(packed[:, 4:], helpers.call(layer, x[:, 4:]), atol=1e-5)
 
 
 @pytest.mark.parametrize(
