@@ -78,7 +78,7 @@ def add_compilation_cache(parser: argparse.ArgumentParser) -> None:
         help="JAX's persistent compilation cache: programs compiled by an earlier run are "
         f"read back instead of compiled again (default: {default_compilation_cache()}, or "
         "JAX_COMPILATION_CACHE_DIR where set; '' or JAX_ENABLE_COMPILATION_CACHE=false turns "
-        "it off)",
+        "it off; always off in a run of several processes on CPUs)",
     )
 
 

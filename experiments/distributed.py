@@ -37,7 +37,8 @@ from experiments.validation import validate_distributed
 
 def initialize(config: ConfigDict) -> None:
     """Joins this process to the config's others (nothing for ``num_processes=1``, or when
-    JAX's runtime has already started). Must come before anything uses a device.
+    JAX's runtime has already started). Must come before anything uses a device. On CPUs it
+    turns JAX's persistent compilation cache off for this process (jaxlib 0.12.1: below).
 
     Raises:
       ValueError: a bad ``distributed`` field, fields left unset that JAX could not
@@ -75,6 +76,12 @@ def initialize(config: ConfigDict) -> None:
         ) from None
     finally:
         joined.set()
+    if jax.default_backend() == "cpu":
+        # The CPU programs of a multi-process run are compiled afresh, never read back from
+        # the persistent compilation cache: with jaxlib 0.12.1 a program read back from it
+        # deadlocks in its gloo all-reduces (every device of every process waiting in one),
+        # where the same program freshly compiled runs (jaxlib 0.10.2 and 0.12.0: both run).
+        jax.config.update("jax_enable_compilation_cache", False)
     state = client_state()
     if state is not None:
         report_joined(state.process_id, state.num_processes, state.coordinator_address)

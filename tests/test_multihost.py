@@ -116,9 +116,12 @@ def _rows(workdir, split="train"):
 
 @pytest.mark.slow
 def test_two_processes_train_as_one_write_once_and_resume_after_a_kill(tmp_path):
-    # One process of 4 devices (the same 4-way data mesh), alongside.
+    # One process of 4 devices (the same 4-way data mesh), alongside. The two processes
+    # compile afresh, their cache unused (jaxlib 0.12.1's programs read back from it
+    # deadlock): the resume would read back the first run's programs.
+    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
     with _running(_start(tmp_path / "one", 4)) as one:
-        with _processes(tmp_path / "two", HANG_AT="2") as procs:
+        with _processes(tmp_path / "two", HANG_AT="2", **cache) as procs:
             checkpoint = tmp_path / "two" / "checkpoints" / "2"
             deadline = time.monotonic() + 240
             while not checkpoint.is_dir() and time.monotonic() < deadline:
@@ -130,9 +133,10 @@ def test_two_processes_train_as_one_write_once_and_resume_after_a_kill(tmp_path)
             if not checkpoint.is_dir():
                 pytest.fail(f"no checkpoint 2 before the kill: {procs[0].communicate()[1][-3000:]}")
         assert [r["step"] for r in _rows(tmp_path / "two")] == [1, 2]
-        with _processes(tmp_path / "two") as procs:
+        with _processes(tmp_path / "two", **cache) as procs:
             first, second = _finish(procs)
         single = _finish(one)[0]
+    assert not list((tmp_path / "cache").rglob("*"))
 
     # It resumed: the resume line, then step 3 first.
     steps = [int(s) for s in re.findall(r"^step (\d+)/4 \| loss", first, re.M)]
