@@ -313,6 +313,18 @@ def test_segments_restart_from_the_empty_state():
     np.testing.assert_allclose(out, whole, **helpers.tol(jnp.float32))
 
 
+def test_default_chunk_size_is_the_compiled_backends():
+    """``chunk_size=None``: chunks of 32 on CPU (the faster there), 64 on GPU and TPU."""
+    q, k, v = helpers.qkv(3, 1, 100, 2, 8, 8)
+    i, f = jax.random.normal(jax.random.PRNGKey(4), (2, 1, 100, 2))
+    run = jax.jit(mlstm.causal, static_argnames="chunk_size")
+    default = np.asarray(run(q, k, v, i, f))
+    size = 32 if jax.default_backend() == "cpu" else 64
+    np.testing.assert_array_equal(default, run(q, k, v, i, f, chunk_size=size))
+    other = np.asarray(run(q, k, v, i, f, chunk_size=96 - size))
+    assert not np.array_equal(default, other)  # the sizes' roundings differ: the check bites
+
+
 def test_errors():
     inputs, s0 = _inputs(8)
     bad = lambda **kw: la.mlstm(**{**inputs, **kw})

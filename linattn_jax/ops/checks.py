@@ -94,10 +94,11 @@ CHUNK_SIZE = 64  # the accelerators' usual tile
 # sub-chunks of 16 above that size), so their cost grows with c; measured on CPU, c = 16
 # beat c = 64 by 2-3x (``python -m experiments.benchmark --recurrences``).
 CHUNK_SIZE_PER_CHANNEL = 16
-# The delta rule's chunked form compiled for CPU, measured at t=8192 (docs/benchmarks.md):
-# DeltaNet's forward+backward 14% and Gated DeltaNet's 4% faster than at 64, for 1.2x the
-# scratch.
-CHUNK_SIZE_DELTA_CPU = 32
+# The delta rule's and the mLSTM's chunked forms compiled for CPU (docs/benchmarks.md): at
+# t=8192 DeltaNet's forward+backward 14% and Gated DeltaNet's 4% faster than at 64, for 1.2x
+# the scratch; the mLSTM's forward 10-11% and its forward+backward 7-12% faster at t=2048
+# and 8192.
+CHUNK_SIZE_CPU = 32
 
 
 def check_chunk_size(chunk_size) -> None:
@@ -107,18 +108,18 @@ def check_chunk_size(chunk_size) -> None:
 
 
 def default_chunk_size(
-    chunk_size: int | None, g: Array | None = None, *, delta_on_cpu: bool = False
+    chunk_size: int | None, g: Array | None = None, *, on_cpu: bool = False
 ) -> int:
     """``chunk_size``, or when None the default: ``CHUNK_SIZE_PER_CHANNEL`` (16) for
     per-channel log-decays ``g [b, h, t, f > 1]`` (or ``[b, t, h, f > 1]``), else
-    ``CHUNK_SIZE_DELTA_CPU`` (32) for the delta rule's chunked form compiled for CPU
-    (``delta_on_cpu``), else ``CHUNK_SIZE`` (64).
+    ``CHUNK_SIZE_CPU`` (32) for a chunked form compiled for CPU that asks for it
+    (``on_cpu``: the delta rule's and the mLSTM's), else ``CHUNK_SIZE`` (64).
     """
     if chunk_size is not None:
         return chunk_size
     if g is not None and g.shape[-1] > 1:
         return CHUNK_SIZE_PER_CHANNEL
-    return CHUNK_SIZE_DELTA_CPU if delta_on_cpu else CHUNK_SIZE
+    return CHUNK_SIZE_CPU if on_cpu else CHUNK_SIZE
 
 
 def is_concrete(x) -> bool:

@@ -91,7 +91,7 @@ def causal_chunks(
         )
 
         def on(backend):  # the chunk size and group of each backend where not given
-            size = checks.default_chunk_size(chunk_size, xs[4], delta_on_cpu=backend == "cpu")
+            size = checks.default_chunk_size(chunk_size, xs[4], on_cpu=backend == "cpu")
             if group_tokens is not None:
                 return functools.partial(run, chunk_size=size, group_tokens=group_tokens)
             cpu = backend == "cpu"

@@ -28,6 +28,8 @@ References:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -72,7 +74,8 @@ def causal(
         ``"quadratic"`` (one chunk of the whole length, for short inputs). All give the
         same result.
       chunk_size: tokens per chunk (``"chunked"``) or per recomputed block of the
-        backward pass (``"scan"``); any length works. None: 64.
+        backward pass (``"scan"``); any length works. None: for ``"chunked"`` 32 on CPU
+        and 64 on GPU and TPU (the backend compiled for), for ``"scan"`` 64.
       initial_state: the state before token 0; ``init_state`` (zeros, ``m = 0``) when None.
       return_state: also return the state after the last token.
       key_mask: optional bool ``[b, t]``, True for real tokens. A masked token leaves the
@@ -107,13 +110,20 @@ def causal(
         resets = checks.segment_resets(segment_ids, b, t, dtype)[:, 0] > 0  # [b, t, 1]
     state = as_internal(initial_state, b, h, d, v.shape[-1], dtype)
     xs = (q, k, v32, log_i, log_f, live, resets)
-    chunk_size = max(t, 1) if method == "quadratic" else checks.default_chunk_size(chunk_size)
     if method == "scan":
-        (num, den, m), state = recurrent.run_scan(xs, state, chunk_size)
+        (num, den, m), state = recurrent.run_scan(xs, state, checks.default_chunk_size(chunk_size))
     else:
-        (num, den, m), state = _run_chunks(
-            xs, state, chunk_size, dtype=chunking.operand_dtype(v.dtype)
-        )
+        operands = chunking.operand_dtype(v.dtype)
+        on = lambda size: functools.partial(_run_chunks, chunk_size=size, dtype=operands)
+        if method == "quadratic" or chunk_size is not None:
+            run = on(max(t, 1) if method == "quadratic" else chunk_size)
+        else:  # the backend compiled for picks the size (checks.CHUNK_SIZE_CPU on CPU)
+            run = functools.partial(
+                jax.lax.platform_dependent,
+                cpu=on(checks.default_chunk_size(None, on_cpu=True)),
+                default=on(checks.default_chunk_size(None)),
+            )
+        (num, den, m), state = run(xs, state)
     out = inputs.finish(num, den, m, eps, dtype)
     out, state = inputs.spoil(out, state, first, first_v, key_mask)
     out = out.astype(v.dtype)
