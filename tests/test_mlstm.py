@@ -313,11 +313,17 @@ def test_segments_restart_from_the_empty_state():
     np.testing.assert_allclose(out, whole, **helpers.tol(jnp.float32))
 
 
-def test_default_chunk_size_is_the_compiled_backends():
-    """``chunk_size=None``: chunks of 32 on CPU (the faster there), 64 on GPU and TPU."""
+@pytest.mark.parametrize("form", ["causal", "sequence_parallel"])
+def test_default_chunk_size_is_the_compiled_backends(form):
+    """``chunk_size=None``: chunks of 32 on CPU (the faster there), 64 on GPU and TPU, in
+    the causal form and in each shard of the sequence-parallel one (a one-device mesh)."""
     q, k, v = helpers.qkv(3, 1, 100, 2, 8, 8)
     i, f = jax.random.normal(jax.random.PRNGKey(4), (2, 1, 100, 2))
-    run = jax.jit(mlstm.causal, static_argnames="chunk_size")
+    fn = mlstm.causal
+    if form == "sequence_parallel":
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
+        fn = functools.partial(mlstm.sequence_parallel, mesh=mesh, axis_name="seq")
+    run = jax.jit(fn, static_argnames="chunk_size")
     default = np.asarray(run(q, k, v, i, f))
     size = 32 if jax.default_backend() == "cpu" else 64
     np.testing.assert_array_equal(default, run(q, k, v, i, f, chunk_size=size))

@@ -28,8 +28,6 @@ References:
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -113,17 +111,10 @@ def causal(
     if method == "scan":
         (num, den, m), state = recurrent.run_scan(xs, state, checks.default_chunk_size(chunk_size))
     else:
-        operands = chunking.operand_dtype(v.dtype)
-        on = lambda size: functools.partial(_run_chunks, chunk_size=size, dtype=operands)
-        if method == "quadratic" or chunk_size is not None:
-            run = on(max(t, 1) if method == "quadratic" else chunk_size)
-        else:  # the backend compiled for picks the size (checks.CHUNK_SIZE_CPU on CPU)
-            run = functools.partial(
-                jax.lax.platform_dependent,
-                cpu=on(checks.default_chunk_size(None, on_cpu=True)),
-                default=on(checks.default_chunk_size(None)),
-            )
-        (num, den, m), state = run(xs, state)
+        size = max(t, 1) if method == "quadratic" else chunk_size  # None: the backend's
+        (num, den, m), state = _run_chunks(
+            xs, state, chunk_size=size, dtype=chunking.operand_dtype(v.dtype)
+        )
     out = inputs.finish(num, den, m, eps, dtype)
     out, state = inputs.spoil(out, state, first, first_v, key_mask)
     out = out.astype(v.dtype)

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linattn_jax.ops import chunking
+from linattn_jax.ops import checks, chunking
 
 
 def split_cumsum(log_f):
@@ -241,9 +241,22 @@ def chunk_body_bwd(d_state, inputs, *, dtype=None):
     )
 
 
-def run_chunks(xs, state, chunk_size: int, *, dtype=None):
+def run_chunks(xs, state, chunk_size: int | None, *, dtype=None):
     """``chunk_body`` over the chunks of the time-major ``xs`` (``api``'s operands):
-    ``((numerator [b,t,h,v], denominator [b,t,h], m [b,t,h]), final state)``."""
+    ``((numerator [b,t,h,v], denominator [b,t,h], m [b,t,h]), final state)``.
+
+    ``chunk_size`` None: the backend compiled for picks it (``lax.platform_dependent``):
+    ``checks.CHUNK_SIZE_CPU`` (32) on CPU, ``checks.CHUNK_SIZE`` (64) on GPU and TPU; the
+    lowered program holds only its own backend's chunks.
+    """
+    if chunk_size is None:
+        on = lambda size: functools.partial(run_chunks, chunk_size=size, dtype=dtype)
+        return jax.lax.platform_dependent(
+            xs,
+            state,
+            cpu=on(checks.default_chunk_size(None, on_cpu=True)),
+            default=on(checks.default_chunk_size(None)),
+        )
     t = xs[0].shape[1]
     body = functools.partial(chunk_body, dtype=dtype)
     body_bwd = functools.partial(chunk_body_bwd, dtype=dtype)

@@ -91,7 +91,7 @@ def sequence_parallel(
         live = jnp.ones((b_local, t_local, 1), bool)
         xs = (q, k, v, log_i, log_f, live, None)
         (num, den, m), (c_s, n_s, m_s) = run_chunks(
-            xs, none, checks.default_chunk_size(chunk_size), dtype=chunking.operand_dtype(v.dtype)
+            xs, none, chunk_size, dtype=chunking.operand_dtype(v.dtype)
         )
         into = jnp.cumsum(log_f, axis=1)  # [b, t, h]: the forget gates from the shard's start
         total = into[:, -1]
