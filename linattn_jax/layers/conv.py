@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -31,8 +33,7 @@ class CausalConv1D(nnx.Module):
         checks.check_int("channels", channels, 1)
         checks.check_int("conv_size", size, 1)
         checks.check_bool("use_bias", use_bias)
-        kernel = 0.02 * jax.random.normal(rngs.params(), (size, channels), param_dtype)
-        self.kernel = nnx.Param(kernel.at[-1].add(1.0))
+        self.kernel = nnx.Param(_init_kernel(rngs.params(), size, channels, param_dtype))
         self.bias = nnx.data(nnx.Param(jnp.zeros((channels,), param_dtype)) if use_bias else None)
         self.size, self.channels = size, channels
 
@@ -69,7 +70,7 @@ class CausalConv1D(nnx.Module):
         past = self.init_state(b) if state is None else state
         checks.check_shape("state.conv", past, (b, n, c), "[batch, conv_size - 1, channels]")
         if segment_ids is not None:
-            checks.segment_resets(segment_ids, b, t, jnp.float32)  # validates
+            checks.check_segment_ids(segment_ids, b, t)
         seq = jnp.concatenate([past.astype(x.dtype), x], axis=1)  # [b, n + t, c]
         runs = None
         if segment_ids is not None:  # a repeated id later is a new segment
@@ -100,6 +101,13 @@ class CausalConv1D(nnx.Module):
         y = _taps(kernel, jnp.concatenate([jnp.zeros((b, n, c), x.dtype), seq], 1), runs, n + t)
         at = jnp.argsort(order, axis=1)[:, n:]  # where each token of x went
         return jnp.take_along_axis(y, at[..., None], axis=1), seq[:, t:].astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))  # one program, not six, eagerly
+def _init_kernel(key, size: int, channels: int, dtype) -> jax.Array:
+    """``[size, channels]``: small noise, plus 1 at the last tap (the current token)."""
+    kernel = 0.02 * jax.random.normal(key, (size, channels), dtype)
+    return kernel.at[-1].add(1.0)
 
 
 def _taps(kernel: jax.Array, seq: jax.Array, runs: jax.Array | None, m: int) -> jax.Array:

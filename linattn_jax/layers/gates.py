@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -105,14 +106,8 @@ class MambaGate(nnx.Module):
         else:
             self.proj = nnx.Sequential(linear(width, rank), linear(rank, heads * channels))
         outputs = heads * (channels or 1)
-        key_a, key_dt = jax.random.split(rngs.params())
-        a = jax.random.uniform(key_a, (heads,), jnp.float32, *A_INIT_RANGE)
-        lo, hi = (math.log(x) for x in DT_INIT_RANGE)
-        dt = jnp.exp(jax.random.uniform(key_dt, (outputs,), jnp.float32, lo, hi))
-        dt = jnp.maximum(dt, 1e-4)
-        inverse_softplus = dt + jnp.log(-jnp.expm1(-dt))
-        self.A_log = nnx.Param(jnp.log(a).astype(param_dtype))
-        self.dt_bias = nnx.Param(inverse_softplus.astype(param_dtype))
+        a_log, dt_bias = _init_decays(rngs.params(), heads, outputs, param_dtype)
+        self.A_log, self.dt_bias = nnx.Param(a_log), nnx.Param(dt_bias)
         self.heads, self.channels, self.lower_bound = heads, channels, lower_bound
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -124,3 +119,16 @@ class MambaGate(nnx.Module):
         if self.lower_bound is not None:
             return self.lower_bound * jax.nn.sigmoid(decay_rate * a)
         return -decay_rate * jax.nn.softplus(a)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))  # one program, not a dozen, eagerly
+def _init_decays(key, heads: int, outputs: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """``(A_log [heads], dt_bias [outputs])``: ``A`` from ``A_INIT_RANGE``, ``softplus(dt_bias)``
+    log-uniform in ``DT_INIT_RANGE``."""
+    key_a, key_dt = jax.random.split(key)
+    a = jax.random.uniform(key_a, (heads,), jnp.float32, *A_INIT_RANGE)
+    lo, hi = (math.log(x) for x in DT_INIT_RANGE)
+    dt = jnp.exp(jax.random.uniform(key_dt, (outputs,), jnp.float32, lo, hi))
+    dt = jnp.maximum(dt, 1e-4)
+    inverse_softplus = dt + jnp.log(-jnp.expm1(-dt))
+    return jnp.log(a).astype(dtype), inverse_softplus.astype(dtype)

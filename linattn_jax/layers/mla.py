@@ -217,7 +217,7 @@ class LatentAttention(nnx.Module):
         b, t, _ = x.shape
         key_mask = checks.token_mask("key_mask", key_mask, b, t)
         if segment_ids is not None:
-            checks.segment_resets(segment_ids, b, t, jnp.float32)  # validates
+            checks.check_segment_ids(segment_ids, b, t)
         x = checks.where_token(key_mask, x)
         dtype = x.dtype if self.kv_a_proj.dtype is None else self.kv_a_proj.dtype
         if self.q_proj is not None:

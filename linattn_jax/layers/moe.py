@@ -18,6 +18,7 @@ so NaN or inf there changes nothing, forward or backward.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -63,6 +64,20 @@ class Routing(NamedTuple):
     probs: jax.Array
 
 
+# The pure steps below are each one program when called eagerly (the MoE layer's call was
+# a hundred), and inlined into a caller's jitted program.
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "top_k",
+        "score",
+        "normalize",
+        "normalize_eps",
+        "scaling",
+        "num_groups",
+        "top_k_groups",
+    ),
+)
 def route(
     logits: jax.Array,
     top_k: int,
@@ -194,6 +209,7 @@ def grouped_relu2(
     return grouped.apply(relu2, x, group_sizes, method=method)
 
 
+@functools.partial(jax.jit, static_argnames=("method",))
 def combine_experts(
     x: jax.Array,
     routing: Routing,
@@ -240,6 +256,7 @@ def _count(valid: jax.Array | None, n: int, dtype) -> jax.Array:
     return jnp.asarray(max(n, 1) if valid is None else jnp.maximum(jnp.sum(valid), 1), dtype)
 
 
+@jax.jit
 def load_balancing_loss(
     probs: jax.Array, experts: jax.Array, valid: jax.Array | None = None
 ) -> jax.Array:
@@ -266,6 +283,7 @@ def load_balancing_loss(
     return e * jnp.sum(jax.lax.stop_gradient(chosen / count) * mean_probs)
 
 
+@jax.jit
 def router_z_loss(logits: jax.Array, valid: jax.Array | None = None) -> jax.Array:
     """ST-MoE's router z-loss: the mean over real tokens of ``logsumexp(logits)^2``.
 

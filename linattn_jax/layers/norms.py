@@ -4,6 +4,7 @@ not 0) and the gated RMSNorm of the delta-rule layers' output (``norm(o) * SiLU(
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -70,13 +71,10 @@ class RMSNorm(nnx.RMSNorm):
             return super().__call__(x, mask)
         if mask is not None:
             raise ValueError("a zero-centred or grouped RMSNorm takes no mask")
-        y = x.astype(jnp.float32)
-        groups = y.reshape(*y.shape[:-1], -1, self.group_size or y.shape[-1])
-        groups = groups * jax.lax.rsqrt(jnp.mean(groups**2, axis=-1, keepdims=True) + self.epsilon)
-        y = groups.reshape(y.shape)
-        scale = self.scale[...].astype(jnp.float32) + (1.0 if self.zero_centred else 0.0)
-        y = y * scale.reshape((1,) * (y.ndim - 1) + scale.shape)
-        return y.astype(self.dtype or x.dtype)
+        return _rms_norm(
+            x, self.scale[...], epsilon=self.epsilon, group_size=self.group_size,
+            zero_centred=self.zero_centred, dtype=jnp.dtype(self.dtype or x.dtype),
+        )  # fmt: skip
 
 
 class GatedRMSNorm(RMSNorm):
@@ -97,7 +95,23 @@ class GatedRMSNorm(RMSNorm):
         """``x [..., d]`` normalised, times ``act(gate [..., d])`` in the gate's dtype when
         a gate is given (the plain ``RMSNorm`` when None)."""
         y = super().__call__(x)
-        if gate is None:
-            return y
-        act = jax.nn.silu if self.activation == "silu" else jax.nn.sigmoid
-        return y.astype(gate.dtype) * act(gate)
+        return y if gate is None else _gated(y, gate, activation=self.activation)
+
+
+# The norms' arithmetic as jitted functions: one program each when called eagerly,
+# inlined into a caller's jitted program.
+@functools.partial(jax.jit, static_argnames=("epsilon", "group_size", "zero_centred", "dtype"))
+def _rms_norm(x, scale, *, epsilon, group_size, zero_centred, dtype):
+    y = x.astype(jnp.float32)
+    groups = y.reshape(*y.shape[:-1], -1, group_size or y.shape[-1])
+    groups = groups * jax.lax.rsqrt(jnp.mean(groups**2, axis=-1, keepdims=True) + epsilon)
+    y = groups.reshape(y.shape)
+    scale = scale.astype(jnp.float32) + (1.0 if zero_centred else 0.0)
+    y = y * scale.reshape((1,) * (y.ndim - 1) + scale.shape)
+    return y.astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("activation",))
+def _gated(y, gate, *, activation):
+    act = jax.nn.silu if activation == "silu" else jax.nn.sigmoid
+    return y.astype(gate.dtype) * act(gate)

@@ -11,6 +11,8 @@ The frequencies may be scaled as released long-context configs do (``layers.rope
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -46,6 +48,8 @@ def rotary_dim(head_dim: int, partial_rotary_factor: float | None, rotary_dim: i
     return rotary_dim
 
 
+# Each one program when called eagerly; inlined into a caller's jitted program.
+@functools.partial(jax.jit, static_argnames=("rotary_dim", "theta", "scaling"))
 def apply_rope(
     x: jax.Array,
     positions: jax.Array,
@@ -71,6 +75,7 @@ def apply_rope(
     return rotated.astype(x.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("b", "t"))
 def token_positions(
     b: int,
     t: int,

@@ -4,6 +4,7 @@ call, which has no cap, written out when a cap is given."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -19,6 +20,9 @@ def check_soft_cap(name: str, cap) -> float | None:
     return float(cap)
 
 
+# One program when called eagerly (``jax.nn.dot_product_attention`` alone is a dozen);
+# inlined into a caller's jitted program.
+@functools.partial(jax.jit, static_argnames=("is_causal", "local_window_size", "scale", "soft_cap"))
 def dot_product_attention(
     q: jax.Array,
     k: jax.Array,

@@ -242,7 +242,7 @@ class SoftmaxAttention(nnx.Module):
         if segment_ids is not None:
             if k.shape[1] != t:
                 raise ValueError("segment_ids needs self-attention (no inputs_k / inputs_v)")
-            checks.segment_resets(segment_ids, b, t, jnp.float32)  # validates
+            checks.check_segment_ids(segment_ids, b, t)
         dtype = q.dtype
         q, gate = jnp.split(q, 2, axis=-1) if self.output_gate else (q, None)
         # Scores and softmax in float32, like linear attention's sums.

@@ -15,6 +15,7 @@ that ``linattn_jax.ops.chunking`` runs over:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -105,6 +106,18 @@ def check_chunk_size(chunk_size) -> None:
     """``chunk_size``: None (the default) or an int >= 1, or a ValueError naming it."""
     if chunk_size is not None:
         check_int("chunk_size", chunk_size, 1)
+
+
+FORM_OPTIONS = ("method", "chunk_size", "return_state")
+
+
+def one_program(*options: str):
+    """A decorator: the function jitted with ``FORM_OPTIONS`` and ``options`` static. A
+    family's ``causal`` calls such a function after its checks, for the whole computation:
+    called eagerly it is one XLA program (op by op it was tens, and an eager ``lax.scan``
+    compiled again at every call); under a caller's ``jit`` it is inlined and traced once
+    per shape."""
+    return functools.partial(jax.jit, static_argnames=FORM_OPTIONS + options)
 
 
 def default_chunk_size(
@@ -207,19 +220,15 @@ def log_decay(
     """
     if decay is None and gate is None:
         return None
-    total = jnp.zeros((b, h, t, 1), dtype)
     if decay is not None:
-        decay = jnp.asarray(decay).astype(dtype)
-        if decay.shape not in ((), (h,)):
-            raise ValueError(f"decay must be a scalar or [heads]=({h},), got shape {decay.shape}")
+        if jnp.shape(decay) not in ((), (h,)):
+            raise ValueError(
+                f"decay must be a scalar or [heads]=({h},), got shape {jnp.shape(decay)}"
+            )
         if is_concrete(decay):
-            bad = np.asarray(decay)
+            bad = np.asarray(decay).astype(dtype)
             if np.any(~((bad > 0) & (bad <= 1))):
                 raise ValueError(f"decay must lie in (0, 1], got {bad}")
-        # where, not clip: clip passes on half the gradient at a decay of exactly 1.
-        decay = jnp.where(decay > 1, 1.0, jnp.where(decay < 0, 0.0, decay))
-        decay = jnp.broadcast_to(decay, (h,))
-        total = total + jnp.log(decay)[None, :, None, None]
     if gate is not None:
         shapes = {(b, t, h): "[batch, length, heads]"}
         if channels is not None:
@@ -238,6 +247,20 @@ def log_decay(
                 real = np.where(mask, real, 0.0)
             if np.max(real) > 0:
                 raise ValueError(f"gate must be log-decays <= 0, got a maximum of {np.max(real)}")
+    return _log_decay(decay, gate, key_mask, b=b, t=t, h=h, dtype=jnp.dtype(dtype))
+
+
+# The checked arrays' sum: one program when called eagerly, inlined under a caller's jit.
+@functools.partial(jax.jit, static_argnames=("b", "t", "h", "dtype"))
+def _log_decay(decay, gate, key_mask, *, b: int, t: int, h: int, dtype):
+    total = jnp.zeros((b, h, t, 1), dtype)
+    if decay is not None:
+        decay = jnp.asarray(decay).astype(dtype)
+        # where, not clip: clip passes on half the gradient at a decay of exactly 1.
+        decay = jnp.where(decay > 1, 1.0, jnp.where(decay < 0, 0.0, decay))
+        decay = jnp.broadcast_to(decay, (h,))
+        total = total + jnp.log(decay)[None, :, None, None]
+    if gate is not None:
         g = gate.astype(dtype)
         # Not jnp.minimum: at a tie it would pass on half the gradient of a gate of exactly 0.
         g = jnp.where(g > 0, 0.0, g)
@@ -267,11 +290,16 @@ def where_heads_first(mask: Array | None, x: Array) -> Array:
     return jnp.where(mask, x, jnp.zeros((), x.dtype))
 
 
-def segment_resets(segment_ids, b: int, t: int, dtype) -> Array:
-    """1.0 at tokens whose id differs from the previous token's, as ``[b, 1, t, 1]``."""
+def check_segment_ids(segment_ids, b: int, t: int) -> None:
+    """Integer ``[b, t]`` segment ids, or a ValueError naming ``segment_ids``."""
     check_shape("segment_ids", segment_ids, (b, t), "[batch, length]")
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise ValueError(f"segment_ids must be integers, got {segment_ids.dtype}")
+
+
+def segment_resets(segment_ids, b: int, t: int, dtype) -> Array:
+    """1.0 at tokens whose id differs from the previous token's, as ``[b, 1, t, 1]``."""
+    check_segment_ids(segment_ids, b, t)
     change = segment_ids[:, 1:] != segment_ids[:, :-1]
     change = jnp.concatenate([jnp.zeros((b, 1), bool), change], axis=1)
     return change.astype(dtype)[:, None, :, None]

@@ -192,6 +192,18 @@ def causal(
     checks.check_bool("return_state", return_state)
     key_mask = checks.token_mask("key_mask", key_mask, b, t)
     checks.check_steps("dt", dt, key_mask)
+    return _causal(
+        x, dt, A, B, C, D, key_mask, segment_ids, initial_state, method=method,
+        chunk_size=chunk_size, return_state=return_state,
+    )  # fmt: skip
+
+
+@checks.one_program()
+def _causal(
+    x, dt, A, B, C, D, key_mask, segment_ids, initial_state, *, method, chunk_size, return_state
+):
+    b, t, h, p = x.shape
+    n = B.shape[-1]
     dtype = feature_maps.accumulation_dtype(x.dtype)
     q, k, v, gate = _operands(x, dt, A, B, C, key_mask, h, repeat=method == "scan")
     g = checks.log_decay(None, gate, b, t, h, dtype, key_mask=key_mask)

@@ -91,13 +91,24 @@ def causal(
         method or forget gate, ``chunk_size < 1``, a bad scale, eps, state, mask or
         segment ids.
     """
-    b, t, h, d = inputs.check(q, k, v, i, f, step=False, forget_gate=forget_gate, scale=scale,
-                              eps=eps)  # fmt: skip
+    inputs.check(q, k, v, i, f, step=False, forget_gate=forget_gate, scale=scale, eps=eps)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     checks.check_chunk_size(chunk_size)
     checks.check_bool("return_state", return_state)
-    key_mask = checks.token_mask("key_mask", key_mask, b, t)
+    key_mask = checks.token_mask("key_mask", key_mask, q.shape[0], q.shape[1])
+    return _causal(
+        q, k, v, i, f, key_mask, segment_ids, initial_state, scale, eps, forget_gate=forget_gate,
+        method=method, chunk_size=chunk_size, return_state=return_state,
+    )  # fmt: skip
+
+
+@checks.one_program("forget_gate")
+def _causal(
+    q, k, v, i, f, key_mask, segment_ids, initial_state, scale, eps, *, forget_gate, method,
+    chunk_size, return_state,
+):  # fmt: skip
+    b, t, h, d = q.shape
     q, k, v32, log_i, log_f, first, first_v = inputs.operands(
         q, k, v, i, f, key_mask, forget_gate=forget_gate, scale=scale
     )

@@ -90,15 +90,27 @@ def causal(
     checks.check_chunk_size(chunk_size)
     checks.check_bool("return_state", return_state)
     key_mask = checks.token_mask("key_mask", key_mask, b, t)
-    runs = None
     if segment_ids is not None:
-        checks.segment_resets(segment_ids, b, t, jnp.float32)  # validates
-        runs = checks.segment_runs(segment_ids)
+        checks.check_segment_ids(segment_ids, b, t)
+    return _causal(
+        x, i, r, a_param, c, reset, key_mask, segment_ids, initial_state, method=method,
+        chunk_size=chunk_size, return_state=return_state,
+    )  # fmt: skip
+
+
+@checks.one_program()
+def _causal(
+    x, i, r, a_param, c, reset, key_mask, segment_ids, initial_state, *, method, chunk_size,
+    return_state,
+):  # fmt: skip
+    b, t, h, d = x.shape
+    runs = None if segment_ids is None else checks.segment_runs(segment_ids)
     dtype = feature_maps.accumulation_dtype(jnp.result_type(x, i, r))
     state = as_internal(initial_state, b, h, d, dtype)
     x32, i32, r32 = (checks.where_token(key_mask, y).astype(dtype) for y in (x, i, r))
     live = jnp.ones((b, t), bool) if key_mask is None else key_mask
     starts = inputs.sequence_resets(live, runs, reset, initial_state is None)
+    c = jnp.asarray(c, dtype)
     u, log_a = inputs.gated(x32, i32, r32, a_param.astype(dtype), c, starts)
     u, log_a = (checks.where_token(key_mask, y) for y in (u, log_a))
     xs = (u, log_a, starts[:, :, None])

@@ -88,6 +88,18 @@ def causal(
     t = x.shape[1]
     key_mask = checks.token_mask("key_mask", key_mask, b, t)
     checks.check_steps("dt", dt, key_mask)
+    return _causal(
+        x, dt, A, B, C, D, key_mask, segment_ids, initial_state, method=method,
+        chunk_size=chunk_size, return_state=return_state,
+    )  # fmt: skip
+
+
+@checks.one_program()
+def _causal(
+    x, dt, A, B, C, D, key_mask, segment_ids, initial_state, *, method, chunk_size, return_state
+):
+    b, t, d = x.shape
+    n = A.shape[-1]
     u, dt32, A32, B, C, first = inputs.operands(x, dt, A, B, C, key_mask)
     dtype = u.dtype
     resets = None

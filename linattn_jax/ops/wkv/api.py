@@ -82,6 +82,18 @@ def causal(
     checks.check_chunk_size(chunk_size)
     checks.check_bool("return_state", return_state)
     key_mask = checks.token_mask("key_mask", key_mask, b, t)
+    return _causal(
+        k, v, time_decay, time_first, key_mask, segment_ids, initial_state, method=method,
+        chunk_size=chunk_size, return_state=return_state,
+    )  # fmt: skip
+
+
+@checks.one_program()
+def _causal(
+    k, v, time_decay, time_first, key_mask, segment_ids, initial_state, *, method, chunk_size,
+    return_state,
+):  # fmt: skip
+    b, t, h, d = k.shape
     k, v32, w, u, first = inputs.operands(k, v, time_decay, time_first, key_mask)
     dtype = k.dtype
     live = jnp.ones((b, t, 1), bool) if key_mask is None else key_mask[:, :, None]
