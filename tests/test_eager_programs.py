@@ -1,8 +1,9 @@
-"""Called eagerly (outside ``jit``), each family's ``causal`` compiles one XLA program and
-the layers' pure steps one each: their checks run on the host, the rest is one jitted
-function (inlined into a caller's program under ``jit``). Run op by op, the mLSTM compiled
-about fifty programs and the MoE layer a hundred, each call of an eager ``lax.scan`` again
-(a fresh body each time): seconds per eager call.
+"""Called eagerly (outside ``jit``), the mLSTM's, RG-LRU's, RWKV's, the selective scan's and
+SSD's ``causal`` compile one XLA program each, and the layers' pure steps one each: their
+checks run on the host, the rest is one jitted function (inlined into a caller's program
+under ``jit``). Run op by op, the mLSTM compiled about fifty programs and the MoE layer a
+hundred, each call of an eager ``lax.scan`` again (a fresh body each time): seconds per
+eager call.
 
 Each case has shapes of its own (b=3, t=37), so no program is in JAX's caches before it;
 the count is of lowerings (``jax_log_compiles``: a program read back from the persistent
