@@ -25,8 +25,6 @@ References:
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from linattn_jax.ops import checks
 from linattn_jax.ops.wkv import inputs, recurrent
 from linattn_jax.ops.wkv.chunked import run_chunks
@@ -96,17 +94,18 @@ def _causal(
     b, t, h, d = k.shape
     k, v32, w, u, first = inputs.operands(k, v, time_decay, time_first, key_mask)
     dtype = k.dtype
-    live = jnp.ones((b, t, 1), bool) if key_mask is None else key_mask[:, :, None]
+    if method == "scan":
+        size = checks.default_chunk_size(chunk_size)
+    else:
+        size = max(t, 1) if method == "quadratic" else checks.default_chunk_size(chunk_size, w)
+    live = inputs.live(key_mask, b, t, size)
     resets = None
     if segment_ids is not None:
         resets = checks.segment_resets(segment_ids, b, t, dtype)[:, 0] > 0  # [b, t, 1]
     state = as_internal(initial_state, b, h, d, dtype)
     xs = (k, v32, w, u, live, resets)
-    if method == "scan":
-        (num, den, _), state = recurrent.run_scan(xs, state, checks.default_chunk_size(chunk_size))
-    else:
-        size = max(t, 1) if method == "quadratic" else checks.default_chunk_size(chunk_size, w)
-        (num, den, _), state = run_chunks(xs, state, size)
+    run = recurrent.run_scan if method == "scan" else run_chunks
+    (num, den, _), state = run(xs, state, size)
     out = inputs.finish(num, den, dtype)
     out, state = inputs.spoil(out, state, first, key_mask)
     out = out.astype(v.dtype)

@@ -37,7 +37,8 @@ def chunk_body(state, x):
 
     Args:
       state: ``(num, den, m)`` entering the chunk, each ``[b, h, d]``.
-      x: ``(k, v, w, u [b,h,c,d], live [b,1,c] bool, resets [b,1,c] bool | None)``.
+      x: ``(k, v, w, u [b,h,c,d], live [b,1,c] bool | None, resets [b,1,c] bool | None)``;
+        ``live`` None: every token is real.
 
     Returns:
       ``(state after the chunk, (numerator, denominator, stabiliser) each [b,h,c,d])``,
@@ -53,7 +54,9 @@ def chunk_body(state, x):
     w_before = jnp.pad(w, ((0, 0), (0, 0), (1, 0), (0, 0)))  # [b, h, c + 1, d]
     pair = jnp.cumsum(jnp.where(rows > cols + 1, w_before[:, :, :, None], 0.0), axis=2)
     log_0 = jnp.cumsum(w_before, axis=2) + m_in[:, :, None]  # [b, h, c + 1, d]
-    keys = (cols < rows) & live[:, :, None, :, None]
+    keys = cols < rows
+    if live is not None:
+        keys = keys & live[:, :, None, :, None]
     if reset is not None:
         run = jnp.cumsum(reset.astype(jnp.int32), axis=-1)
         run = jnp.concatenate([run, run[..., -1:]], axis=-1)  # row c is in the last run

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 from linattn_jax.ops import checks, chunking, feature_maps
 from linattn_jax.ops.wkv.state import EMPTY
+from linattn_jax.typing import Array
 
 
 def check(k, v, time_decay, time_first, *, step: bool) -> tuple[int, ...]:
@@ -37,6 +38,17 @@ def operands(k, v, time_decay, time_first, key_mask):
     ok = jnp.isfinite(k) & jnp.isfinite(v)
     k, v = (jnp.where(ok, x, jnp.zeros((), dtype)) for x in (k, v))
     return k, v, log_w, u, chunking.first_index(~ok, 1)
+
+
+def live(key_mask, b: int, t: int, chunk_size: int) -> Array | None:
+    """The real tokens, ``[b, t, 1]`` bool, for the chunk bodies; None when every token is
+    real and ``chunking.scan`` pads no chunk. A zero token is not inert here (its key
+    weighs ``exp(0)``), so a padded last chunk needs the mask; otherwise an all-true mask
+    would only cost masking operations."""
+    if key_mask is not None:
+        return key_mask[:, :, None]
+    c, n = chunking.chunk_count(chunk_size, t)
+    return None if n * c == t else jnp.ones((b, t, 1), bool)
 
 
 def finish(num, den, dtype):

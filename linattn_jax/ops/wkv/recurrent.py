@@ -42,9 +42,9 @@ def scan_body(state, x):
 
     Args:
       state: ``(num, den, m)`` before the block, each ``[b, h, d]``.
-      x: ``(k, v, w, u [b,h,c,d], live [b,1,c] bool, resets [b,1,c] bool | None)``. A dead
-        token leaves the state as it is; a reset puts the empty state (``EMPTY``) before
-        its token.
+      x: ``(k, v, w, u [b,h,c,d], live [b,1,c] bool | None, resets [b,1,c] bool | None)``.
+        A dead token leaves the state as it is (``live`` None: every token is real); a
+        reset puts the empty state (``EMPTY``) before its token.
 
     Returns:
       ``(state after the block, (numerator, denominator, stabiliser), each [b,h,c,d])``.
@@ -57,7 +57,8 @@ def scan_body(state, x):
             num, den, m = (jnp.where(reset[..., None], jnp.zeros((), y.dtype), y) for y in s)
             s = (num, den, jnp.where(reset[..., None], jnp.asarray(EMPTY, m.dtype), m))
         s_new, out = token_step(s, k, v, w, u)
-        s_new = tuple(jnp.where(live[..., None], y, y0) for y, y0 in zip(s_new, s, strict=True))
+        if live is not None:
+            s_new = tuple(jnp.where(live[..., None], y, y0) for y, y0 in zip(s_new, s, strict=True))
         return s_new, out
 
     final, out = jax.lax.scan(token, state, tuple(seq(y) for y in x))

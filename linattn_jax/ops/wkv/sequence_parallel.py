@@ -72,8 +72,8 @@ def sequence_parallel(
     def local(k, v, w, u, state):
         b_local, t_local = k.shape[:2]
         empty = as_internal(None, b_local, h, d, k.dtype)
-        live = jnp.ones((b_local, t_local, 1), bool)
         block = checks.default_chunk_size(chunk_size)
+        live = inputs.live(None, b_local, t_local, block)
         (num, den, p), (num_s, den_s, m_s) = recurrent.run_scan(
             (k, v, w, u, live, None), empty, block
         )
