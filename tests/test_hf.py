@@ -102,6 +102,28 @@ def pair(request, saved):
     return saved(request.param)
 
 
+def test_abstract_models_are_each_their_own_and_a_config_is_traced_once(monkeypatch):
+    """``hf.abstract_model`` keeps a config's traced construction: a second call traces
+    nothing, yet returns a model of its own variables; a config equal but for a value's
+    type (10000 against 10000.0, written back as read) is not the same config."""
+    config = hf.qwen3_5.FORMAT.normalize_config(
+        Qwen3_5TextConfig(**dict(CONFIGS["untied"], rms_norm_eps=1.2345e-5)).to_dict()
+    )  # an eps no other test uses: not yet traced in this process
+    traced, eval_shape = [], nnx.eval_shape
+    monkeypatch.setattr(nnx, "eval_shape", lambda f: traced.append(f) or eval_shape(f))
+    first, second = hf.abstract_model(config), hf.abstract_model(config)
+    assert len(traced) == 1
+    assert nnx.graphdef(first) == nnx.graphdef(second)
+    assert first.embed.embedding is not second.embed.embedding
+    first.embed.embedding.set_value(jnp.zeros(first.embed.embedding.shape))
+    assert isinstance(second.embed.embedding.get_value(), jax.ShapeDtypeStruct)
+    assert isinstance(hf.abstract_model(config).embed.embedding.get_value(), jax.ShapeDtypeStruct)
+    rope = dict(config["rope_parameters"], rope_theta=10000)
+    whole = hf.abstract_model(dict(config, rope_parameters=rope))
+    assert len(traced) == 2
+    assert type(whole.hf_config["rope_parameters"]["rope_theta"]) is int
+
+
 def torch_logits(ref, tokens, mask=None) -> np.ndarray:
     kwargs = {}
     if mask is not None:  # transformers' generate's positions: real tokens counted

@@ -158,16 +158,32 @@ def abstract_model(
     """The ``LanguageModel`` of a normalised config with ``jax.ShapeDtypeStruct``
     parameters (``nnx.eval_shape``: nothing allocated), finished by its format (norms'
     epsilon and the like), carrying ``config`` (``model.hf_config``); ``scan_layers``: its
-    layers scanned (``models.stack``)."""
-    fmt = format_of(config)
-    options = fmt.model_options(config, dtype, param_dtype)
-    if scan_layers:
-        options = {**options, "scan_layers": True}
-    model = nnx.eval_shape(lambda: LanguageModel(**options, rngs=nnx.Rngs(0)))
-    if fmt.finish is not None:
-        fmt.finish(model, config)
-    model.hf_config = freeze(config)
-    return model
+    layers scanned (``models.stack``).
+
+    Each call returns a model of its own (its own variables); the traced construction is
+    kept for the last few configs (``check_pretrained``, ``from_pretrained`` and
+    ``save_pretrained`` of one config trace it once)."""
+    # repr: equal configs of other types (1 and 1.0, written back as read) kept apart.
+    key = (repr(freeze(config)), freeze(dtype), freeze(param_dtype), scan_layers)
+    if key not in _ABSTRACT:
+        fmt = format_of(config)
+        options = fmt.model_options(config, dtype, param_dtype)
+        if scan_layers:
+            options = {**options, "scan_layers": True}
+        model = nnx.eval_shape(lambda: LanguageModel(**options, rngs=nnx.Rngs(0)))
+        if fmt.finish is not None:
+            fmt.finish(model, config)
+        model.hf_config = freeze(config)
+        if len(_ABSTRACT) >= 8:
+            del _ABSTRACT[next(iter(_ABSTRACT))]  # the oldest
+        _ABSTRACT[key] = nnx.split(model)
+    return nnx.merge(*_ABSTRACT[key], copy=True)
+
+
+# abstract_model's traced constructions: (frozen config's repr, dtype, param dtype, scan_layers)
+# -> (graphdef, abstract state). The tracing costs about 0.1 s for a tiny model, seconds
+# for a large one; a merge with copies of the variables, well under that.
+_ABSTRACT: dict[tuple, tuple] = {}
 
 
 def expected_tensors(
