@@ -116,7 +116,8 @@ def one_program(*options: str):
     family's ``causal`` calls such a function after its checks, for the whole computation:
     called eagerly it is one XLA program (op by op it was tens, and an eager ``lax.scan``
     compiled again at every call); under a caller's ``jit`` it is inlined and traced once
-    per shape."""
+    per shape. Build no constant inside it that only the options decide, such as an all-true
+    mask: under a caller's ``jit`` and ``grad`` RWKV's was left unfolded (35 more operations)."""
     return functools.partial(jax.jit, static_argnames=FORM_OPTIONS + options)
 
 
