@@ -158,23 +158,47 @@ def test_recurrences_time_the_ssd_beside_the_additive_form():
     assert all(r["fwd_bwd_scratch_mib"] > 0 for r in rows)
 
 
+PEER = """
+import linattn_jax as la
+
+def additive_scan(q, k, v, gate):
+    return la.causal_linear_attention(
+        q, k, v, gate=gate, method="scan", feature_map="identity", normalize=False
+    )
+"""
+
+
 @pytest.mark.slow
-def test_the_device_suite_runs_its_smallest_setting_and_keeps_to_its_budget(tmp_path):
+def test_the_device_suite_runs_its_smallest_setting_and_keeps_to_its_budget(tmp_path, monkeypatch):
     from experiments.bench import device
 
-    argv = ["device", "--smallest", "--families", "additive_decay", "--out", str(tmp_path)]
-    benchmark.main(argv)
-    rows = json.loads((tmp_path / "device.json").read_text())["rows"]
+    (tmp_path / "device_peer.py").write_text(PEER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["device", "--smallest", "--families", "additive_decay,moe", "--out", str(tmp_path)]
+    benchmark.main([*argv, "--peers", "additive_decay=device_peer:additive_scan"])
+    summary = json.loads((tmp_path / "device.json").read_text())
+    rows = summary["rows"]
     ours = [r for r in rows if r["method"] == "ours, XLA chunked"]
     assert [(r["family"], r["dtype"], r["t"]) for r in ours] == [("additive_decay", "float32", 64)]
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in ours)
+    # The peer on our inputs, against our output: the per-token scan, the same maths.
+    (peer,) = [r for r in rows if r["method"] == "peer device_peer:additive_scan"]
+    assert peer["family"] == "additive_decay" and peer["rel_err"] < 1e-5
+    # The MoE's two dispatches compute the same; the dense SwiGLU other maths (no distance).
+    moe = {r["method"]: r for r in rows if r["family"] == "moe"}
+    assert list(moe) == ["ours, method='auto'", "ours, method='ragged'", device.DENSE]
+    assert moe["ours, method='ragged'"]["rel_err"] < 1e-5 and "rel_err" not in moe[device.DENSE]
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in moe.values())
+    assert any(n.startswith("moe (8 experts") and "forward+backward" in n for n in summary["notes"])
     prefill, decode = rows[-2:]
     assert prefill["method"] == "prefill" and decode["method"] == "greedy decode, 4 steps"
     assert prefill["family"].startswith("Qwen3.5-shaped") and decode["tokens"] == 4
     table = (tmp_path / "device.md").read_text()
     assert "| additive_decay | ours, XLA chunked | float32 | 64 |" in table
-    pallas = device.accepts_pallas("delta")
-    assert pallas[0] or "Pallas (delta): absent" in table
+    # Only the forms asked for are probed: a Pallas row where accepted, else a note.
+    has_row = "| additive_decay | ours, Pallas | float32 | 64 |" in table
+    assert has_row if device.accepts_pallas("additive")[0] else "Pallas (additive): absent" in table
+    assert "(delta)" not in table
     # Over the budget at once: every case skipped, and said so.
     benchmark.main([*argv[:-2], "--budget-s", "0", "--prefill", "0", "--out", str(tmp_path)])
     summary = json.loads((tmp_path / "device.json").read_text())
@@ -183,6 +207,38 @@ def test_the_device_suite_runs_its_smallest_setting_and_keeps_to_its_budget(tmp_
         "skipped: additive_decay ours, XLA chunked float32 t=64" in n for n in summary["notes"]
     )
     assert any("the model's decoding" in n for n in summary["notes"])
+
+
+def test_the_device_suite_gives_each_family_its_inputs_and_refuses_bad_peers():
+    import jax
+    import jax.numpy as jnp
+
+    from experiments.bench import device
+
+    shape = (1, 2, 4)  # b, h, d
+    dtypes = lambda family: [x.dtype for x in device.inputs(family, 8, jnp.bfloat16, shape)]
+    bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+    assert dtypes("ssd") == [bf16, f32, f32, bf16, bf16]  # x, dt, A, B, C
+    assert dtypes("mlstm") == [bf16, bf16, bf16, f32, f32]  # q, k, v, i, f
+    assert dtypes("gated_deltanet") == [bf16, bf16, bf16, f32, f32]  # q, k, v, beta, gate
+    cases, notes = device.methods(["ssd", "mlstm", "moe"], on_gpu=False)
+    for family, method, fn in cases:  # each traces on its inputs (nothing compiled)
+        if family == "moe":
+            fn, args = fn(8, jnp.float32, 1, 4)  # b * t tokens of width d
+            assert jax.eval_shape(fn, *args).shape == (8, 4), method
+        else:
+            out = jax.eval_shape(fn, *device.inputs(family, 8, jnp.float32, shape))
+            assert out.shape == (1, 8, 2, 4), family
+    assert "ours, Pallas (ssd): absent (method must be one of" in notes[0]
+    assert device.parse_peers("ssd=a:f,mlstm=b:g,ssd=c:h") == {
+        "ssd": ["a:f", "c:h"],
+        "mlstm": ["b:g"],
+    }
+    for bad in ("moe=a:f", "ssd=a", "nope=a:f"):
+        with pytest.raises(ValueError, match="--peers must be FAMILY=MODULE:FUNCTION"):
+            device.parse_peers(bad)
+    with pytest.raises(ValueError, match=r"--peers names \['ssd'\], not among --families"):
+        benchmark.main(["device", "--smallest", "--families", "mlstm", "--peers", "ssd=a:f"])
 
 
 def test_the_device_suite_probes_the_pallas_method_and_keeps_a_failed_row(monkeypatch):

@@ -100,6 +100,11 @@ FLAGS = {
         type=float, default=200.0, help="device: seconds after which the rest is skipped"
     ),
     "--smallest": dict(action="store_true", help="device: every part at toy sizes (CPU)"),
+    "--peers": dict(
+        default="",
+        help="device: peers timed beside ours on the same inputs, FAMILY=MODULE:FUNCTION, "
+        "comma-separated (placed outside the project, as peers --impl)",
+    ),
     "--depth": dict(type=int, default=8, help="scan-layers: the models' depth"),
     "--layouts": dict(
         default=scan_layers.LAYOUTS, help="scan-layers: the attention layouts, comma-separated"
@@ -203,14 +208,19 @@ SUITES["moe"] = (
 )
 SUITES["device"] = (
     device,
-    "one table for a lent GPU: the additive form (per-head and per-channel gate) and Gated "
-    "DeltaNet, ours in XLA and Pallas (where accepted) and jax-linear-attention's (where "
-    "importable), forward and forward+backward at --lengths and --dtypes, then a "
-    "Qwen3.5-shaped model's prefill and greedy decoding, within --budget-s",
+    "one table for a lent GPU: the additive form (per-head and per-channel gate), Gated "
+    "DeltaNet, Mamba-2's SSD and the mLSTM, ours in XLA and Pallas (where accepted), "
+    "jax-linear-attention's (where importable) and --peers; a MoE layer against a dense SwiGLU "
+    "of the same active parameters; forward and forward+backward at --lengths and --dtypes, "
+    "then a Qwen3.5-shaped model's prefill and greedy decoding, within --budget-s",
     (
         ("--lengths", dict(default="4096,32768")),
         ("--dtypes", {}),
-        ("--families", dict(help="device: additive_decay, gla, gated_deltanet (default all)")),
+        (
+            "--families",
+            dict(help="device: additive_decay, gla, gated_deltanet, ssd, mlstm, moe (default all)"),
+        ),
+        "--peers",
         ("--repeats", dict(default=5)),
         ("--params", dict(help="device: the model's parameters (Qwen3.5's width 1024)")),
         ("--prefill", dict(default=8192, help="device: the model's prefill tokens (0: none)")),
@@ -256,7 +266,8 @@ def make_parser() -> argparse.ArgumentParser:
         "python -m experiments.benchmark SUITE --help.",
     )
     # Not the flat line's:
-    own = ("--config", "--out", "--dtypes", "--budget-s", "--smallest", "--depth", "--layouts")
+    own = ("--config", "--out", "--dtypes", "--budget-s", "--smallest", "--peers", "--depth")
+    own += ("--layouts",)
     _add(parser, [f for f in FLAGS if f not in own])
     for attribute, suite in PICKS:
         flag = "--" + attribute.replace("_", "-")

@@ -1,22 +1,29 @@
 """``device``: one table of what a lent accelerator (one H200 GPU) is for, in a few minutes:
-the additive form with a per-head gate (``additive_decay``) and a per-channel gate (``gla``)
-and Gated DeltaNet (``gated_deltanet``), each as ours in XLA (``method="chunked"``), ours in
-Pallas (``method="pallas"``, where the installed ``linattn_jax`` accepts it: probed once per
-form, a ``ValueError`` naming the method means absent) and jax-linear-attention's kernels
-(``jla.ops.linear_attention(kind, ..., impl=...)``, ``"chunked"`` and, on a GPU,
-``"mosaic_gpu"``, where ``jla`` is importable); forward and forward+backward, at each of
-``--lengths`` and ``--dtypes``; then a Qwen3.5-shaped model of about ``--params`` parameters
-(``hf_load.config_for``'s config, random weights: nothing is read or downloaded), its prefill
-of ``--prefill`` tokens and greedy decoding of ``--decode-steps`` tokens, in tokens/s.
+the additive form with a per-head gate (``additive_decay``) and a per-channel gate (``gla``),
+Gated DeltaNet (``gated_deltanet``), Mamba-2's SSD (``ssd``) and the mLSTM (``mlstm``), each
+as ours in XLA (``method="chunked"``), ours in Pallas (``method="pallas"``, where the
+installed ``linattn_jax`` accepts it: probed once per form, a ``ValueError`` naming the method
+means absent), jax-linear-attention's kernels (``jla.ops.linear_attention(kind, ...,
+impl=...)``, ``"chunked"`` and, on a GPU, ``"mosaic_gpu"``, where ``jla`` is importable and
+has the family) and any peer named by ``--peers`` (``FAMILY=MODULE:FUNCTION``, called on our
+inputs, as ``peers --impl``); a mixture of experts (``moe``: ``layers.MoE``, 8 experts of
+hidden width d, top-2, over the b*t tokens of width d = ``MOE_WIDTH``) in its default
+dispatch and with ``ragged_dot``, beside a dense SwiGLU of the same active parameters
+(hidden 2d); forward and forward+backward, at each of ``--lengths`` and ``--dtypes``; then a
+Qwen3.5-shaped model of about ``--params`` parameters (``hf_load.config_for``'s config,
+random weights: nothing is read or downloaded), its prefill of ``--prefill`` tokens and
+greedy decoding of ``--decode-steps`` tokens, in tokens/s.
 
-Every case runs on the same inputs of ``recurrences.recurrence_case`` (b=``BATCH``,
-h=``HEADS``, d=dv=``DIM``; q, k, v in the case's dtype, gates and beta float32) and the same
-maths on every side: the additive families with identity features and no denominator (what
-``simple_gla`` and ``gla`` compute), the delta rule with scale 1. Times are wall ms
-(``jax.block_until_ready``), the median of ``--repeats`` calls after one warm-up call of the
-compiled program; compile time (``lower`` + ``compile``) is reported apart, and each
-forward's normwise distance to our XLA form's output. A case that raises (a kernel that does
-not take float32, say) keeps its row, with the error.
+Every recurrence runs on the same inputs of ``recurrences.recurrence_case`` (b=``BATCH``,
+h=``HEADS``, d=dv=``DIM``; the activations in the case's dtype, gates, steps and beta
+float32) and the same maths on every side: the additive families with identity features and
+no denominator (what ``simple_gla`` and ``gla`` compute), the delta rule with scale 1. The
+MoE's forward+backward is its training step's: the gradient in its parameters and input.
+Times are wall ms (``jax.block_until_ready``), the median of ``--repeats`` calls after one
+warm-up call of the compiled program; compile time (``lower`` + ``compile``) is reported
+apart, and each forward's normwise distance to our XLA form's output (the MoE's: to its
+default dispatch; the dense SwiGLU computes other maths and has none). A case that raises (a
+kernel that does not take float32, say) keeps its row, with the error.
 
 ``--budget-s`` bounds the whole run: before each case the elapsed time plus an estimate of
 the case (the last like case's cost, scaled by length) is checked against it, and the rest is
@@ -39,17 +46,26 @@ import jax.numpy as jnp
 from flax import nnx
 
 import linattn_jax as la
-from experiments.bench import hf_load
+from experiments.bench import hf_load, peers
 from experiments.bench.recurrences import recurrence_case
 from experiments.bench.timing import time_ms, write_table
 from linattn_jax import hf
+from linattn_jax.layers import MoE, SwiGLU
 from linattn_jax.models import LanguageModel
 
-FAMILIES = {  # ours' family name: (our function, jax-linear-attention's kind)
+FAMILIES = {  # ours' family name: (our form, jax-linear-attention's kind or None)
     "additive_decay": ("additive", "simple_gla"),
     "gla": ("additive", "gla"),
     "gated_deltanet": ("delta", "gated_deltanet"),
+    "ssd": ("ssd", None),
+    "mlstm": ("mlstm", None),
+    "moe": ("moe", None),
 }
+# The inputs of each form cast to the case's dtype (the rest, gates and steps, float32).
+ACTIVATIONS = {"additive": (0, 1, 2), "delta": (0, 1, 2), "ssd": (0, 3, 4), "mlstm": (0, 1, 2)}
+EXPERTS, TOP_K = 8, 2
+MOE_WIDTH = 1024  # the MoE's width d (--smallest: SMALLEST's dim)
+DENSE = "dense SwiGLU, the same active parameters"
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 BATCH, HEADS, DIM = 2, 16, 128  # Qwen3.5's Gated DeltaNet heads
 SMALLEST = dict(lengths="64", dtypes="float32", batch=1, heads=2, dim=16, repeats=1)
@@ -89,12 +105,44 @@ def _delta(method: str) -> Callable:
     return fn
 
 
-OURS = {"additive": _additive, "delta": _delta}
+def _ssd(method: str) -> Callable:
+    return lambda x, dt, A, B, C: la.ssd(x, dt, A, B, C, method=method)
+
+
+def _mlstm(method: str) -> Callable:
+    return lambda q, k, v, i, f: la.mlstm(q, k, v, i, f, method=method)
+
+
+OURS = {"additive": _additive, "delta": _delta, "ssd": _ssd, "mlstm": _mlstm}
+
+
+def moe_case(method: str) -> Callable:
+    """``make(t, dtype, b, d) -> (fn, args)``: ``fn(params, x)`` is the output of
+    ``layers.MoE`` (``EXPERTS`` experts of hidden width d, ``TOP_K`` per token, ``method``)
+    on ``x [b * t, d]``, or of the dense SwiGLU of hidden ``TOP_K * d`` where ``method`` is
+    ``DENSE``; parameters and input in ``dtype``."""
+
+    def make(t: int, dtype, b: int, d: int) -> tuple[Callable, tuple]:
+        kind = dict(dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+        if method == DENSE:
+            module = SwiGLU(d, TOP_K * d, **kind)
+        else:
+            module = MoE(d, EXPERTS, TOP_K, d, method=method, **kind)
+        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+        def fn(params, x):
+            layer = nnx.merge(graphdef, params, rest)
+            return layer(x) if method == DENSE else layer(x, record=False)
+
+        x = jax.random.normal(jax.random.PRNGKey(t), (b * t, d), jnp.float32).astype(dtype)
+        return fn, (params, x)
+
+    return make
 
 
 def accepts_pallas(form: str) -> tuple[bool, str]:
-    """Whether our ``form`` (``"additive"`` or ``"delta"``) takes ``method="pallas"``, traced
-    once on tiny abstract inputs: ``(False, why)`` on a ``ValueError`` naming the method."""
+    """Whether our ``form`` (a key of ``OURS``) takes ``method="pallas"``, traced once on
+    tiny abstract inputs: ``(False, why)`` on a ``ValueError`` naming the method."""
     family = next(name for name, (f, _) in FAMILIES.items() if f == form)
     _, args = recurrence_case(family, "chunked", 64, 1, 1, 16)
     try:
@@ -126,20 +174,44 @@ def _jla(ops, kind: str, impl: str) -> Callable:
     return fn
 
 
-def methods(families, on_gpu: bool) -> tuple[list[tuple[str, str, Callable]], list[str]]:
-    """``(family, method, fn)`` for every timed implementation, and notes on those absent."""
-    pallas = {form: accepts_pallas(form) for form in OURS}
+def parse_peers(spec: str) -> dict[str, list[str]]:
+    """``--peers``: ``"FAMILY=MODULE:FUNCTION,..."`` -> family -> its peers' specs."""
+    out = {}
+    for item in (x for x in spec.split(",") if x):
+        family, _, impl = item.partition("=")
+        if family not in FAMILIES or FAMILIES[family][0] == "moe" or ":" not in impl:
+            names = sorted(f for f, (form, _) in FAMILIES.items() if form != "moe")
+            raise ValueError(
+                f"--peers must be FAMILY=MODULE:FUNCTION with FAMILY one of {names}, got {item!r}"
+            )
+        out.setdefault(family, []).append(impl)
+    return out
+
+
+def methods(
+    families, on_gpu: bool, peer_specs: dict[str, list[str]] | None = None
+) -> tuple[list[tuple[str, str, Callable]], list[str]]:
+    """``(family, method, fn)`` for every timed implementation (for ``moe``, ``fn`` is
+    ``moe_case``'s ``make``), and notes on those absent."""
+    forms = {FAMILIES[f][0] for f in families} - {"moe"}
+    pallas = {form: accepts_pallas(form) for form in OURS if form in forms}
     ops = jla_ops()
     out = []
     for family in families:
         form, kind = FAMILIES[family]
+        if form == "moe":
+            out += [(family, f"ours, method={m!r}", moe_case(m)) for m in ("auto", "ragged")]
+            out.append((family, DENSE, moe_case(DENSE)))
+            continue
         out.append((family, "ours, XLA chunked", OURS[form]("chunked")))
         if pallas[form][0]:
             out.append((family, "ours, Pallas", OURS[form]("pallas")))
-        if ops is not None:
+        if ops is not None and kind is not None:
             out.append((family, "jla chunked", _jla(ops, kind, "chunked")))
             if on_gpu:
                 out.append((family, "jla mosaic_gpu", _jla(ops, kind, "mosaic_gpu")))
+        for impl in (peer_specs or {}).get(family, []):
+            out.append((family, f"peer {impl}", peers.load(impl)))
     notes = [
         f"ours, Pallas ({form}): absent ({why})" for form, (ok, why) in pallas.items() if not ok
     ]
@@ -193,36 +265,68 @@ class Budget:
         return self.elapsed() + estimate <= (self.seconds if limit is None else limit)
 
 
+def inputs(family: str, t: int, dtype, shape) -> tuple:
+    """``recurrence_case``'s inputs of ``family``, its activations cast to ``dtype``."""
+    _, args = recurrence_case(family, "chunked", t, *shape)
+    cast = ACTIVATIONS[FAMILIES[family][0]]
+    return tuple(x.astype(dtype) if i in cast else x for i, x in enumerate(args))
+
+
 def measure_kernels(
-    lengths, dtypes, families, repeats: int, budget: Budget, limit: float, shape=None
-) -> tuple[list[dict], list[str]]:
+    lengths, dtypes, families, repeats: int, budget: Budget, limit: float, shape=None,
+    peer_specs=None, moe_width: int = MOE_WIDTH,
+) -> tuple[list[dict], list[str]]:  # fmt: skip
     """One row per (dtype, length, family, method), bfloat16 first, printed as measured;
     a case is skipped when the budget's ``limit`` would not hold it (its estimate: the last
     case of the same method's compile time, and its run time scaled by the length)."""
-    b, h, d = shape or (BATCH, HEADS, DIM)
-    cases, notes = methods(families, jax.default_backend() == "gpu")
+    shape = shape or (BATCH, HEADS, DIM)
+    cases, notes = methods(families, jax.default_backend() == "gpu", peer_specs)
     rows, cost = [], {}  # (family, method) -> (t, compile s, run s) of its last case
     for dtype in dtypes:
         for t in lengths:
-            reference = {}  # family -> our XLA form's output
+            reference = {}  # family -> the output of its first method (ours, XLA)
             for family, method, fn in cases:
                 last_t, compile_s, run_s = cost.get((family, method), (t, 0.0, 0.0))
                 if not budget.fits(compile_s + run_s * t / last_t, limit):
                     budget.skipped.append(f"{family} {method} {dtype} t={t}")
                     continue
-                _, args = recurrence_case(family, "chunked", t, b, h, d)
-                q, k, v, *rest = args
-                args = (*(x.astype(DTYPES[dtype]) for x in (q, k, v)), *rest)
                 start = time.perf_counter()
-                row = dict(family=family, method=method, dtype=dtype, t=t, tokens=b * t)
-                measured, out = kernel_case(fn, args, repeats, reference.get(family))
+                row = dict(family=family, method=method, dtype=dtype, t=t, tokens=shape[0] * t)
+                if FAMILIES[family][0] == "moe":  # fn is moe_case's make
+                    timed_fn, args = fn(t, DTYPES[dtype], shape[0], moe_width)
+                    row["width"] = moe_width
+                else:
+                    timed_fn, args = fn, inputs(family, t, DTYPES[dtype], shape)
+                other_maths = method == DENSE  # no reference to compare with
+                measured, out = kernel_case(
+                    timed_fn, args, repeats, None if other_maths else reference.get(family)
+                )
                 row |= measured
-                reference.setdefault(family, out)
+                if not other_maths:
+                    reference.setdefault(family, out)
                 run_s = (1 + repeats) * (row.get("fwd_ms", 0) + row.get("fwd_bwd_ms", 0)) / 1e3
                 cost[(family, method)] = (t, time.perf_counter() - start - run_s, run_s)
                 rows.append(row)
                 print(json.dumps(row | dict(elapsed_s=round(budget.elapsed(), 1))), flush=True)
     return rows, notes
+
+
+def moe_notes(rows: list[dict]) -> list[str]:
+    """Per dtype and length with both rows: the MoE's default dispatch over the dense SwiGLU,
+    forward and forward+backward."""
+    by = {(r["dtype"], r["t"], r["method"]): r for r in rows if r["family"] == "moe"}
+    notes = []
+    for (dtype, t, method), moe in by.items():
+        dense = by.get((dtype, t, DENSE))
+        if method != "ours, method='auto'" or dense is None or "error" in moe or "error" in dense:
+            continue
+        fwd, both = (moe[key] / dense[key] for key in ("fwd_ms", "fwd_bwd_ms"))
+        notes.append(
+            f"moe ({EXPERTS} experts of hidden d, top-{TOP_K}, the b*t tokens of width "
+            f"d={moe['width']}) over the {DENSE} (hidden {TOP_K}d), {dtype}, t={t}: "
+            f"forward {fwd:.2f}x, forward+backward {both:.2f}x"
+        )
+    return notes
 
 
 def model_config(params: float, smallest: bool) -> dict:
@@ -307,12 +411,19 @@ def run(args: argparse.Namespace, command: str) -> None:
     for name, given, known in (("--dtypes", dtypes, DTYPES), ("--families", families, FAMILIES)):
         if unknown := [x for x in given if x not in known]:
             raise ValueError(f"{name} must name some of {sorted(known)}, got {unknown}")
+    peer_specs = parse_peers(args.peers)
+    if missing := sorted(set(peer_specs) - set(families)):
+        raise ValueError(f"--peers names {missing}, not among --families {families}")
     repeats = small.get("repeats", args.repeats)
     shape = (small["batch"], small["heads"], small["dim"]) if small else None
     budget = Budget(args.budget_s)
     with_model = bool(args.prefill or args.decode_steps)
     limit = args.budget_s * (KERNEL_SHARE if with_model else 1.0)
-    rows, notes = measure_kernels(lengths, dtypes, families, repeats, budget, limit, shape)
+    rows, notes = measure_kernels(
+        lengths, dtypes, families, repeats, budget, limit, shape, peer_specs,
+        small.get("dim", MOE_WIDTH),
+    )  # fmt: skip
+    notes += moe_notes(rows)
     if with_model:
         config = model_config(args.params, args.smallest)
         prefill = min(args.prefill, 64) if args.smallest else args.prefill
