@@ -21,6 +21,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 
 import linattn_jax as la
+from linattn_jax.ops import chunking
 
 C, D = 64, 8  # no width equals a chunk's tokens (16 per channel, 64)
 PLATFORMS = ("cuda", "tpu")
@@ -40,8 +41,10 @@ def _case(family: str, t: int):
 
 
 def _lower(fn, *args) -> ir.Module:
-    """``fn``'s StableHLO module for GPU and TPU."""
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=PLATFORMS).compiler_ir("stablehlo")
+    """``fn``'s StableHLO module for GPU and TPU (their own forms: ``choose_at_lowering``)."""
+    with chunking.choose_at_lowering():
+        traced = jax.jit(fn).trace(*args)
+        return traced.lower(lowering_platforms=PLATFORMS).compiler_ir("stablehlo")
 
 
 def _program(family: str, t: int, gradient: bool) -> ir.Module:
@@ -172,6 +175,23 @@ def test_the_loops_over_chunks_carry_only_the_state(family):
         assert not products_with_tokens(body, c), products_with_tokens(body, c)[:2]
         if family in ("additive_decay", "gla"):
             assert not [op for op in body if op.name == "stablehlo.dot_general"]
+
+
+def test_a_host_traces_its_own_backends_form_unless_told_to_choose_at_lowering():
+    """By default a chunked form traces only the form of the backend JAX runs on (CPU here,
+    one chunk per step of the loop): lowered for GPU and TPU its loops still read a chunk's
+    tokens, and the jaxpr holds no ``platform_index``. Inside ``choose_at_lowering()`` both
+    forms are traced and the lowered platform's kept (the test above)."""
+    t, c = 256, 32  # the delta rule's chunks on CPU
+    fn, args = _case("gated_deltanet", t)
+    fn = lambda *a, fn=fn: la.delta_rule(*a[:4], gate=a[4])  # the default chunk size
+    assert "platform_index" not in str(jax.make_jaxpr(fn)(*args))
+    module = jax.jit(fn).trace(*args).lower(lowering_platforms=PLATFORMS).compiler_ir("stablehlo")
+    loops = [body for bound, body in loop_bodies(module) if bound == t // c]
+    assert loops and all(products_with_tokens(body, c) for body in loops)
+    with chunking.choose_at_lowering():
+        assert "platform_index" in str(jax.make_jaxpr(fn)(*args))
+    assert not chunking.CHOOSE_AT_LOWERING
 
 
 def test_the_loop_parser_reads_a_per_token_scan():

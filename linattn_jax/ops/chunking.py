@@ -28,6 +28,7 @@ the scan costs more than the chunks' own small ones, which stay in cache.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -585,6 +586,40 @@ def _per_channel_scores_in_sub_chunks(
 # ``recurrences --cpu-groups`` sets the CPU one).
 GROUP_TOKENS = 8192
 GROUP_TOKENS_CPU = 1
+
+# Where the chunked forms' CPU and GPU/TPU choices differ (chunk sizes, groups, the
+# triangular solve), ``per_backend`` takes the backend JAX runs on (``jax.default_backend()``)
+# while tracing: only that backend's form is traced, differentiated and lowered. True: every
+# backend's form is traced and ``lax.platform_dependent`` keeps the one of the platform the
+# program is lowered for, as lowering for another platform than the host's needs
+# (``jax.export(..., platforms=("cuda",))`` on a CPU machine): ``choose_at_lowering()``.
+CHOOSE_AT_LOWERING = False
+
+
+def per_backend(*args, cpu: Callable, default: Callable):
+    """``cpu(*args)`` for a program that runs on CPU, ``default(*args)`` on GPU and TPU: for
+    the backend JAX runs on (``jax.default_backend()``, read while tracing), or with
+    ``CHOOSE_AT_LOWERING`` for the platform lowered for (``lax.platform_dependent``, which
+    traces both)."""
+    if CHOOSE_AT_LOWERING:
+        return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
+    return (cpu if jax.default_backend() == "cpu" else default)(*args)
+
+
+@contextlib.contextmanager
+def choose_at_lowering():
+    """Inside, the chunked forms hold every backend's form and the lowered platform's is
+    kept (``CHOOSE_AT_LOWERING``): for ``jax.export`` or ``.lower(lowering_platforms=...)``
+    to a platform other than the host's. JAX's caches are cleared on entry and exit, so no
+    trace of the other setting is reused."""
+    global CHOOSE_AT_LOWERING
+    jax.clear_caches()
+    CHOOSE_AT_LOWERING = True
+    try:
+        yield
+    finally:
+        CHOOSE_AT_LOWERING = False
+        jax.clear_caches()
 
 
 # A group's states (one per chunk, kept through its backward) are at most this many

@@ -96,7 +96,7 @@ def run_chunks(
       live: see ``phi``.
       group_tokens: tokens whose chunks run at once (at least one chunk); None:
         ``chunking.GROUP_TOKENS_CPU`` (one chunk) on CPU, ``chunking.GROUP_TOKENS`` on GPU
-        and TPU (``lax.platform_dependent``), at most ``chunking.GROUP_STATE_ELEMENTS``
+        and TPU (``chunking.per_backend``), at most ``chunking.GROUP_STATE_ELEMENTS``
         state elements per head.
       groups: the value heads that read each q and k head (``phi_q`` and ``phi_k`` then
         have ``h / groups`` heads, repeated inside each group of chunks, never over the
@@ -117,7 +117,7 @@ def run_chunks(
     )  # fmt: skip
     if group_tokens is None:
         on = lambda tokens: lambda s: run(s, group_tokens=tokens)
-        return jax.lax.platform_dependent(
+        return chunking.per_backend(
             state, cpu=on(chunking.GROUP_TOKENS_CPU), default=on(chunking.GROUP_TOKENS)
         )
     xs = (phi_q, phi_k, v, g, resets)

@@ -72,14 +72,14 @@ def causal_chunks(
         [b,hv,t,1|dk] | None, segment resets [b,1,t,1] | None)``.
       state: ``S [b, hv, dk, dv]`` before the first token.
       chunk_size: tokens per chunk (the last one is padded with inert zeros); None:
-        ``checks.default_chunk_size`` on the backend compiled for.
+        ``checks.default_chunk_size`` for the backend (``chunking.per_backend``).
       length: ``t``.
       groups: ``hv // h``, the value heads that read each q and k head (repeated one
         group of chunks at a time, never over the whole sequence).
       dtype: the operand dtype of the products that make the output only
         (``chunking.operand_dtype``; None: no cast).
       group_tokens: tokens whose chunks run at once (at least one chunk); None: one
-        chunk on CPU, ``chunking.GROUP_TOKENS`` on GPU and TPU (``lax.platform_dependent``).
+        chunk on CPU, ``chunking.GROUP_TOKENS`` on GPU and TPU (``chunking.per_backend``).
       time_axis: the token axis of ``xs`` and of the output, 2 or 1.
 
     Returns:
@@ -98,7 +98,7 @@ def causal_chunks(
             group = chunking.GROUP_TOKENS_CPU if cpu else chunking.GROUP_TOKENS
             return functools.partial(run, chunk_size=size, group_tokens=group)
 
-        return jax.lax.platform_dependent(xs, state, cpu=on("cpu"), default=on("default"))
+        return chunking.per_backend(xs, state, cpu=on("cpu"), default=on("default"))
     c, n = chunking.chunk_count(chunk_size, length)
     per_group = chunking.chunks_per_group(c, n, group_tokens, math.prod(state.shape[2:]))
     options = dict(c=c, groups=groups, dtype=dtype)
@@ -350,7 +350,7 @@ def unit_lower_solve(lower: Array, rhs: Array) -> Array:
     inverting and multiplying, and than the product series; on GPU and TPU XLA's
     ``triangular_solve`` (cuBLAS's batched trsm, the TPU's own), one op with no loop.
     """
-    return jax.lax.platform_dependent(lower, rhs, cpu=blocked_solve, default=xla_solve)
+    return chunking.per_backend(lower, rhs, cpu=blocked_solve, default=xla_solve)
 
 
 def xla_solve(lower: Array, rhs: Array) -> Array:

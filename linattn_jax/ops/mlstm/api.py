@@ -73,7 +73,7 @@ def causal(
         same result.
       chunk_size: tokens per chunk (``"chunked"``) or per recomputed block of the
         backward pass (``"scan"``); any length works. None: for ``"chunked"`` 32 on CPU
-        and 64 on GPU and TPU (the backend compiled for), for ``"scan"`` 64.
+        and 64 on GPU and TPU (``chunking.per_backend``), for ``"scan"`` 64.
       initial_state: the state before token 0; ``init_state`` (zeros, ``m = 0``) when None.
       return_state: also return the state after the last token.
       key_mask: optional bool ``[b, t]``, True for real tokens. A masked token leaves the

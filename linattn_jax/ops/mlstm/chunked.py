@@ -245,13 +245,13 @@ def run_chunks(xs, state, chunk_size: int | None, *, dtype=None):
     """``chunk_body`` over the chunks of the time-major ``xs`` (``api``'s operands):
     ``((numerator [b,t,h,v], denominator [b,t,h], m [b,t,h]), final state)``.
 
-    ``chunk_size`` None: the backend compiled for picks it (``lax.platform_dependent``):
+    ``chunk_size`` None: the backend picks it (``chunking.per_backend``):
     ``checks.CHUNK_SIZE_CPU`` (32) on CPU, ``checks.CHUNK_SIZE`` (64) on GPU and TPU; the
     lowered program holds only its own backend's chunks.
     """
     if chunk_size is None:
         on = lambda size: functools.partial(run_chunks, chunk_size=size, dtype=dtype)
-        return jax.lax.platform_dependent(
+        return chunking.per_backend(
             xs,
             state,
             cpu=on(checks.default_chunk_size(None, on_cpu=True)),
