@@ -183,8 +183,8 @@ def test_a_host_traces_its_own_backends_form_unless_told_to_choose_at_lowering()
     tokens, and the jaxpr holds no ``platform_index``. Inside ``choose_at_lowering()`` both
     forms are traced and the lowered platform's kept (the test above)."""
     t, c = 256, 32  # the delta rule's chunks on CPU
-    fn, args = _case("gated_deltanet", t)
-    fn = lambda *a, fn=fn: la.delta_rule(*a[:4], gate=a[4])  # the default chunk size
+    _, args = _case("gated_deltanet", t)
+    fn = lambda q, k, v, beta, g: la.delta_rule(q, k, v, beta, gate=g)  # the default chunk
     assert "platform_index" not in str(jax.make_jaxpr(fn)(*args))
     module = jax.jit(fn).trace(*args).lower(lowering_platforms=PLATFORMS).compiler_ir("stablehlo")
     loops = [body for bound, body in loop_bodies(module) if bound == t // c]
