@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import linattn_jax as la
-from experiments.bench import hf_load, peers
+from experiments.bench import hf_load, moe, peers
 from experiments.bench.recurrences import recurrence_case
 from experiments.bench.timing import time_ms, write_table
 from linattn_jax import hf
@@ -63,7 +63,7 @@ FAMILIES = {  # ours' family name: (our form, jax-linear-attention's kind or Non
 }
 # The inputs of each form cast to the case's dtype (the rest, gates and steps, float32).
 ACTIVATIONS = {"additive": (0, 1, 2), "delta": (0, 1, 2), "ssd": (0, 3, 4), "mlstm": (0, 1, 2)}
-EXPERTS, TOP_K = 8, 2
+EXPERTS, TOP_K = moe.EXPERTS, moe.TOP_K  # the moe suite's: 8 experts, top-2
 MOE_WIDTH = 1024  # the MoE's width d (--smallest: SMALLEST's dim)
 DENSE = "dense SwiGLU, the same active parameters"
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -128,12 +128,7 @@ def moe_case(method: str) -> Callable:
             module = SwiGLU(d, TOP_K * d, **kind)
         else:
             module = MoE(d, EXPERTS, TOP_K, d, method=method, **kind)
-        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-
-        def fn(params, x):
-            layer = nnx.merge(graphdef, params, rest)
-            return layer(x) if method == DENSE else layer(x, record=False)
-
+        fn, params = moe.apply(module)
         x = jax.random.normal(jax.random.PRNGKey(t), (b * t, d), jnp.float32).astype(dtype)
         return fn, (params, x)
 
@@ -316,14 +311,14 @@ def moe_notes(rows: list[dict]) -> list[str]:
     forward and forward+backward."""
     by = {(r["dtype"], r["t"], r["method"]): r for r in rows if r["family"] == "moe"}
     notes = []
-    for (dtype, t, method), moe in by.items():
+    for (dtype, t, method), row in by.items():
         dense = by.get((dtype, t, DENSE))
-        if method != "ours, method='auto'" or dense is None or "error" in moe or "error" in dense:
+        if method != "ours, method='auto'" or dense is None or "error" in row or "error" in dense:
             continue
-        fwd, both = (moe[key] / dense[key] for key in ("fwd_ms", "fwd_bwd_ms"))
+        fwd, both = (row[key] / dense[key] for key in ("fwd_ms", "fwd_bwd_ms"))
         notes.append(
             f"moe ({EXPERTS} experts of hidden d, top-{TOP_K}, the b*t tokens of width "
-            f"d={moe['width']}) over the {DENSE} (hidden {TOP_K}d), {dtype}, t={t}: "
+            f"d={row['width']}) over the {DENSE} (hidden {TOP_K}d), {dtype}, t={t}: "
             f"forward {fwd:.2f}x, forward+backward {both:.2f}x"
         )
     return notes

@@ -30,16 +30,22 @@ from linattn_jax.layers import moe as moe_lib
 EXPERTS, TOP_K = 8, 2
 
 
-def _loss(module):
-    """``(params, x) -> sum(module(x))`` and the module's parameters."""
+def apply(module):
+    """``(params, x) -> module(x)`` (a ``MoE``'s without recording its losses) and the
+    module's parameters."""
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
 
-    def loss(params, x):
+    def fn(params, x):
         layer = nnx.merge(graphdef, params, rest)
-        out = layer(x, record=False) if isinstance(layer, MoE) else layer(x)
-        return jnp.sum(out.astype(jnp.float32))
+        return layer(x, record=False) if isinstance(layer, MoE) else layer(x)
 
-    return loss, params
+    return fn, params
+
+
+def _loss(module):
+    """``(params, x) -> sum(module(x))`` and the module's parameters."""
+    fn, params = apply(module)
+    return lambda params, x: jnp.sum(fn(params, x).astype(jnp.float32)), params
 
 
 def _dispatch_only(layer: MoE):
