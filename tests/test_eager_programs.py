@@ -3,7 +3,8 @@ SSD's ``causal`` compile one XLA program each, and the layers' pure steps one ea
 checks run on the host, the rest is one jitted function (inlined into a caller's program
 under ``jit``). Run op by op, the mLSTM compiled about fifty programs and the MoE layer a
 hundred, each call of an eager ``lax.scan`` again (a fresh body each time): seconds per
-eager call.
+eager call. The additive form's and the delta rule's reference scans and the packed
+non-causal form compile nothing at a second call (they compiled their loops at each).
 
 Each case has shapes of its own (b=3, t=37), so no program is in JAX's caches before it;
 the count is of lowerings (``jax_log_compiles``: a program read back from the persistent
@@ -98,6 +99,33 @@ def test_an_eager_call_is_one_program(name):
     with compiled() as names:
         jax.block_until_ready(CASES[name](arrays))
     assert len(names) == 1, names
+
+
+# The reference recurrences and the packed non-causal form: their feature maps and checks
+# run op by op, their loops are one jitted function (which compiled again at every call).
+AGAIN = {
+    "causal scan": lambda a: la.causal_linear_attention(
+        a["q"], a["k"], a["v"], gate=a["gate"], method="scan", return_state=True
+    ),
+    "delta rule scan": lambda a: la.delta_rule(
+        a["q"], a["k"], a["v"], jax.nn.sigmoid(a["i"]), gate=a["gate"], method="scan"
+    ),
+    "delta rule scan, grouped": lambda a: la.delta_rule(
+        a["q"][:, :, :1], a["k"][:, :, :1], a["v"], jax.nn.sigmoid(a["i"]), method="scan"
+    ),
+    "non-causal with segments": lambda a: la.linear_attention(
+        a["q"], a["k"], a["v"], segment_ids=a["segments"]
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(AGAIN))
+def test_a_second_eager_call_compiles_nothing(name):
+    arrays = _inputs()
+    jax.block_until_ready(AGAIN[name](arrays))
+    with compiled() as names:
+        jax.block_until_ready(AGAIN[name](arrays))
+    assert names == []
 
 
 def test_the_layers_steps_and_inits_are_a_program_each():

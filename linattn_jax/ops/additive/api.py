@@ -101,7 +101,6 @@ def noncausal(
     if query_mask is None and t == s_len:
         query_mask = key_mask
     phi_q, phi_k, v32 = features(q, k, v, feature_map, key_mask, query_mask)
-    dtype = phi_q.dtype
     if segment_ids is None:
         num = jnp.einsum("bhtf,bhfv->bhtv", phi_q, jnp.einsum("bhsf,bhsv->bhfv", phi_k, v32))
         den = jnp.einsum("bhtf,bhf->bht", phi_q, jnp.sum(phi_k, axis=2)) if normalize else None
@@ -111,20 +110,28 @@ def noncausal(
                 f"segment_ids needs self-attention (query length == key length), got q "
                 f"{q.shape} and k {k.shape}"
             )
-        # Block-diagonal attention in linear time: an inclusive causal pass plus
-        # a strictly-causal pass over the reversed sequence.
-        flip = functools.partial(jnp.flip, axis=2)
-        state = zeros(b, h, phi_q.shape[-1], v.shape[-1], dtype, with_z=normalize)
-        run = functools.partial(run_chunks, chunk_size=checks.default_chunk_size(None, None))
-        resets = checks.segment_resets(segment_ids, b, t, dtype)
-        (num, den), _ = run(phi_q, phi_k, v32, None, resets, state, diagonal=True)
-        rev_resets = checks.segment_resets(jnp.flip(segment_ids, 1), b, t, dtype)
-        (rev_num, rev_den), _ = run(
-            flip(phi_q), flip(phi_k), flip(v32), None, rev_resets, state, diagonal=False
-        )
-        num = num + flip(rev_num)
-        den = None if den is None else den + flip(rev_den)
+        checks.check_segment_ids(segment_ids, b, t)
+        num, den = _segments(phi_q, phi_k, v32, segment_ids, normalize=normalize)
     return finish(num, den, normalize, eps, v.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("normalize",))
+def _segments(phi_q, phi_k, v, segment_ids, *, normalize: bool):
+    """Block-diagonal attention in linear time: an inclusive causal pass plus a
+    strictly-causal pass over the reversed sequence, ``(numerator [b, h, t, v],
+    denominator [b, h, t] | None)``. Jitted, as the causal forms are: called eagerly it
+    compiles once per shape, not its chunk loops at every call."""
+    (b, h, t, f), dtype = phi_q.shape, phi_q.dtype
+    flip = functools.partial(jnp.flip, axis=2)
+    state = zeros(b, h, f, v.shape[-1], dtype, with_z=normalize)
+    run = functools.partial(run_chunks, chunk_size=checks.default_chunk_size(None, None))
+    resets = checks.segment_resets(segment_ids, b, t, dtype)
+    (num, den), _ = run(phi_q, phi_k, v, None, resets, state, diagonal=True)
+    rev_resets = checks.segment_resets(jnp.flip(segment_ids, 1), b, t, dtype)
+    (rev_num, rev_den), _ = run(
+        flip(phi_q), flip(phi_k), flip(v), None, rev_resets, state, diagonal=False
+    )
+    return num + flip(rev_num), None if den is None else den + flip(rev_den)
 
 
 def causal(
@@ -230,7 +237,9 @@ def causal(
     g, resets = (None if x is None else jnp.swapaxes(x, 1, 2) for x in (g, resets))
     xs = (phi_q, phi_k, v32, g, resets, state, chunk_size)
     if method == "scan":
-        (num, den), state = recurrent.run_scan(*xs, time_axis=1)
+        (num, den), state = _run_scan(
+            phi_q, phi_k, v32, g, resets, state, block_size=chunk_size, time_axis=1
+        )
         out = finish(num, den, normalize, eps, v.dtype, time_axis=1)
     else:
         live, kernel = None, None
@@ -261,6 +270,11 @@ def _chunks(phi_q, phi_k, v, g, resets, state, chunk_size, live, kernel, *, eps,
                           time_axis=1, eps=eps, phi=phi, live=live)  # fmt: skip
     return _jitted_chunks(arrays, live, tuple(kernel_arrays), chunk_size=chunk_size,
                           kernel_fn=fn, eps=eps, phi=phi, dtype=dtype)  # fmt: skip
+
+
+# The reference recurrence jitted too: an eager call compiles its loops once per shape, not
+# at every call (its loop body is a fresh closure each time: 0.6 s a call).
+_run_scan = jax.jit(recurrent.run_scan, static_argnames=("block_size", "time_axis"))
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "kernel_fn", "eps", "phi", "dtype"))
