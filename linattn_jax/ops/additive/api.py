@@ -237,9 +237,7 @@ def causal(
     g, resets = (None if x is None else jnp.swapaxes(x, 1, 2) for x in (g, resets))
     xs = (phi_q, phi_k, v32, g, resets, state, chunk_size)
     if method == "scan":
-        (num, den), state = _run_scan(
-            phi_q, phi_k, v32, g, resets, state, block_size=chunk_size, time_axis=1
-        )
+        (num, den), state = _run_scan(*xs, time_axis=1)
         out = finish(num, den, normalize, eps, v.dtype, time_axis=1)
     else:
         live, kernel = None, None
