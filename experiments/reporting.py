@@ -85,9 +85,26 @@ def summary_writer(workdir: Path, start: int):
     rewrites them) are purged. Only process 0 writes (None elsewhere)."""
     if jax.process_index():
         return None
-    from tensorboardX import SummaryWriter
+    return _tensorboardx().SummaryWriter(str(workdir), purge_step=start + 1, flush_secs=30)
 
-    return SummaryWriter(str(workdir), purge_step=start + 1, flush_secs=30)
+
+def _tensorboardx():
+    """The ``tensorboardX`` module, imported without torch. Its writer imports torch, where
+    torch is installed, only to accept torch tensors as values: 2.5 s at the start of each
+    run, more than JAX's own import, for a run that logs Python floats. So while it is
+    imported, a torch not imported yet is hidden (``sys.modules["torch"] = None``: Python's
+    import then raises ``ImportError``, which tensorboardX catches) and shown again after;
+    a process that imported torch before keeps it, and tensorboardX takes its tensors."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        import tensorboardX
+    else:
+        sys.modules["torch"] = None
+        try:
+            import tensorboardX
+        finally:
+            if sys.modules.get("torch", False) is None:
+                del sys.modules["torch"]
+    return tensorboardX
 
 
 class MetricsLog:
